@@ -1,0 +1,315 @@
+"""The wire: every control-plane message, typed once.
+
+Each message is a tagged `msgspec.Struct` encoded as MessagePack. Decoding is
+strict: a frame that is too large, truncated, of the wrong shape or of an
+unknown kind raises `ProtocolError` and nothing else, so the serving loop has
+one thing to count and drop.
+
+Memory layout and data-plane metadata only travel in `Welcome`, which a
+producer sends after the transport has authenticated the peer (CURVE), and
+grants carry extents relative to the region, never absolute addresses.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from collections.abc import Mapping
+from typing import Annotated, Any, Final, Union
+
+import msgspec
+
+PROTOCOL_VERSION: Final = 1
+# Versions this build can speak, newest first. A handshake picks the highest
+# version both sides list.
+SUPPORTED_VERSIONS: Final = (1,)
+
+DEFAULT_MAX_FRAME_BYTES: Final = 1 << 20
+MAX_BATCH_ITEMS: Final = 4096
+MAX_EXTENTS_PER_ITEM: Final = 4096
+MAX_NDIM: Final = 8
+
+# Capabilities a peer may announce in the handshake; unknown ones are ignored
+# so that newer peers can talk to older ones.
+CAP_CHECKSUM_XXH3_64: Final = "checksum.xxh3_64"
+CAP_RENEW: Final = "lease.renew"
+CAP_BATCH: Final = "fetch.batch"
+LOCAL_CAPABILITIES: Final = (CAP_CHECKSUM_XXH3_64, CAP_RENEW, CAP_BATCH)
+
+
+class ProtocolError(ValueError):
+    """A frame that is not a valid message of this protocol."""
+
+
+# Field constraints. Strings that name things are short; hashes are printable.
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+MMHash = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+Token = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+Text = Annotated[str, msgspec.Meta(max_length=4096)]
+NonNeg = Annotated[int, msgspec.Meta(ge=0)]
+Size = Annotated[int, msgspec.Meta(ge=0, le=1 << 48)]
+Millis = Annotated[int, msgspec.Meta(ge=0, le=24 * 3600 * 1000)]
+Dim = Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]
+
+
+class ItemStatus(enum.Enum):
+    """What a producer answers for one requested item."""
+
+    GRANTED = "granted"
+    NOT_READY = "not_ready"  # still being written: retry after a short wait
+    MISSING = "missing"  # not held here (evicted or never produced)
+    INCOMPATIBLE = "incompatible"  # held, but the consumer cannot use it
+    OVERLOADED = "overloaded"  # too many grants outstanding: retry later
+    TOO_LARGE = "too_large"  # larger than the consumer said it can take
+
+    @property
+    def retryable(self) -> bool:
+        return self in (ItemStatus.NOT_READY, ItemStatus.OVERLOADED)
+
+
+class ErrorCode(enum.Enum):
+    BAD_MESSAGE = "bad_message"
+    VERSION_MISMATCH = "version_mismatch"
+    FINGERPRINT_MISMATCH = "fingerprint_mismatch"
+    NO_SESSION = "no_session"
+    TOO_MANY_SESSIONS = "too_many_sessions"
+    BATCH_TOO_LARGE = "batch_too_large"
+    OVERLOADED = "overloaded"
+    SHUTTING_DOWN = "shutting_down"
+    INTERNAL = "internal"
+
+
+class Extent(msgspec.Struct, frozen=True, array_like=True):
+    """A contiguous byte range of a region: one data-plane descriptor."""
+
+    offset: Size
+    length: Size
+
+
+class DataPlaneInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """What a peer needs to read from (or notify) this side's data plane."""
+
+    kind: Annotated[str, msgspec.Meta(min_length=1, max_length=32)]
+    agent_name: Name
+    agent_metadata: bytes = b""
+    region_address: Size = 0
+    region_size: Size = 0
+
+
+class _Message(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag_field="t"):
+    pass
+
+
+class Hello(_Message, frozen=True, kw_only=True, tag="hello"):
+    """Consumer -> producer: open a session."""
+
+    versions: Annotated[
+        list[Annotated[int, msgspec.Meta(ge=1, le=1 << 16)]],
+        msgspec.Meta(min_length=1, max_length=16),
+    ]
+    session_id: Token
+    client_name: Name
+    fingerprint: Token
+    capabilities: Annotated[list[Token], msgspec.Meta(max_length=64)] = []
+    data_plane: DataPlaneInfo | None = None
+
+
+class Welcome(_Message, frozen=True, kw_only=True, tag="welcome"):
+    """Producer -> consumer: session accepted; region registration, once."""
+
+    version: Annotated[int, msgspec.Meta(ge=1)]
+    session_id: Token
+    server_name: Name
+    capabilities: Annotated[list[Token], msgspec.Meta(max_length=64)] = []
+    lease_ms: Millis
+    heartbeat_ms: Millis
+    max_batch_items: Annotated[int, msgspec.Meta(ge=1, le=MAX_BATCH_ITEMS)]
+    data_plane: DataPlaneInfo
+
+
+class ItemRequest(msgspec.Struct, frozen=True, array_like=True):
+    mm_hash: MMHash
+    # The largest payload the consumer accepts for this item (0: no limit).
+    max_nbytes: Size = 0
+
+
+class FetchRequest(_Message, frozen=True, kw_only=True, tag="fetch"):
+    """Consumer -> producer: grant these items. `request_id` is per attempt."""
+
+    session_id: Token
+    request_id: Token
+    items: Annotated[list[ItemRequest], msgspec.Meta(min_length=1, max_length=MAX_BATCH_ITEMS)]
+
+
+class ItemReply(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    mm_hash: MMHash
+    status: ItemStatus
+    grant_id: Annotated[str, msgspec.Meta(max_length=128)] = ""
+    extents: Annotated[list[Extent], msgspec.Meta(max_length=MAX_EXTENTS_PER_ITEM)] = []
+    nbytes: Size = 0
+    dtype: Annotated[str, msgspec.Meta(max_length=32)] = ""
+    shape: Annotated[list[Dim], msgspec.Meta(max_length=MAX_NDIM)] = []
+    checksum: Annotated[int, msgspec.Meta(ge=0)] | None = None  # a 64-bit digest
+    lease_ms: Millis = 0
+    retry_after_ms: Millis = 0
+    detail: Text = ""
+
+
+class FetchReply(_Message, frozen=True, kw_only=True, tag="fetch_reply"):
+    request_id: Token
+    items: Annotated[list[ItemReply], msgspec.Meta(max_length=MAX_BATCH_ITEMS)]
+
+
+class Release(_Message, frozen=True, kw_only=True, tag="release"):
+    """Consumer -> producer: these grants are no longer read (done or abandoned)."""
+
+    session_id: Token
+    grant_ids: Annotated[list[Token], msgspec.Meta(min_length=1, max_length=MAX_BATCH_ITEMS)]
+    ok: bool = True
+
+
+class Released(_Message, frozen=True, kw_only=True, tag="released"):
+    released: Annotated[list[Token], msgspec.Meta(max_length=MAX_BATCH_ITEMS)]
+
+
+class Renew(_Message, frozen=True, kw_only=True, tag="renew"):
+    """Consumer -> producer: still reading these grants."""
+
+    session_id: Token
+    grant_ids: Annotated[list[Token], msgspec.Meta(min_length=1, max_length=MAX_BATCH_ITEMS)]
+
+
+class Renewed(_Message, frozen=True, kw_only=True, tag="renewed"):
+    renewed: Annotated[list[Token], msgspec.Meta(max_length=MAX_BATCH_ITEMS)]
+    lease_ms: Millis
+
+
+class Heartbeat(_Message, frozen=True, kw_only=True, tag="ping"):
+    session_id: Token
+    seq: NonNeg
+
+
+class HeartbeatAck(_Message, frozen=True, kw_only=True, tag="pong"):
+    seq: NonNeg
+
+
+class Bye(_Message, frozen=True, kw_only=True, tag="bye"):
+    """Consumer -> producer: the session ends; every grant it holds is released."""
+
+    session_id: Token
+
+
+class Error(_Message, frozen=True, kw_only=True, tag="error"):
+    code: ErrorCode
+    message: Text
+    request_id: Annotated[str, msgspec.Meta(max_length=128)] = ""
+
+
+Message = Union[  # noqa: UP007 - msgspec needs a runtime Union of tagged structs
+    Hello,
+    Welcome,
+    FetchRequest,
+    FetchReply,
+    Release,
+    Released,
+    Renew,
+    Renewed,
+    Heartbeat,
+    HeartbeatAck,
+    Bye,
+    Error,
+]
+MESSAGE_TYPES: Final = Message.__args__  # type: ignore[attr-defined]
+
+
+class Codec:
+    """Encodes and strictly decodes messages, refusing frames over a size limit."""
+
+    def __init__(self, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
+        if max_frame_bytes <= 0:
+            raise ValueError(f"max_frame_bytes must be positive, got {max_frame_bytes}")
+        self.max_frame_bytes = max_frame_bytes
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder: msgspec.msgpack.Decoder[Message] = msgspec.msgpack.Decoder(Message)
+
+    def encode(self, message: Message) -> bytes:
+        frame = self._encoder.encode(message)
+        if len(frame) > self.max_frame_bytes:
+            raise ProtocolError(
+                f"{type(message).__name__} encodes to {len(frame)} bytes, "
+                f"over the {self.max_frame_bytes}-byte frame limit"
+            )
+        return frame
+
+    def decode(self, frame: bytes | bytearray | memoryview) -> Message:
+        if len(frame) > self.max_frame_bytes:
+            raise ProtocolError(
+                f"frame of {len(frame)} bytes is over the {self.max_frame_bytes}-byte limit"
+            )
+        try:
+            return self._decoder.decode(frame)
+        except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
+            raise ProtocolError(f"malformed frame: {exc}") from None
+        except (ValueError, TypeError, OverflowError, RecursionError) as exc:
+            raise ProtocolError(f"malformed frame: {type(exc).__name__}: {exc}") from None
+
+
+_default_codec = Codec()
+
+
+def encode(message: Message) -> bytes:
+    return _default_codec.encode(message)
+
+
+def decode(frame: bytes | bytearray | memoryview) -> Message:
+    return _default_codec.decode(frame)
+
+
+def negotiate_version(offered: list[int]) -> int | None:
+    """The highest version both sides speak, or None."""
+    common = set(offered).intersection(SUPPORTED_VERSIONS)
+    return max(common) if common else None
+
+
+def negotiate_capabilities(offered: list[str]) -> list[str]:
+    return [c for c in LOCAL_CAPABILITIES if c in offered]
+
+
+class _FingerprintInput(msgspec.Struct, frozen=True, kw_only=True):
+    model_id: str
+    model_revision: str
+    encoder_config: Any
+    dtype: str
+    hidden_size: int
+    protocol_version: int
+
+
+def fingerprint(
+    *,
+    model_id: str,
+    model_revision: str = "",
+    encoder_config: Mapping[str, Any] | None = None,
+    dtype: str,
+    hidden_size: int,
+    protocol_version: int = PROTOCOL_VERSION,
+) -> str:
+    """A compatibility fingerprint: equal only when every input is equal.
+
+    Two instances exchange entries only when their fingerprints match, because
+    an embedding from a different model, revision, encoder setting or dtype
+    would be silently wrong. Mapping keys are sorted so that the fingerprint
+    does not depend on insertion order.
+    """
+    payload = _FingerprintInput(
+        model_id=model_id,
+        model_revision=model_revision,
+        encoder_config=dict(encoder_config or {}),
+        dtype=dtype,
+        hidden_size=hidden_size,
+        protocol_version=protocol_version,
+    )
+    try:
+        blob = msgspec.msgpack.encode(payload, order="sorted")
+    except (TypeError, msgspec.EncodeError) as exc:
+        raise ValueError(f"fingerprint input is not serialisable: {exc}") from None
+    return hashlib.blake2b(blob, digest_size=16).hexdigest()
