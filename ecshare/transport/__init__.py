@@ -1,0 +1,30 @@
+"""The data plane: the `DataTransport` interface and its NIXL implementation.
+
+Importing this package never imports NIXL; `NixlTransport` does, when created.
+"""
+
+from ecshare.transport.base import (
+    DataTransport,
+    FailureKind,
+    PeerInfo,
+    ReadHandle,
+    ReadState,
+    ReadStatus,
+    Segment,
+    TransportError,
+    pair_segments,
+)
+from ecshare.transport.nixl import NixlTransport
+
+__all__ = [
+    "DataTransport",
+    "FailureKind",
+    "NixlTransport",
+    "PeerInfo",
+    "ReadHandle",
+    "ReadState",
+    "ReadStatus",
+    "Segment",
+    "TransportError",
+    "pair_segments",
+]

@@ -1,0 +1,125 @@
+"""The data-plane interface.
+
+A transport knows regions, extents and peers, nothing about requests or
+mm_hashes. The consumer side READs a peer's extents into its own region; the
+producer side only registers its region and drives progress.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class TransportError(Exception):
+    """The transport could not be set up or used (bad config, missing library)."""
+
+
+class ReadState(enum.Enum):
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class FailureKind(enum.Enum):
+    """Why a read failed, in terms a consumer can act on."""
+
+    PEER_DISCONNECTED = "peer_disconnected"  # the remote process is gone
+    NOT_FOUND = "not_found"  # memory or peer not known (restart, deregistered)
+    INVALID = "invalid"  # descriptors rejected: a bug or a hostile grant
+    BACKEND = "backend"  # any other transport error
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One descriptor: `length` bytes from remote `remote_offset` to local `local_offset`.
+
+    Offsets are relative to the start of each side's registered region.
+    """
+
+    local_offset: int
+    remote_offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    """What one side publishes about its data plane (after authentication only)."""
+
+    kind: str
+    agent_name: str
+    agent_metadata: bytes
+    region_address: int
+    region_size: int
+
+
+@dataclass(frozen=True)
+class ReadStatus:
+    state: ReadState
+    failure: FailureKind | None = None
+    detail: str = ""
+
+
+class ReadHandle(Protocol):
+    """An in-flight read; opaque to callers."""
+
+
+class DataTransport(Protocol):
+    @property
+    def kind(self) -> str: ...
+
+    def register(self, address: int, size: int) -> None:
+        """Register the local region once; required before reads or `local_info`."""
+
+    def local_info(self) -> PeerInfo: ...
+
+    def add_peer(self, info: PeerInfo) -> str:
+        """Load a peer's data-plane info; returns its peer name. Re-adding replaces."""
+
+    def remove_peer(self, name: str) -> None: ...
+
+    def read(self, peer: str, segments: Sequence[Segment], notify: bytes = b"") -> ReadHandle:
+        """Start reading `segments` from `peer`; never blocks on remote progress."""
+
+    def poll(self, handle: ReadHandle) -> ReadStatus: ...
+
+    def release(self, handle: ReadHandle) -> None:
+        """Free a handle in any state; a pending read is cancelled where possible."""
+
+    def progress(self) -> list[tuple[str, bytes]]:
+        """Drive target-side progress; returns (peer name, message) notifications."""
+
+    def close(self) -> None: ...
+
+
+def pair_segments(
+    local: Sequence[tuple[int, int]], remote: Sequence[tuple[int, int]]
+) -> list[Segment]:
+    """Pair two extent lists (offset, length) of equal total length into segments.
+
+    Each segment is contiguous on both sides, so the count is at most
+    len(local) + len(remote) - 1, and 1 when both sides are contiguous.
+    """
+    # A negative length would shift every later segment outside its extent.
+    if any(n < 0 for _, n in local) or any(n < 0 for _, n in remote):
+        raise ValueError("negative extent length")
+    if sum(n for _, n in local) != sum(n for _, n in remote):
+        raise ValueError("local and remote extents differ in total length")
+    segments: list[Segment] = []
+    li = ri = 0
+    l_used = r_used = 0
+    while li < len(local) and ri < len(remote):
+        l_off, l_len = local[li]
+        r_off, r_len = remote[ri]
+        n = min(l_len - l_used, r_len - r_used)
+        if n > 0:
+            segments.append(Segment(l_off + l_used, r_off + r_used, n))
+        l_used += n
+        r_used += n
+        if l_used == l_len:
+            li, l_used = li + 1, 0
+        if r_used == r_len:
+            ri, r_used = ri + 1, 0
+    return segments

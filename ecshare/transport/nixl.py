@@ -1,0 +1,521 @@
+"""The NIXL data plane: READ a peer's registered region into our own.
+
+Progress. The agent runs without NIXL's progress thread: that thread busy-spins
+a core even when idle, which on a 2-core host halves throughput. Our calls
+drive progress instead. The initiator progresses in `poll`. The target must
+call `progress` often while peers may be reading from it: over TCP a READ
+moves only as the target progresses (about 1 ms per 64 KiB with the target
+polling every 1 ms, 0.2 ms when it polls busily). On one host UCX uses cross
+memory attach and a READ completes inside `read` itself, without the target,
+except the first READ to a newly added peer: connection wire-up needs the
+target to progress once (a few ms with a 0.5 ms poll).
+
+Notifications. `read(..., notify=msg)` makes NIXL deliver `msg` to the target's
+`progress` exactly once after the data has moved. The read is DONE only when
+the target has taken the notification, one round trip through the target's
+progress loop (about 1 ms with a 1 ms poll, against 0.05 ms without notify
+for 64 KiB). A consumer normally reports completion on the control plane
+instead and leaves `notify` empty.
+
+Blocking. Over cross memory attach the copy runs synchronously inside `read`
+(about 1.2 ms for 16 MiB, 6 ms for 64 MiB). Never call `read` on a thread an
+engine waits on.
+
+Threads. Every call into the agent is made under one lock, so the object may
+be shared by threads (for example a producer's progress loop and a consumer's
+fetch loop in one instance). A synchronous read holds the lock for its copy,
+so such a progress loop stalls for that long.
+
+Descriptors. Each read goes through `initialize_xfer` by default. With
+`prepared_block_size` set, both regions are also prepared once (one
+descriptor per block) and reads whose segments are all block-aligned use
+`make_prepped_xfer` by index; others still use `initialize_xfer`. Measured
+here (`benchmarks/nixl_descriptors.py`), preparing saves about 2 us per read
+(read + poll + release of one 64 KiB descriptor: 15.6 against 13.7 us), under
+2% from 1 MiB up, where the copy dominates. It is off by default: the gain is
+small against items of megabytes, and it ties reads to a block grid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ecshare.transport.base import (
+    DataTransport,
+    FailureKind,
+    PeerInfo,
+    ReadHandle,
+    ReadState,
+    ReadStatus,
+    Segment,
+    TransportError,
+)
+
+__all__ = ["NixlRead", "NixlTransport", "merge_segments"]
+
+log = logging.getLogger(__name__)
+
+KIND = "nixl"
+_INSTALL_HINT = "NIXL is not installed: pip install 'ecshare[nixl]' (nixl-cu12)"
+_PENDING = ReadStatus(ReadState.PENDING)
+_DONE = ReadStatus(ReadState.DONE)
+# UCX reads its configuration from the environment when a backend is created;
+# agents created concurrently with different settings must not interleave.
+_ENV_LOCK = threading.Lock()
+
+
+def _import_nixl() -> Any:
+    try:
+        import nixl._api as nixl_api
+    except ImportError as e:
+        raise TransportError(_INSTALL_HINT) from e
+    return nixl_api
+
+
+@contextlib.contextmanager
+def _environ(overrides: Mapping[str, str]) -> Iterator[None]:
+    with _ENV_LOCK:
+        saved = {k: os.environ.get(k) for k in overrides}
+        os.environ.update(overrides)
+        try:
+            yield
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
+def merge_segments(segments: Sequence[Segment]) -> list[Segment]:
+    """Join neighbours that are contiguous on both sides, keeping the order."""
+    merged: list[Segment] = []
+    for s in segments:
+        if merged:
+            p = merged[-1]
+            if (
+                p.local_offset + p.length == s.local_offset
+                and p.remote_offset + p.length == s.remote_offset
+            ):
+                merged[-1] = Segment(p.local_offset, p.remote_offset, p.length + s.length)
+                continue
+        merged.append(s)
+    return merged
+
+
+def _out_of_bounds(segments: Sequence[Segment], local_size: int, remote_size: int) -> str:
+    """Why the segments are not all inside both regions, or "" if they are."""
+    if not segments:
+        return "no segments"
+    for s in segments:
+        if s.length <= 0 or s.local_offset < 0 or s.remote_offset < 0:
+            return f"bad segment {s}"
+        if s.local_offset + s.length > local_size:
+            return f"{s} outside the local region ({local_size} bytes)"
+        if s.remote_offset + s.length > remote_size:
+            return f"{s} outside the peer's region ({remote_size} bytes)"
+    return ""
+
+
+class NixlRead:
+    """One read; opaque to callers, who pass it back to `poll` and `release`."""
+
+    __slots__ = ("_xfer", "nbytes", "peer", "status")
+
+    def __init__(self, peer: str, nbytes: int) -> None:
+        self.peer = peer
+        self.nbytes = nbytes
+        self.status = _PENDING
+        self._xfer: Any = None  # the NIXL handle while it is ours to release
+
+    def __repr__(self) -> str:
+        return f"NixlRead(peer={self.peer!r}, nbytes={self.nbytes}, {self.status.state.value})"
+
+
+def _ours(handle: ReadHandle) -> NixlRead:
+    if not isinstance(handle, NixlRead):
+        raise TypeError(f"not a NixlTransport read: {handle!r}")
+    return handle
+
+
+class _Peer:
+    __slots__ = ("info", "prepped", "reads")
+
+    def __init__(self, info: PeerInfo) -> None:
+        self.info = info
+        self.prepped: Any = None
+        self.reads: set[NixlRead] = set()
+
+
+class NixlTransport:
+    """`DataTransport` over one NIXL agent with one registered DRAM region.
+
+    Nothing NIXL raises escapes `read`, `poll`, `release` or `progress`: a
+    failure becomes a FAILED status with a `FailureKind`, and segments outside
+    either region fail as INVALID before any memory is touched. Local misuse
+    (no region registered, transport closed) raises `TransportError`.
+
+    Counters: every read ends exactly once, so
+    ``reads_started == reads_done + sum(reads_failed.values()) + reads_cancelled``
+    once no read is pending.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        backends: Sequence[str] = ("UCX",),
+        progress_thread: bool = False,
+        num_threads: int = 0,
+        ucx_env: Mapping[str, str] | None = None,
+        prepared_block_size: int = 0,
+    ) -> None:
+        """`ucx_env` (e.g. ``{"UCX_TLS": "tcp"}``) is applied while the agent is
+        created only. `prepared_block_size` > 0 turns on prepared descriptor lists."""
+        if not name:
+            raise ValueError("agent name must not be empty")
+        if prepared_block_size < 0:
+            raise ValueError("prepared_block_size must be >= 0")
+        nixl_api = _import_nixl()
+        bind = nixl_api.nixlBind
+        self._errors: tuple[tuple[type[BaseException], FailureKind], ...] = (
+            (bind.nixlRemoteDisconnectError, FailureKind.PEER_DISCONNECTED),
+            (bind.nixlNotFoundError, FailureKind.NOT_FOUND),
+            (bind.nixlInvalidParamError, FailureKind.INVALID),
+        )
+        config = nixl_api.nixl_agent_config(
+            enable_prog_thread=progress_thread,
+            backends=list(backends),
+            num_threads=num_threads,
+        )
+        try:
+            with _environ(ucx_env or {}):
+                self._agent: Any = nixl_api.nixl_agent(name, config)
+        except Exception as e:
+            raise TransportError(f"cannot create NIXL agent {name!r}: {e}") from e
+        missing = [b for b in backends if b not in self._agent.backends]
+        if missing or not self._agent.backends:
+            raise TransportError(f"NIXL backends not available: {missing or list(backends)}")
+        self._name = name
+        self._lock = threading.Lock()
+        self._block = prepared_block_size
+        self._region: tuple[int, int] | None = None
+        self._reg_descs: Any = None
+        self._local_prepped: Any = None
+        self._peers: dict[str, _Peer] = {}
+        self._unreleased: list[Any] = []  # NIXL handles that refused to be released
+        self._closed = False
+
+        self.reads_started = 0
+        self.reads_done = 0
+        self.reads_failed: dict[FailureKind, int] = dict.fromkeys(FailureKind, 0)
+        self.reads_cancelled = 0
+        self.reads_prepped = 0
+        self.bytes_read = 0
+        self.notifications = 0
+
+    # ---------------------------------------------------------------- set-up
+
+    @property
+    def kind(self) -> str:
+        return KIND
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def peers(self) -> list[str]:
+        return list(self._peers)
+
+    @property
+    def unreleased(self) -> int:
+        """NIXL transfers whose release failed; retried by `progress` and `close`."""
+        return len(self._unreleased)
+
+    def register(self, address: int, size: int) -> None:
+        if address <= 0 or size <= 0:
+            raise ValueError(f"bad region {address:#x}+{size}")
+        with self._lock:
+            self._check_open()
+            if self._region is not None:
+                raise TransportError("a region is already registered")
+            try:
+                self._reg_descs = self._agent.register_memory([(address, size, 0, "")], "DRAM")
+                if self._block:
+                    self._local_prepped = self._agent.prep_xfer_dlist(
+                        "NIXL_INIT_AGENT", self._blocks(address, size), "DRAM"
+                    )
+            except Exception as e:
+                raise TransportError(f"cannot register region: {e}") from e
+            self._region = (address, size)
+
+    def local_info(self) -> PeerInfo:
+        with self._lock:
+            self._check_open()
+            if self._region is None:
+                raise TransportError("no region registered")
+            return PeerInfo(
+                kind=KIND,
+                agent_name=self._name,
+                agent_metadata=bytes(self._agent.get_agent_metadata()),
+                region_address=self._region[0],
+                region_size=self._region[1],
+            )
+
+    def add_peer(self, info: PeerInfo) -> str:
+        """Load a peer; a known name is replaced (a restarted peer), failing its reads."""
+        if info.kind != KIND:
+            raise ValueError(f"peer data plane is {info.kind!r}, not {KIND!r}")
+        if not info.agent_name or info.agent_name == self._name:
+            raise ValueError(f"bad peer agent name {info.agent_name!r}")
+        if info.region_address <= 0 or info.region_size <= 0:
+            raise ValueError("peer region is empty")
+        with self._lock:
+            self._check_open()
+            if info.agent_name in self._peers:
+                self._drop_peer(info.agent_name, "peer replaced")
+            try:
+                loaded = self._agent.add_remote_agent(info.agent_metadata)
+            except Exception as e:
+                raise TransportError(f"cannot load metadata of {info.agent_name!r}: {e}") from e
+            loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+            if loaded != info.agent_name:
+                known = self._peers.get(loaded)
+                if known is None:
+                    self._forget_agent(loaded)
+                else:  # another peer's metadata: keep that peer working
+                    self._quietly(self._agent.add_remote_agent, known.info.agent_metadata)
+                raise ValueError(f"metadata is for {loaded!r}, not {info.agent_name!r}")
+            peer = _Peer(info)
+            self._peers[loaded] = peer
+            if self._block:
+                try:
+                    peer.prepped = self._agent.prep_xfer_dlist(
+                        loaded, self._blocks(info.region_address, info.region_size), "DRAM"
+                    )
+                except Exception as e:
+                    self._drop_peer(loaded, "prepare failed")
+                    raise TransportError(f"cannot prepare descriptors of {loaded!r}: {e}") from e
+            return loaded
+
+    def remove_peer(self, name: str) -> None:
+        """Forget a peer (idempotent); its pending reads fail as NOT_FOUND."""
+        with self._lock:
+            if not self._closed and name in self._peers:
+                self._drop_peer(name, "peer removed")
+
+    # ----------------------------------------------------------------- reads
+
+    def read(self, peer: str, segments: Sequence[Segment], notify: bytes = b"") -> NixlRead:
+        with self._lock:
+            self._check_open()
+            if self._region is None:
+                raise TransportError("no region registered")
+            self.reads_started += 1
+            handle = NixlRead(peer, sum(s.length for s in segments))
+            p = self._peers.get(peer)
+            if p is None:
+                self._finish(handle, FailureKind.NOT_FOUND, f"unknown peer {peer!r}")
+                return handle
+            laddr, lsize = self._region
+            why = _out_of_bounds(segments, lsize, p.info.region_size)
+            if why:
+                self._finish(handle, FailureKind.INVALID, why)
+                return handle
+            merged = merge_segments(segments)
+            try:
+                handle._xfer = self._create(p, merged, laddr, notify)
+                state = self._agent.transfer(handle._xfer)
+            except Exception as e:
+                self._finish(handle, *self._failure(e))
+                return handle
+            p.reads.add(handle)
+            self._settle(handle, state)
+            return handle
+
+    def poll(self, handle: ReadHandle) -> ReadStatus:
+        handle = _ours(handle)
+        with self._lock:
+            if handle.status.state is ReadState.PENDING and handle._xfer is not None:
+                try:
+                    state = self._agent.check_xfer_state(handle._xfer)
+                except Exception as e:
+                    self._finish(handle, *self._failure(e))
+                else:
+                    self._settle(handle, state)
+            return handle.status
+
+    def release(self, handle: ReadHandle) -> None:
+        """Free a read; a pending one is cancelled and counted as such.
+
+        If NIXL cannot cancel it, the transfer is kept and released later by
+        `progress` or `close`; see `unreleased`. Until then the destination
+        may still be written, so do not reuse it while `unreleased` is non-zero.
+        """
+        handle = _ours(handle)
+        with self._lock:
+            if handle.status.state is ReadState.PENDING:
+                self.reads_cancelled += 1
+                handle.status = ReadStatus(ReadState.FAILED, FailureKind.BACKEND, "cancelled")
+            self._release_xfer(handle)
+
+    def progress(self) -> list[tuple[str, bytes]]:
+        """Drive target-side progress; cheap enough to call every millisecond."""
+        with self._lock:
+            if self._closed:
+                return []
+            if self._unreleased:
+                self._retry_unreleased()
+            try:
+                notifs = self._agent.get_new_notifs()
+            except Exception as e:
+                log.warning("NIXL progress failed: %s", e)
+                return []
+            out = [
+                (k.decode() if isinstance(k, bytes) else str(k), bytes(m))
+                for k, msgs in notifs.items()
+                for m in msgs
+            ]
+            self.notifications += len(out)
+            return out
+
+    def close(self) -> None:
+        """Fail pending reads, forget peers, deregister the region (idempotent)."""
+        with self._lock:
+            if self._closed:
+                return
+            for name in list(self._peers):
+                self._drop_peer(name, "transport closed")
+            self._retry_unreleased()
+            if self._unreleased:
+                log.warning("closing with %d unreleased NIXL transfers", len(self._unreleased))
+                self._unreleased = []
+            if self._local_prepped is not None:
+                self._quietly(self._agent.release_dlist_handle, self._local_prepped)
+                self._local_prepped = None
+            if self._reg_descs is not None:
+                self._quietly(self._agent.deregister_memory, self._reg_descs)
+                self._reg_descs = None
+            self._closed = True
+            self._agent = None
+
+    def __enter__(self) -> NixlTransport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"NixlTransport({self._name!r}, peers={len(self._peers)}, closed={self._closed})"
+
+    # --------------------------------------------------------------- private
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransportError("transport is closed")
+
+    def _blocks(self, address: int, size: int) -> np.ndarray[Any, np.dtype[np.uint64]]:
+        n = size // self._block
+        rows = np.zeros((n, 3), dtype=np.uint64)
+        rows[:, 0] = np.arange(n, dtype=np.uint64) * np.uint64(self._block) + np.uint64(address)
+        rows[:, 1] = self._block
+        return rows
+
+    def _create(self, peer: _Peer, merged: list[Segment], laddr: int, notify: bytes) -> Any:
+        b = self._block
+        if peer.prepped is not None and all(
+            s.local_offset % b == 0 and s.remote_offset % b == 0 and s.length % b == 0
+            for s in merged
+        ):
+            # An aligned segment inside a region ends on a whole block, so all are prepared.
+            lidx: list[int] = []
+            ridx: list[int] = []
+            for s in merged:
+                lidx.extend(range(s.local_offset // b, (s.local_offset + s.length) // b))
+                ridx.extend(range(s.remote_offset // b, (s.remote_offset + s.length) // b))
+            self.reads_prepped += 1
+            return self._agent.make_prepped_xfer(
+                "READ", self._local_prepped, lidx, peer.prepped, ridx, notify
+            )
+        raddr = peer.info.region_address
+        local = self._agent.get_xfer_descs(
+            [(laddr + s.local_offset, s.length, 0) for s in merged], "DRAM"
+        )
+        remote = self._agent.get_xfer_descs(
+            [(raddr + s.remote_offset, s.length, 0) for s in merged], "DRAM"
+        )
+        return self._agent.initialize_xfer("READ", local, remote, peer.info.agent_name, notify)
+
+    def _settle(self, handle: NixlRead, state: str) -> None:
+        if state == "DONE":
+            self.reads_done += 1
+            self.bytes_read += handle.nbytes
+            handle.status = _DONE
+            self._release_xfer(handle)
+        elif state != "PROC":
+            self._finish(handle, FailureKind.BACKEND, f"transfer state {state}")
+
+    def _finish(self, handle: NixlRead, kind: FailureKind, detail: str) -> None:
+        self.reads_failed[kind] += 1
+        handle.status = ReadStatus(ReadState.FAILED, kind, detail)
+        self._release_xfer(handle)
+
+    def _failure(self, e: Exception) -> tuple[FailureKind, str]:
+        detail = f"{type(e).__name__}: {e}"
+        for cls, kind in self._errors:
+            if isinstance(e, cls):
+                return kind, detail
+        return FailureKind.BACKEND, detail
+
+    def _release_xfer(self, handle: NixlRead) -> None:
+        xfer, handle._xfer = handle._xfer, None
+        p = self._peers.get(handle.peer)
+        if p is not None:
+            p.reads.discard(handle)
+        if xfer is not None:
+            try:
+                self._agent.release_xfer_handle(xfer)
+            except Exception as e:
+                log.warning("NIXL could not release a transfer from %s: %s", handle.peer, e)
+                self._unreleased.append(xfer)
+
+    def _retry_unreleased(self) -> None:
+        pending, self._unreleased = self._unreleased, []
+        for xfer in pending:
+            try:
+                self._agent.release_xfer_handle(xfer)
+            except Exception:
+                self._unreleased.append(xfer)
+
+    def _drop_peer(self, name: str, why: str) -> None:
+        peer = self._peers[name]
+        for handle in list(peer.reads):
+            self._finish(handle, FailureKind.NOT_FOUND, why)
+        if peer.prepped is not None:
+            self._quietly(self._agent.release_dlist_handle, peer.prepped)
+        del self._peers[name]
+        self._forget_agent(name)
+
+    def _forget_agent(self, name: str) -> None:
+        self._quietly(self._agent.remove_remote_agent, name)
+
+    @staticmethod
+    def _quietly(fn: Any, *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception as e:
+            log.warning("NIXL %s failed: %s", getattr(fn, "__name__", fn), e)
+
+
+if TYPE_CHECKING:
+
+    def _implements(t: NixlTransport) -> DataTransport:
+        return t

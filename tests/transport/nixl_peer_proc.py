@@ -1,0 +1,94 @@
+"""A producer in another process: a region with a known pattern, served over NIXL.
+
+Imported by the transport tests and run in spawned children; the parent talks
+to it through a pipe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import multiprocessing as mp
+import os
+import time
+from collections.abc import Mapping
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+
+from ecshare.transport import NixlTransport, PeerInfo
+
+LOOPBACK = {"UCX_NET_DEVICES": "lo"}
+
+
+def pattern(seed: int, size: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+
+
+def address(mm: mmap.mmap) -> int:
+    return int(np.frombuffer(mm, dtype=np.uint8).ctypes.data)
+
+
+def _serve(conn: Connection, name: str, size: int, seed: int, env: dict[str, str]) -> None:
+    os.environ.update(env)
+    mm = mmap.mmap(-1, size)
+    np.frombuffer(mm, dtype=np.uint8)[:] = pattern(seed, size)
+    t = NixlTransport(name)
+    t.register(address(mm), size)
+    conn.send(t.local_info())
+    notifs: list[tuple[str, bytes]] = []
+    while True:
+        notifs.extend(t.progress())
+        if not conn.poll(0.0005):
+            continue
+        cmd, arg = conn.recv()
+        if cmd == "notifs":
+            conn.send(notifs)
+            notifs = []
+        elif cmd == "sleep":  # stop progressing for a while
+            time.sleep(arg)
+            conn.send(None)
+        elif cmd == "stop":
+            t.close()
+            conn.send(None)
+            return
+
+
+class Producer:
+    """Handle on one producer process."""
+
+    def __init__(
+        self, name: str, size: int, seed: int, env: Mapping[str, str] | None = None
+    ) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.seed = seed
+        self.proc = ctx.Process(
+            target=_serve, args=(child, name, size, seed, {**LOOPBACK, **(env or {})}), daemon=True
+        )
+        self.proc.start()
+        child.close()
+        if not self.conn.poll(30):
+            self.kill()
+            raise TimeoutError("producer did not start")
+        self.info: PeerInfo = self.conn.recv()
+
+    def call(self, cmd: str, arg: Any = None, timeout: float = 10) -> Any:
+        self.conn.send((cmd, arg))
+        if not self.conn.poll(timeout):
+            raise TimeoutError(cmd)
+        return self.conn.recv()
+
+    def notifs(self) -> list[tuple[str, bytes]]:
+        return list(self.call("notifs"))
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.join(10)
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            with contextlib.suppress(OSError, EOFError, TimeoutError):
+                self.call("stop")
+        self.kill()
