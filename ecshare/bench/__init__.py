@@ -1,0 +1,1 @@
+"""Benchmarks: ecshare against the baselines it has to beat (``python -m ecshare bench ...``)."""

@@ -1,0 +1,303 @@
+"""Store: the region's bytes plus the entry table's bookkeeping.
+
+Payload copies run outside the table's lock. The state machine makes that
+safe: an ALLOCATED entry's blocks belong to its writer alone, and a pinned
+entry's blocks are never freed. Every copy is ``np.copyto`` between uint8
+views, which numpy turns into a plain memcpy.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+import xxhash
+
+from ecshare.store.entries import (
+    Entry,
+    EntryMeta,
+    EntryState,
+    EntryTable,
+    NotFound,
+    StoreError,
+    StoreStats,
+)
+from ecshare.store.region import Region
+
+__all__ = ["Store"]
+
+# Dtypes numpy lacks, which torch stores. Their sizes let us check shapes.
+_EXTRA_ITEMSIZE = {
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2": 1,
+    "float8_e5m2fnuz": 1,
+}
+# Only plain numeric kinds may be used to view region bytes. meta can come from
+# a peer, and viewing raw bytes as object ("O") would turn them into pointers.
+_PLAIN_KINDS = frozenset("biufc")
+Bytes = npt.NDArray[np.uint8]
+
+
+class Store:
+    """Entries in a region: put, write/commit, zero-copy views, reads and checksums."""
+
+    def __init__(
+        self,
+        region: Region,
+        block_size: int,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        capacity = region.size // block_size
+        if capacity < 1:
+            raise ValueError(f"region of {region.size} bytes holds no block of {block_size}")
+        self._region = region
+        self._block_size = block_size
+        self._table = EntryTable(capacity, block_size, clock=clock)
+
+    @property
+    def region(self) -> Region:
+        return self._region
+
+    @property
+    def table(self) -> EntryTable:
+        """The entry table, for pins, leases and removal."""
+        return self._table
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    def get(self, mm_hash: str) -> Entry | None:
+        return self._table.get(mm_hash)
+
+    def remove(self, mm_hash: str) -> bool:
+        return self._table.remove(mm_hash)
+
+    def stats(self) -> StoreStats:
+        return self._table.stats()
+
+    # -- writing -------------------------------------------------------------
+
+    def put(
+        self, mm_hash: str, data: object, meta: EntryMeta | None = None, *, checksum: bool = False
+    ) -> Entry:
+        """Store ``data`` under ``mm_hash`` and make it READY.
+
+        ``data`` can be any buffer, numpy array or torch-like tensor. A device
+        tensor is copied to host first. If ``meta`` is None, dtype and shape
+        come from ``data``. With ``checksum`` the xxh3-64 of the bytes is
+        recorded in ``meta.checksum``.
+        """
+        src, inferred = _as_bytes(data)
+        meta = inferred if meta is None else _check_meta(meta, src.nbytes, mm_hash)
+        if checksum:
+            meta = msgspec.structs.replace(meta, checksum=xxhash.xxh3_64_intdigest(src.data))
+        entry = self._table.allocate(mm_hash, src.nbytes, meta)
+        try:
+            self._copy_in(entry, src)
+        except BaseException:
+            self._table.abort(mm_hash, expect=entry)
+            raise
+        return self._table.commit(mm_hash, expect=entry)
+
+    def allocate(self, mm_hash: str, nbytes: int, meta: EntryMeta | None = None) -> Entry:
+        """Reserve an entry to fill with ``write`` (or straight through ``views``), then commit."""
+        if meta is not None:
+            _check_meta(meta, nbytes, mm_hash)
+        return self._table.allocate(mm_hash, nbytes, meta)
+
+    def write(self, entry: Entry, data: object) -> None:
+        """Copy ``data`` (exactly ``entry.nbytes`` bytes) into an ALLOCATED entry."""
+        if entry.state is not EntryState.ALLOCATED:
+            raise StoreError(f"{entry.mm_hash} is {entry.state.name}; only ALLOCATED is writable")
+        src, _ = _as_bytes(data)
+        if src.nbytes != entry.nbytes:
+            raise ValueError(f"{entry.mm_hash}: entry holds {entry.nbytes} bytes, got {src.nbytes}")
+        self._copy_in(entry, src)
+
+    def commit(self, entry: Entry) -> Entry:
+        return self._table.commit(entry.mm_hash, expect=entry)
+
+    def abort(self, entry: Entry) -> None:
+        self._table.abort(entry.mm_hash, expect=entry)
+
+    # -- reading -------------------------------------------------------------
+
+    def views(self, entry: Entry) -> list[memoryview]:
+        """Zero-copy writable views, one per run, trimmed to ``nbytes`` in total.
+
+        They alias region blocks. Use them only while the entry is ALLOCATED
+        (you are its writer) or pinned. After that the blocks may belong to
+        another entry.
+        """
+        if entry.state is EntryState.FREED:
+            raise NotFound(f"{entry.mm_hash} has been freed")
+        return [self._region.view(off, n) for off, n in entry.extents]
+
+    def read(self, mm_hash: str) -> np.ndarray:
+        """The entry as an array of its meta dtype and shape (flat uint8 if numpy lacks the dtype).
+
+        A single-run entry comes back as a read-only zero-copy view of the
+        region. It is valid only while the entry is not evicted, so hold a pin
+        (``table.pin``) or copy it if the store may evict it meanwhile. A
+        multi-run entry comes back as a copy. That copy raises NotFound if
+        the entry was evicted while it was being copied.
+        """
+        entry = self._table.get_ready(mm_hash)
+        extents = entry.extents
+        if len(extents) == 1:
+            off, n = extents[0]
+            raw = self._region.array[off : off + n]
+            raw.flags.writeable = False  # committed entries are immutable
+            return _typed(raw, entry.meta)
+        out = np.empty(entry.nbytes, dtype=np.uint8)
+        self._copy_out(entry, out)
+        return _typed(out, entry.meta)
+
+    def read_into(self, mm_hash: str, out: np.ndarray) -> np.ndarray:
+        """Copy the entry into ``out`` (C-contiguous, writable, exactly nbytes). Returns ``out``.
+
+        It takes no pin. It raises NotFound if the entry was evicted during the
+        copy, so a copy that returns is never torn.
+        """
+        if not (out.flags.c_contiguous and out.flags.writeable):
+            raise ValueError("out must be a writable C-contiguous array")
+        dst = out.reshape(-1).view(np.uint8)
+        entry = self._table.get_ready(mm_hash)
+        if dst.nbytes != entry.nbytes:
+            raise ValueError(f"{mm_hash}: entry holds {entry.nbytes} bytes, out {dst.nbytes}")
+        self._copy_out(entry, dst)
+        return out
+
+    def checksum(self, entry: Entry) -> int:
+        """xxh3-64 of the entry's bytes, hashed run after run (equal to hashing them joined)."""
+        digest = xxhash.xxh3_64()
+        for view in self.views(entry):
+            digest.update(view)
+        return digest.intdigest()
+
+    # -- internals -----------------------------------------------------------
+
+    def _copy_in(self, entry: Entry, src: Bytes) -> None:
+        region = self._region.array
+        pos = 0
+        for off, n in entry.extents:
+            np.copyto(region[off : off + n], src[pos : pos + n])
+            pos += n
+
+    def _copy_out(self, entry: Entry, dst: Bytes) -> None:
+        # An optimistic read that takes no pin, because pin + unpin cost more
+        # than a 64 KiB copy. It is checked after the copy. FREED is terminal
+        # and blocks are reused only after FREED, so an entry that is not
+        # FREED now was never freed during the copy.
+        region = self._region.array
+        pos = 0
+        for off, n in entry.extents:
+            np.copyto(dst[pos : pos + n], region[off : off + n])
+            pos += n
+        if entry.state is EntryState.FREED:
+            raise NotFound(f"{entry.mm_hash} was evicted while being read")
+
+
+@functools.cache
+def _numpy_dtype(name: str) -> np.dtype[Any] | None:
+    try:
+        dtype = np.dtype(name)
+    except TypeError:
+        return None
+    return dtype if dtype.kind in _PLAIN_KINDS else None
+
+
+@functools.cache
+def _itemsize(name: str) -> int | None:
+    dtype = _numpy_dtype(name)
+    return dtype.itemsize if dtype is not None else _EXTRA_ITEMSIZE.get(name)
+
+
+def _check_meta(meta: EntryMeta, nbytes: int, mm_hash: str) -> EntryMeta:
+    # A wrong shape found here is a clear error. Found on the far side of a
+    # transfer, it would be a silently garbled tensor.
+    itemsize = _itemsize(meta.dtype)
+    if itemsize is not None and math.prod(meta.shape) * itemsize != nbytes:
+        raise ValueError(
+            f"{mm_hash}: meta {meta.dtype}{list(meta.shape)} is "
+            f"{math.prod(meta.shape) * itemsize} bytes, data is {nbytes}"
+        )
+    return meta
+
+
+def _typed(raw: Bytes, meta: EntryMeta) -> np.ndarray:
+    dtype = _numpy_dtype(meta.dtype)
+    if dtype is None or math.prod(meta.shape) * dtype.itemsize != raw.nbytes:
+        return raw
+    return raw.view(dtype).reshape(meta.shape)
+
+
+def _flat_bytes(arr: np.ndarray) -> Bytes:
+    if arr.flags.c_contiguous and arr.dtype.isnative and arr.dtype.kind in _PLAIN_KINDS:
+        return arr.reshape(-1).view(np.uint8)  # the common case, kept short: no copy
+    if arr.dtype.kind not in _PLAIN_KINDS:
+        raise TypeError(f"cannot store a {arr.dtype} array: only numeric dtypes are plain bytes")
+    if not arr.dtype.isnative:
+        arr = arr.astype(arr.dtype.newbyteorder("="))
+    # ascontiguousarray copies only when the input is strided or transposed.
+    return np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+
+
+def _as_bytes(data: object) -> tuple[Bytes, EntryMeta]:
+    """Flat contiguous uint8 bytes of ``data`` (no copy when already contiguous), and its meta."""
+    if isinstance(data, np.ndarray):
+        arr = data
+    elif callable(getattr(data, "numpy", None)):
+        return _tensor_bytes(data)
+    elif hasattr(data, "__array_interface__") or hasattr(data, "__array__"):
+        arr = np.asarray(data)
+    elif hasattr(data, "__dlpack__"):
+        arr = np.from_dlpack(data)
+    else:
+        try:
+            arr = np.asarray(memoryview(data))  # type: ignore[arg-type]
+        except TypeError:
+            raise TypeError(
+                f"cannot store {type(data).__name__}: "
+                "expected a buffer, a numpy array or a tensor with .numpy()"
+            ) from None
+    return _flat_bytes(arr), EntryMeta(dtype=_dtype_name(arr.dtype), shape=arr.shape)
+
+
+@functools.cache
+def _dtype_name(dtype: np.dtype[Any]) -> str:
+    return dtype.name  # numpy computes .name in Python; it cost µs per put
+
+
+def _tensor_bytes(tensor: Any) -> tuple[Bytes, EntryMeta]:
+    """Bytes of a torch-like tensor, found by duck typing so torch is never imported here."""
+    t = tensor
+    for method in ("detach", "cpu", "contiguous"):  # each one returns self when it has no work
+        fn = getattr(t, method, None)
+        if callable(fn):
+            t = fn()
+    dtype = str(getattr(t, "dtype", "uint8")).removeprefix("torch.")
+    shape = tuple(int(d) for d in getattr(t, "shape", ()))
+    try:
+        arr = np.asarray(t.numpy())
+    except (TypeError, RuntimeError) as exc:
+        # numpy has no bfloat16 or float8, so .numpy() refuses them. We view the
+        # same bytes as uint8 instead, with the tensor library's own uint8 dtype.
+        lib = sys.modules.get(type(t).__module__.partition(".")[0])
+        uint8 = getattr(lib, "uint8", None)
+        if uint8 is None or not callable(getattr(t, "view", None)):
+            raise TypeError(f"cannot get the bytes of a {type(tensor).__name__}") from exc
+        flat = t.reshape(-1) if callable(getattr(t, "reshape", None)) else t
+        arr = np.asarray(flat.view(uint8).numpy())
+    return _flat_bytes(arr), EntryMeta(dtype=dtype, shape=shape)
