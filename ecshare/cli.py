@@ -1,37 +1,203 @@
-"""The `ecshare` command."""
+"""The `ecshare` command: serve, fetch, keys, demo, bench."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
+import signal
 import sys
+import threading
+import time
 from collections.abc import Sequence
+
+from ecshare.config import ConfigError, add_config_arguments, load_config
+
+# `ecshare serve` prints this, then one JSON object, once it accepts connections.
+READY_PREFIX = "ecshare-ready "
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ecshare", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run a producer with synthetic or file-loaded entries")
+    serve.add_argument(
+        "--synthetic",
+        default="",
+        metavar="SPEC",
+        help="entries to create, as SIZE:COUNT pairs, e.g. '64KiB:4,4MiB:2'",
+    )
+    serve.add_argument(
+        "--load",
+        nargs="*",
+        default=[],
+        metavar="FILE.npy",
+        help="entries to load from .npy files (mm_hash = file stem)",
+    )
+    serve.add_argument(
+        "--fingerprint",
+        default="ecshare-synthetic",
+        help="compatibility fingerprint consumers must present",
+    )
+    serve.add_argument(
+        "--entry-checksums", action="store_true", help="record an xxh3-64 checksum with every entry"
+    )
+    add_config_arguments(serve)
+
+    fetch = sub.add_parser("fetch", help="fetch entries from a producer")
+    fetch.add_argument("address", help="producer endpoint, e.g. tcp://127.0.0.1:5555")
+    fetch.add_argument("hashes", nargs="+", metavar="MM_HASH")
+    fetch.add_argument("--fingerprint", default="ecshare-synthetic")
+    fetch.add_argument(
+        "--verify-synthetic",
+        action="store_true",
+        help="check fetched bytes against `serve --synthetic` content",
+    )
+    fetch.add_argument("--timeout", type=float, default=30.0, help="seconds to wait in all")
+    fetch.add_argument("--json", action="store_true", help="print one JSON object")
+    add_config_arguments(fetch)
+
+    keys = sub.add_parser("keys", help="CURVE key management")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True)
+    gen = keys_sub.add_parser("generate", help="write a key pair (NAME.key, NAME.key_secret)")
+    gen.add_argument("directory")
+    gen.add_argument("--name", default="ecshare")
+    gen.add_argument("--force", action="store_true", help="overwrite existing files")
+
+    sub.add_parser("demo", help="two processes on 127.0.0.1 move entries through the stack")
 
     bench = sub.add_parser("bench", help="measure ecshare against baselines")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     store = bench_sub.add_parser("store", help="region put/get and allocator cost")
     store.add_argument("--json", action="store_true", help="print one JSON object")
     store.add_argument("--quick", action="store_true", help="fewer repetitions")
-
-    sub.add_parser("demo", help="run the demo")
+    fetch_bench = bench_sub.add_parser("fetch", help="fetch throughput against raw NIXL")
+    fetch_bench.add_argument("--json", action="store_true", help="print one JSON object")
+    fetch_bench.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "bench" and args.bench_command == "store":
-        from ecshare.bench.store import run_store_bench
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return _dispatch(args)
+    except ConfigError as exc:
+        print(f"ecshare: configuration error: {exc}", file=sys.stderr)
+        return 2
 
-        return run_store_bench(json_output=args.json, quick=args.quick)
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "fetch":
+        return _fetch(args)
+    if args.command == "keys":
+        from ecshare.control import generate_keypair
+
+        files = generate_keypair(args.directory, args.name, force=args.force)
+        print(f"public key: {files.public_path}\nsecret key: {files.secret_path}")
+        return 0
     if args.command == "demo":
         from ecshare.demo import run_demo
 
         return run_demo()
+    if args.command == "bench" and args.bench_command == "store":
+        from ecshare.bench.store import run_store_bench
+
+        return run_store_bench(json_output=args.json, quick=args.quick)
+    if args.command == "bench" and args.bench_command == "fetch":
+        from ecshare.bench.fetch import run_fetch_bench
+
+        return run_fetch_bench(json_output=args.json, quick=args.quick)
     return 2
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import numpy as np
+
+    from ecshare.bench.synthetic import parse_spec, synthetic_bytes, synthetic_hash
+    from ecshare.peer import Node, start_producer
+
+    config = load_config(cli=args)
+    node = Node.create(config, "producer")
+    entries = []
+    for nbytes, count in parse_spec(args.synthetic) if args.synthetic else []:
+        for i in range(count):
+            h = synthetic_hash(nbytes, i)
+            node.store.put(h, synthetic_bytes(h, nbytes), checksum=args.entry_checksums)
+            entries.append({"mm_hash": h, "nbytes": nbytes})
+    for path in args.load:
+        array = np.load(path, allow_pickle=False)
+        h = Path(path).stem
+        node.store.put(h, array, checksum=args.entry_checksums)
+        entries.append({"mm_hash": h, "nbytes": int(array.nbytes)})
+    producer = start_producer(node, fingerprint=args.fingerprint)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    # One JSON line tells a supervising process where we are and what we hold.
+    print(READY_PREFIX + json.dumps({"address": producer.address, "entries": entries}), flush=True)
+    try:
+        while not stop.wait(0.5):
+            pass
+    finally:
+        producer.stop()
+        node.close()
+    return 0
+
+
+def _fetch(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from ecshare.bench.synthetic import synthetic_bytes
+    from ecshare.peer import FetchFailed, Node, start_consumer
+
+    config = load_config(cli=args)
+    node = Node.create(config, "consumer")
+    consumer = start_consumer(node, fingerprint=args.fingerprint)
+    rows = []
+    failed = 0
+    try:
+        started = time.monotonic()
+        futures = consumer.fetch(args.hashes, [args.address])
+        for h, future in zip(args.hashes, futures, strict=True):
+            remaining = max(0.0, args.timeout - (time.monotonic() - started))
+            try:
+                result = future.result(timeout=remaining)
+            except FetchFailed as exc:
+                failed += 1
+                rows.append(
+                    {"mm_hash": h, "ok": False, "reason": exc.reason.value, "detail": exc.detail}
+                )
+                continue
+            row = {
+                "mm_hash": h,
+                "ok": True,
+                "nbytes": result.nbytes,
+                "latency_ms": round(result.latency_s * 1000, 3),
+            }
+            if args.verify_synthetic:
+                got = node.store.read(h).reshape(-1).view(np.uint8)
+                row["verified"] = bool(np.array_equal(got, synthetic_bytes(h, result.nbytes)))
+                failed += 0 if row["verified"] else 1
+            rows.append(row)
+    finally:
+        consumer.stop()
+        node.close()
+    if args.json:
+        print(json.dumps({"results": rows}))
+    else:
+        for row in rows:
+            print("  ".join(f"{k}={v}" for k, v in row.items()))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -76,6 +76,10 @@ def _import_nixl() -> Any:
         import nixl._api as nixl_api
     except ImportError as e:
         raise TransportError(_INSTALL_HINT) from e
+    # NIXL logs every agent creation at INFO to stdout, which would mix with a
+    # program's own output; NIXL_LOG_LEVEL still overrides this.
+    if not os.environ.get("NIXL_LOG_LEVEL"):
+        logging.getLogger("nixl").setLevel(logging.WARNING)
     return nixl_api
 
 

@@ -1,0 +1,19 @@
+"""Producer (grants reads) and Consumer (fetches), engine-agnostic."""
+
+from ecshare.peer.consumer import Consumer, FetchItem
+from ecshare.peer.node import Node, start_consumer, start_producer
+from ecshare.peer.producer import Producer
+from ecshare.peer.transfer import FailureReason, FetchFailed, FetchResult, TransferState
+
+__all__ = [
+    "Consumer",
+    "FailureReason",
+    "FetchFailed",
+    "FetchItem",
+    "FetchResult",
+    "Node",
+    "Producer",
+    "TransferState",
+    "start_consumer",
+    "start_producer",
+]

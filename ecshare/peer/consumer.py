@@ -1,0 +1,586 @@
+"""The Consumer: fetches entries from producers into the local store.
+
+`fetch()` is the only call an engine makes. It is non-blocking and
+thread-safe, and returns one future per item: either a `FetchResult` (the
+entry is READY in the local store) or a `FetchFailed` with a typed reason, so
+the caller can encode locally instead.
+
+Everything else runs on the Consumer's own thread: handshakes, batched
+requests, data-plane READs, checksum checks, retries with backoff, failover
+between peers, quarantine of failing peers, heartbeats and lease renewal.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import zmq
+
+from ecshare import protocol as p
+from ecshare.config import Config
+from ecshare.control import AuthenticationFailed, ClientPool, KeyPair, LinkSettings, Waker
+from ecshare.peer.link import PeerLink, PeerLinkState
+from ecshare.peer.transfer import (
+    FailureReason,
+    FetchFailed,
+    FetchResult,
+    Transfer,
+    TransferState,
+)
+from ecshare.store import Entry, EntryExists, EntryMeta, EntryState, Store, StoreFull
+from ecshare.transport.base import DataTransport, FailureKind, ReadState, pair_segments
+
+log = logging.getLogger(__name__)
+
+# The loop never sleeps longer than this, so stop() and new work are prompt
+# even if a wake-up were lost.
+_MAX_IDLE_S = 0.1
+_LATENCY_SAMPLES = 4096
+
+
+@dataclass(frozen=True)
+class FetchItem:
+    """One item to fetch. `nbytes` (when known) scales the deadline before a grant."""
+
+    mm_hash: str
+    nbytes: int = 0
+    max_nbytes: int = 0
+    peers: tuple[str, ...] = ()
+
+
+class Consumer:
+    def __init__(
+        self,
+        store: Store,
+        config: Config,
+        *,
+        fingerprint: str,
+        transport: DataTransport,
+        keys: KeyPair | None,
+        server_public_key: bytes | None,
+        name: str = "ecshare-consumer",
+    ) -> None:
+        self._store = store
+        self._table = store.table
+        self._config = config
+        self._fingerprint = fingerprint
+        self._transport = transport
+        self._keys = keys
+        self._server_key = server_public_key
+        self._name = name
+        self._lock = threading.Lock()
+        self._incoming: collections.deque[Transfer] = collections.deque()
+        self._inflight: dict[str, Transfer] = {}  # mm_hash -> transfer (single-flight)
+        self._transfers: list[Transfer] = []  # owned by the network thread
+        self._links: dict[str, PeerLink] = {}
+        self._orphans: list[tuple[object, Entry]] = []  # reads to finish before freeing
+        self._request_ids = itertools.count(1)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._waker: Waker | None = None
+        self._pool: ClientPool | None = None
+        self._ready = threading.Event()
+        self._startup_error: BaseException | None = None
+        self.counters: Counter[str] = Counter()
+        self._counters_lock = threading.Lock()
+        self.latencies: collections.deque[float] = collections.deque(maxlen=_LATENCY_SAMPLES)
+
+    # -- engine-facing -----------------------------------------------------------------------
+
+    def fetch(
+        self, items: Sequence[str | FetchItem], peers: Sequence[str] = ()
+    ) -> list[Future[FetchResult]]:
+        """Start fetching `items` from `peers` (in preference order). Never blocks."""
+        if self._thread is None:
+            raise RuntimeError("consumer not started")
+        now = time.monotonic()
+        futures: list[Future[FetchResult]] = []
+        with self._lock:
+            for raw in items:
+                item = FetchItem(raw) if isinstance(raw, str) else raw
+                futures.append(self._start_one(item, tuple(item.peers or peers), now))
+        if self._waker is not None:
+            self._waker.wake()
+        return futures
+
+    def _start_one(
+        self, item: FetchItem, peers: tuple[str, ...], now: float
+    ) -> Future[FetchResult]:
+        running = self._inflight.get(item.mm_hash)
+        if running is not None:
+            self._count("single_flight_joins")
+            return running.future
+        future: Future[FetchResult] = Future()
+        future.set_running_or_notify_cancel()
+        entry = self._table.get(item.mm_hash)
+        if entry is not None and entry.state is EntryState.READY:
+            self._count("local_hits")
+            future.set_result(
+                FetchResult(
+                    item.mm_hash,
+                    entry.nbytes,
+                    entry.meta.dtype,
+                    tuple(entry.meta.shape),
+                    "local",
+                    0.0,
+                    0,
+                )
+            )
+            return future
+        if self._stop.is_set():
+            future.set_exception(FetchFailed(item.mm_hash, FailureReason.SHUTDOWN))
+            return future
+        if not peers:
+            future.set_exception(
+                FetchFailed(item.mm_hash, FailureReason.PEER_UNREACHABLE, "no peer named")
+            )
+            return future
+        transfer = Transfer(
+            mm_hash=item.mm_hash,
+            future=future,
+            candidates=list(dict.fromkeys(peers)),
+            started=now,
+            deadline=now + self._config.fetch_deadline_s(item.nbytes),
+            nbytes_hint=item.nbytes,
+            max_nbytes=item.max_nbytes,
+        )
+        self._inflight[item.mm_hash] = transfer
+        self._incoming.append(transfer)
+        self._count("fetches")
+        return future
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> Consumer:
+        region = self._store.region
+        self._transport.register(region.address, region.size)
+        self._thread = threading.Thread(target=self._run, name=f"{self._name}-net", daemon=True)
+        self._thread.start()
+        self._ready.wait(timeout=30)
+        if self._startup_error is not None:
+            raise self._startup_error
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._waker is not None:
+            self._waker.wake()
+        if self._thread is not None:
+            self._thread.join(timeout=self._config.shutdown_timeout_s)
+            self._thread = None
+
+    def __enter__(self) -> Consumer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._inflight)
+
+    # -- the network thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            cfg = self._config
+            self._waker = Waker()
+            self._pool = ClientPool(
+                keys=self._keys,
+                server_public_key=self._server_key,
+                insecure=cfg.insecure,
+                settings=LinkSettings(
+                    max_frame_bytes=cfg.max_frame_bytes,
+                    heartbeat_ivl_s=cfg.heartbeat_interval_s,
+                    heartbeat_timeout_s=cfg.heartbeat_timeout_s,
+                    handshake_timeout_s=cfg.handshake_timeout_s,
+                ),
+            )
+        except BaseException as exc:
+            self._startup_error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            while not self._stop.is_set():
+                self._step(self._wait())
+        except BaseException:
+            log.exception("consumer network thread failed")
+            raise
+        finally:
+            self._shutdown()
+
+    def _wait(self) -> dict[object, int]:
+        assert self._waker is not None
+        poller = zmq.Poller()
+        poller.register(self._waker, zmq.POLLIN)
+        for link in self._links.values():
+            if link.client is not None:
+                for pollable in link.client.pollables:
+                    poller.register(pollable, zmq.POLLIN)
+        now = time.monotonic()
+        wake_at = now + _MAX_IDLE_S
+        for t in self._transfers:
+            wake_at = min(wake_at, t.deadline, t.not_before if t.not_before > now else wake_at)
+            if t.state is TransferState.READING:
+                wake_at = now  # poll reads that did not finish synchronously
+        for link in self._links.values():
+            wake_at = min(wake_at, link.next_deadline(now))
+        timeout_ms = max(0, int((wake_at - now) * 1000))
+        events = dict(poller.poll(timeout_ms))
+        if self._waker in events:
+            self._waker.clear()
+        return events
+
+    def _step(self, events: dict[object, int]) -> None:
+        now = time.monotonic()
+        with self._lock:
+            while self._incoming:
+                self._transfers.append(self._incoming.popleft())
+        for link in list(self._links.values()):
+            if link.client is not None and any(s in events for s in link.client.pollables):
+                for msg in link.receive():
+                    self._on_message(link, msg, now)
+            self._check_link(link, now)
+        self._poll_reads()
+        self._poll_orphans()
+        self._dispatch(now)
+        self._expire(now)
+        for link in self._links.values():
+            link.flush_releases()
+
+    # -- peers -------------------------------------------------------------------------------
+
+    def _link(self, endpoint: str) -> PeerLink:
+        link = self._links.get(endpoint)
+        if link is None:
+            assert self._pool is not None
+            link = PeerLink(
+                endpoint,
+                config=self._config,
+                pool=self._pool,
+                transport=self._transport,
+                hello=lambda session_id: p.Hello(
+                    versions=list(p.SUPPORTED_VERSIONS),
+                    session_id=session_id,
+                    client_name=self._name,
+                    fingerprint=self._fingerprint,
+                    capabilities=list(p.LOCAL_CAPABILITIES),
+                    data_plane=p.DataPlaneInfo(
+                        kind=self._transport.kind,
+                        agent_name=self._transport.local_info().agent_name,
+                    ),
+                ),
+            )
+            self._links[endpoint] = link
+        return link
+
+    def _check_link(self, link: PeerLink, now: float) -> None:
+        try:
+            problem = link.tick(now)
+        except AuthenticationFailed as exc:
+            self._peer_failed(link, FailureReason.AUTH_FAILED, str(exc), now)
+            return
+        if problem is not None:
+            self._peer_failed(link, problem[0], problem[1], now)
+
+    def _peer_failed(self, link: PeerLink, reason: FailureReason, detail: str, now: float) -> None:
+        log.warning("peer %s failed (%s): %s", link.endpoint, reason.value, detail)
+        self._count(f"peer_failures.{reason.value}")
+        link.quarantine(now, reason)
+        for t in list(self._transfers):
+            if t.peer == link.endpoint and t.state is not TransferState.READING:
+                self._move_on(t, reason, detail)
+            elif t.peer == link.endpoint and t.state is TransferState.READING:
+                # A dead peer cannot finish the read; give its destination to the
+                # orphan list so the blocks return only once the handle settles.
+                self._abandon_read(t)
+                self._move_on(t, reason, detail)
+
+    def _on_message(self, link: PeerLink, msg: p.Message, now: float) -> None:
+        link.heard(now)
+        if isinstance(msg, p.FetchReply):
+            link.answered(msg.request_id)
+            transfers = link.pending.pop(msg.request_id, None)
+            if transfers is None:
+                # A reply we stopped waiting for: give its grants straight back.
+                self._count("late_replies")
+                link.release([i.grant_id for i in msg.items if i.grant_id])
+                return
+            by_hash = {t.mm_hash: t for t in transfers}
+            for item in msg.items:
+                t = by_hash.pop(item.mm_hash, None)
+                if t is None or t.state is not TransferState.REQUESTED:
+                    if item.grant_id:
+                        link.release([item.grant_id])
+                    continue
+                self._on_item(link, t, item, now)
+            for t in by_hash.values():  # the producer skipped an item: treat as missing
+                if t.state is TransferState.REQUESTED:
+                    self._move_on(t, FailureReason.MISSING, "not in reply")
+        elif isinstance(msg, p.Error) and msg.request_id:
+            link.answered(msg.request_id)
+            transfers = link.pending.pop(msg.request_id, None) or []
+            for t in transfers:
+                if t.state is TransferState.REQUESTED:
+                    self._move_on(t, FailureReason.PEER_UNREACHABLE, msg.message)
+        else:
+            problem = link.on_message(msg, now)
+            if problem is not None:
+                self._peer_failed(link, problem[0], problem[1], now)
+
+    # -- items -------------------------------------------------------------------------------
+
+    def _on_item(self, link: PeerLink, t: Transfer, item: p.ItemReply, now: float) -> None:
+        status = item.status
+        if status is p.ItemStatus.GRANTED:
+            t.move(TransferState.GRANTED)
+            t.grant_id = item.grant_id
+            t.nbytes = item.nbytes
+            t.dtype = item.dtype
+            t.shape = tuple(item.shape)
+            t.checksum = item.checksum
+            t.remote_extents = [(e.offset, e.length) for e in item.extents]
+            t.deadline = max(t.deadline, t.started + self._config.fetch_deadline_s(item.nbytes))
+            self._start_read(link, t)
+        elif status.retryable:
+            t.move(TransferState.QUEUED)
+            t.retries_here += 1
+            if t.retries_here > self._config.max_retries:
+                self._move_on(t, FailureReason.RETRIES_EXHAUSTED, status.value)
+                return
+            backoff = min(
+                self._config.retry_max_backoff_s,
+                self._config.retry_initial_backoff_s * (2 ** (t.retries_here - 1)),
+            )
+            t.not_before = now + max(backoff, item.retry_after_ms / 1000)
+            self._count(f"retries.{status.value}")
+        else:
+            reason = {
+                p.ItemStatus.MISSING: FailureReason.MISSING,
+                p.ItemStatus.INCOMPATIBLE: FailureReason.INCOMPATIBLE,
+                p.ItemStatus.TOO_LARGE: FailureReason.TOO_LARGE,
+            }.get(status, FailureReason.MISSING)
+            self._move_on(t, reason, item.detail or status.value)
+
+    def _start_read(self, link: PeerLink, t: Transfer) -> None:
+        region_size = link.region_size
+        total = sum(n for _, n in t.remote_extents)
+        if (
+            t.nbytes <= 0
+            or total != t.nbytes
+            or any(o < 0 or n <= 0 or o + n > region_size for o, n in t.remote_extents)
+        ):
+            # A grant we cannot trust is never read.
+            self._count("bad_grants")
+            link.release([t.grant_id])
+            self._move_on(t, FailureReason.TRANSPORT, "grant extents invalid")
+            return
+        meta = EntryMeta(dtype=t.dtype or "uint8", shape=t.shape, checksum=t.checksum)
+        try:
+            dest = self._store.allocate(t.mm_hash, t.nbytes, meta)
+        except EntryExists:
+            link.release([t.grant_id])
+            existing = self._table.get(t.mm_hash)
+            if existing is not None and existing.state is EntryState.READY:
+                t.move(TransferState.READING)
+                self._succeed(t, link.endpoint)
+            else:
+                self._move_on(t, FailureReason.LOCAL_STORE_FULL, "entry being written locally")
+            return
+        except (StoreFull, ValueError) as exc:
+            link.release([t.grant_id])
+            self._move_on(t, FailureReason.LOCAL_STORE_FULL, str(exc))
+            return
+        t.dest = dest
+        segments = pair_segments(dest.byte_extents(self._store.block_size), t.remote_extents)
+        t.move(TransferState.READING)
+        t.read_handle = self._transport.read(link.agent, segments)
+        self._count("reads_started")
+        self._poll_read(t)
+
+    def _poll_reads(self) -> None:
+        for t in list(self._transfers):
+            if t.state is TransferState.READING and t.read_handle is not None:
+                self._poll_read(t)
+
+    def _poll_read(self, t: Transfer) -> None:
+        status = self._transport.poll(t.read_handle)
+        if status.state is ReadState.PENDING:
+            return
+        self._transport.release(t.read_handle)
+        t.read_handle = None
+        link = self._links[t.candidates[t.peer_index]]
+        link.release([t.grant_id])
+        if status.state is ReadState.FAILED:
+            self._drop_dest(t)
+            if status.failure is FailureKind.PEER_DISCONNECTED:
+                self._peer_failed(
+                    link, FailureReason.PEER_UNREACHABLE, status.detail, time.monotonic()
+                )
+            self._move_on(t, FailureReason.TRANSPORT, status.detail)
+            return
+        if not self._verify(t):
+            self._drop_dest(t)
+            self._count("checksum_failures")
+            self._move_on(t, FailureReason.CHECKSUM_MISMATCH, "checksum differs")
+            return
+        self._table.commit(t.mm_hash, expect=t.dest)
+        self._count_add("fetched_bytes", t.nbytes)
+        self._succeed(t, link.endpoint)
+
+    def _verify(self, t: Transfer) -> bool:
+        if t.checksum is None or self._config.checksum == "none" or t.dest is None:
+            return True
+        return self._store.checksum(t.dest) == t.checksum
+
+    def _succeed(self, t: Transfer, peer: str) -> None:
+        t.move(TransferState.DONE)
+        latency = time.monotonic() - t.started
+        self.latencies.append(latency)
+        self._count("fetched")
+        self._finish(t)
+        t.future.set_result(
+            FetchResult(t.mm_hash, t.nbytes, t.dtype, t.shape, peer, latency, t.attempts)
+        )
+
+    def _fail(self, t: Transfer, reason: FailureReason, detail: str) -> None:
+        if t.state is TransferState.READING:
+            self._abandon_read(t)
+        t.move(TransferState.FAILED)
+        self._count(f"failed.{reason.value}")
+        self._finish(t)
+        t.future.set_exception(FetchFailed(t.mm_hash, reason, detail))
+
+    def _finish(self, t: Transfer) -> None:
+        if t in self._transfers:
+            self._transfers.remove(t)
+        with self._lock:
+            if self._inflight.get(t.mm_hash) is t:
+                del self._inflight[t.mm_hash]
+
+    def _move_on(self, t: Transfer, reason: FailureReason, detail: str) -> None:
+        """Leave the current peer: queue for the next candidate, or fail for good."""
+        if t.state in (TransferState.DONE, TransferState.FAILED):
+            return
+        if t.state is TransferState.READING:
+            self._abandon_read(t)
+        if t.next_peer(reason):
+            if t.state is not TransferState.QUEUED:
+                t.move(TransferState.QUEUED)
+            t.clear_grant()
+            self._count("failovers")
+        else:
+            self._fail(t, t.final_reason(), detail)
+
+    def _abandon_read(self, t: Transfer) -> None:
+        if t.read_handle is not None and t.dest is not None:
+            self._orphans.append((t.read_handle, t.dest))
+        elif t.dest is not None:
+            self._drop_dest(t)
+        t.read_handle = None
+        t.dest = None
+
+    def _drop_dest(self, t: Transfer) -> None:
+        if t.dest is not None:
+            self._table.abort(t.mm_hash, expect=t.dest)
+            t.dest = None
+
+    def _poll_orphans(self) -> None:
+        # The destination of an abandoned read is freed only once the data plane
+        # says the read can no longer write into it.
+        keep = []
+        for handle, dest in self._orphans:
+            if self._transport.poll(handle).state is ReadState.PENDING:
+                keep.append((handle, dest))
+                continue
+            self._transport.release(handle)
+            self._table.abort(dest.mm_hash, expect=dest)
+        self._orphans = keep
+
+    # -- dispatch and expiry -----------------------------------------------------------------
+
+    def _dispatch(self, now: float) -> None:
+        batches: dict[str, list[Transfer]] = {}
+        for t in list(self._transfers):
+            if t.state is not TransferState.QUEUED or t.not_before > now:
+                continue
+            endpoint = t.peer
+            assert endpoint is not None
+            link = self._link(endpoint)
+            if link.state is PeerLinkState.QUARANTINED:
+                self._move_on(t, link.quarantine_reason, "peer quarantined")
+                continue
+            if link.state is not PeerLinkState.READY:
+                link.connect(now)
+                continue
+            batches.setdefault(endpoint, []).append(t)
+        for endpoint, transfers in batches.items():
+            link = self._links[endpoint]
+            limit = link.max_batch_items
+            for i in range(0, len(transfers), limit):
+                chunk = transfers[i : i + limit]
+                request_id = f"r{next(self._request_ids)}"
+                for t in chunk:
+                    t.move(TransferState.REQUESTED)
+                    t.request_id = request_id
+                    t.attempts += 1
+                link.request(
+                    request_id,
+                    [p.ItemRequest(t.mm_hash, t.max_nbytes) for t in chunk],
+                    chunk,
+                    now,
+                )
+                self._count("requests")
+
+    def _expire(self, now: float) -> None:
+        for t in list(self._transfers):
+            if t.state in (TransferState.DONE, TransferState.FAILED):
+                continue
+            if now >= t.deadline:
+                link = self._links.get(t.peer or "")
+                if t.grant_id and link is not None:
+                    link.release([t.grant_id])
+                self._fail(
+                    t, FailureReason.DEADLINE, f"no data within {t.deadline - t.started:.3f} s"
+                )
+        for link in self._links.values():
+            for request_id, transfers in link.expired_requests(now):
+                for t in transfers:
+                    if t.state is TransferState.REQUESTED and t.request_id == request_id:
+                        self._move_on(t, FailureReason.PEER_UNREACHABLE, "request timed out")
+
+    def _shutdown(self) -> None:
+        for t in list(self._transfers):
+            self._fail(t, FailureReason.SHUTDOWN, "consumer stopping")
+        with self._lock:
+            stranded = list(self._incoming)
+            self._incoming.clear()
+        for t in stranded:
+            self._fail(t, FailureReason.SHUTDOWN, "consumer stopping")
+        deadline = time.monotonic() + self._config.shutdown_timeout_s
+        while self._orphans and time.monotonic() < deadline:
+            self._poll_orphans()
+            time.sleep(0.001)
+        for link in self._links.values():
+            link.close()
+        if self._pool is not None:
+            self._pool.close_all()
+        if self._waker is not None:
+            self._waker.close()
+
+    def _count(self, key: str) -> None:
+        with self._counters_lock:
+            self.counters[key] += 1
+
+    def _count_add(self, key: str, n: int) -> None:
+        with self._counters_lock:
+            self.counters[key] += n

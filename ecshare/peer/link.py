@@ -1,0 +1,222 @@
+"""A consumer's link to one producer: session, liveness and quarantine.
+
+    IDLE -> HELLO_SENT -> READY
+      ^         |          |
+      +--- QUARANTINED <---+   (auth or handshake failure, dead peer, repeated errors)
+
+Only the Consumer's network thread touches a link.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from ecshare import protocol as p
+from ecshare.config import Config
+from ecshare.control import ClientPool, ControlClient
+from ecshare.peer.transfer import FailureReason
+from ecshare.transport.base import DataTransport, PeerInfo
+
+log = logging.getLogger(__name__)
+
+Problem = tuple[FailureReason, str]
+
+
+class PeerLinkState(enum.Enum):
+    IDLE = "idle"
+    HELLO_SENT = "hello_sent"
+    READY = "ready"
+    QUARANTINED = "quarantined"
+
+
+class PeerLink:
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        config: Config,
+        pool: ClientPool,
+        transport: DataTransport,
+        hello: Callable[[str], p.Hello],
+    ) -> None:
+        self.endpoint = endpoint
+        self._config = config
+        self._pool = pool
+        self._transport = transport
+        self._hello = hello
+        self.state = PeerLinkState.IDLE
+        self.client: ControlClient | None = None
+        self.session_id = ""
+        self.agent = ""  # the producer's data-plane name, once welcomed
+        self.region_size = 0
+        self.max_batch_items = 1
+        self.quarantine_reason = FailureReason.PEER_UNREACHABLE
+        self.pending: dict[str, list[Any]] = {}  # request id -> transfers
+        self._sent_at: dict[str, float] = {}
+        self._hello_at = 0.0
+        self._last_heard = 0.0
+        self._next_ping = 0.0
+        self._ping_seq = 0
+        self._quarantined_until = 0.0
+        self._releases: list[str] = []
+
+    # -- the session -------------------------------------------------------------------------
+
+    def connect(self, now: float) -> None:
+        """Start (or restart) the handshake; a no-op unless IDLE."""
+        if self.state is not PeerLinkState.IDLE:
+            return
+        if self.client is None:
+            self.client = self._pool.get(self.endpoint)
+        self.session_id = uuid.uuid4().hex
+        self.client.send(self._hello(self.session_id))
+        self.state = PeerLinkState.HELLO_SENT
+        self._hello_at = now
+
+    def receive(self) -> list[p.Message]:
+        assert self.client is not None
+        out = []
+        for _ in range(1024):
+            msg = self.client.recv(timeout_ms=0)
+            if msg is None:
+                break
+            out.append(msg)
+        return out
+
+    def on_message(self, msg: p.Message, now: float) -> Problem | None:
+        """Session-level messages; returns a problem that should quarantine the peer."""
+        self._last_heard = now
+        if isinstance(msg, p.Welcome):
+            if self.state is not PeerLinkState.HELLO_SENT or msg.session_id != self.session_id:
+                return None  # a stale welcome from an earlier handshake
+            dp = msg.data_plane
+            if dp.kind != self._transport.kind:
+                return (FailureReason.INCOMPATIBLE, f"producer data plane is {dp.kind}")
+            try:
+                self.agent = self._transport.add_peer(
+                    PeerInfo(
+                        dp.kind, dp.agent_name, dp.agent_metadata, dp.region_address, dp.region_size
+                    )
+                )
+            except Exception as exc:  # the transport names what it rejected
+                return (FailureReason.TRANSPORT, f"cannot load producer data plane: {exc}")
+            self.region_size = dp.region_size
+            self.max_batch_items = max(1, min(msg.max_batch_items, self._config.max_batch_items))
+            self.state = PeerLinkState.READY
+            self._next_ping = now + self._config.heartbeat_interval_s
+            return None
+        if isinstance(msg, p.HeartbeatAck | p.Released | p.Renewed):
+            return None
+        if isinstance(msg, p.Error):
+            if msg.code in (p.ErrorCode.VERSION_MISMATCH, p.ErrorCode.FINGERPRINT_MISMATCH):
+                return (FailureReason.INCOMPATIBLE, msg.message)
+            if msg.code is p.ErrorCode.NO_SESSION:
+                # The producer restarted or expired us: a new handshake, same link.
+                log.info("producer %s lost our session; saying hello again", self.endpoint)
+                self.state = PeerLinkState.IDLE
+                return None
+            return (FailureReason.PEER_UNREACHABLE, f"{msg.code.value}: {msg.message}")
+        return None
+
+    def tick(self, now: float) -> Problem | None:
+        """Timers: quarantine end, handshake timeout, heartbeats, liveness."""
+        if self.state is PeerLinkState.QUARANTINED:
+            if now >= self._quarantined_until:
+                self.state = PeerLinkState.IDLE
+            return None
+        if self.client is not None:
+            self.client.check()  # raises AuthenticationFailed with the reason
+        cfg = self._config
+        if (
+            self.state is PeerLinkState.HELLO_SENT
+            and now - self._hello_at > cfg.handshake_timeout_s
+        ):
+            return (
+                FailureReason.PEER_UNREACHABLE,
+                f"no welcome within {cfg.handshake_timeout_s} s",
+            )
+        if self.state is PeerLinkState.READY:
+            if now - self._last_heard > cfg.heartbeat_timeout_s:
+                return (FailureReason.PEER_UNREACHABLE, f"silent for {cfg.heartbeat_timeout_s} s")
+            if now >= self._next_ping:
+                assert self.client is not None
+                self._ping_seq += 1
+                self.client.send(p.Heartbeat(session_id=self.session_id, seq=self._ping_seq))
+                self._next_ping = now + cfg.heartbeat_interval_s
+        return None
+
+    def next_deadline(self, now: float) -> float:
+        if self.state is PeerLinkState.QUARANTINED:
+            return self._quarantined_until
+        if self.state is PeerLinkState.HELLO_SENT:
+            return self._hello_at + self._config.handshake_timeout_s
+        if self.state is PeerLinkState.READY:
+            soonest = min(self._next_ping, self._last_heard + self._config.heartbeat_timeout_s)
+            for sent in self._sent_at.values():
+                soonest = min(soonest, sent + self._config.request_timeout_s)
+            return soonest
+        return now + 1.0
+
+    def quarantine(self, now: float, reason: FailureReason) -> None:
+        self.quarantine_reason = reason
+        self.state = PeerLinkState.QUARANTINED
+        self._quarantined_until = now + self._config.quarantine_s
+        self.pending.clear()
+        self._sent_at.clear()
+        self._releases.clear()  # the producer frees them with the session
+        self.close()
+
+    def close(self) -> None:
+        if self.client is not None:
+            if self.session_id and self.state is PeerLinkState.READY:
+                self.client.send(p.Bye(session_id=self.session_id))
+            self._pool.close(self.endpoint)
+            self.client = None
+        if self.agent:
+            self._transport.remove_peer(self.agent)
+            self.agent = ""
+        if self.state is not PeerLinkState.QUARANTINED:
+            self.state = PeerLinkState.IDLE
+
+    # -- requests and grants -----------------------------------------------------------------
+
+    def request(
+        self, request_id: str, items: list[p.ItemRequest], transfers: list[Any], now: float
+    ) -> None:
+        assert self.client is not None and self.state is PeerLinkState.READY
+        self.pending[request_id] = transfers
+        self._sent_at[request_id] = now
+        self.client.send(
+            p.FetchRequest(session_id=self.session_id, request_id=request_id, items=items)
+        )
+
+    def expired_requests(self, now: float) -> list[tuple[str, list[Any]]]:
+        timeout = self._config.request_timeout_s
+        expired = [rid for rid, sent in self._sent_at.items() if now - sent > timeout]
+        out = []
+        for rid in expired:
+            del self._sent_at[rid]
+            out.append((rid, self.pending.pop(rid, [])))
+        return out
+
+    def heard(self, now: float) -> None:
+        self._last_heard = now
+
+    def answered(self, request_id: str) -> None:
+        self._sent_at.pop(request_id, None)
+
+    def release(self, grant_ids: list[str]) -> None:
+        self._releases.extend(g for g in grant_ids if g)
+
+    def flush_releases(self) -> None:
+        if not self._releases or self.client is None or self.state is not PeerLinkState.READY:
+            return
+        batch, self._releases = self._releases, []
+        for i in range(0, len(batch), p.MAX_BATCH_ITEMS):
+            self.client.send(
+                p.Release(session_id=self.session_id, grant_ids=batch[i : i + p.MAX_BATCH_ITEMS])
+            )

@@ -1,0 +1,135 @@
+"""Wiring from one `Config` to a running Producer or Consumer.
+
+A node owns its region, store and transport, so that an engine (or the CLI)
+needs one call to start sharing and one to stop.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass
+
+from ecshare.config import Config
+from ecshare.control import KeyPair, load_authorized_keys, load_keypair, load_public_key
+from ecshare.control.errors import ControlConfigError
+from ecshare.peer.consumer import Consumer
+from ecshare.peer.producer import Producer
+from ecshare.store import Region, Store
+from ecshare.transport.base import DataTransport
+
+
+def producer_keys(config: Config) -> tuple[KeyPair | None, frozenset[bytes]]:
+    """The server key pair and client allow-list, or (None, empty) when insecure."""
+    if config.insecure:
+        return None, frozenset()
+    if not config.server_secret_key_file:
+        raise ControlConfigError(
+            "server_secret_key_file: a producer needs a CURVE key pair "
+            "(create one with `ecshare keys generate DIR --name producer`), "
+            "or set insecure=true to run unauthenticated"
+        )
+    keys = load_keypair(config.server_secret_key_file)
+    authorized = load_authorized_keys(config.authorized_keys_file, config.authorized_keys)
+    if not authorized:
+        raise ControlConfigError(
+            "authorized_keys_file / authorized_keys: a producer admits only listed client "
+            "public keys, and none are listed"
+        )
+    return keys, authorized
+
+
+def consumer_keys(config: Config) -> tuple[KeyPair | None, bytes | None]:
+    """The client key pair and the producers' public key, or (None, None) when insecure."""
+    if config.insecure:
+        return None, None
+    if not config.client_secret_key_file:
+        raise ControlConfigError(
+            "client_secret_key_file: a consumer needs a CURVE key pair "
+            "(create one with `ecshare keys generate DIR --name consumer`), "
+            "or set insecure=true to run unauthenticated"
+        )
+    keys = load_keypair(config.client_secret_key_file)
+    source = config.server_public_key or config.server_public_key_file
+    if not source:
+        raise ControlConfigError(
+            "server_public_key / server_public_key_file: a consumer must know the producers' "
+            "public key to authenticate them"
+        )
+    return keys, load_public_key(source)
+
+
+def make_transport(config: Config, name: str) -> DataTransport:
+    from ecshare.transport.nixl import NixlTransport
+
+    ucx_env = {}
+    if config.ucx_tls:
+        ucx_env["UCX_TLS"] = config.ucx_tls
+    if config.ucx_net_devices:
+        ucx_env["UCX_NET_DEVICES"] = config.ucx_net_devices
+    return NixlTransport(
+        name,
+        backends=tuple(config.nixl_backends),
+        progress_thread=config.nixl_progress_thread,
+        ucx_env=ucx_env,
+    )
+
+
+def node_name(config: Config, role: str) -> str:
+    base = config.instance_name or f"ecshare-{os.getpid()}"
+    # Agent names must be unique per process lifetime: a restarted producer
+    # under the same instance name is a new agent to its peers' transports.
+    return f"{base}-{role}-{uuid.uuid4().hex[:8]}"
+
+
+@dataclass
+class Node:
+    """A region, its store and a transport: what a Producer or Consumer stands on."""
+
+    config: Config
+    region: Region
+    store: Store
+    transport: DataTransport
+
+    @classmethod
+    def create(cls, config: Config, role: str) -> Node:
+        region = Region.create(
+            config.region_bytes, name=f"ecshare-{role}", prefault=config.prefault
+        )
+        try:
+            store = Store(region, config.block_bytes)
+            transport = make_transport(config, node_name(config, role))
+        except BaseException:
+            region.close()
+            raise
+        return cls(config, region, store, transport)
+
+    def close(self) -> None:
+        self.transport.close()
+        self.region.close()
+
+
+def start_producer(node: Node, *, fingerprint: str, name: str = "") -> Producer:
+    keys, authorized = producer_keys(node.config)
+    return Producer(
+        node.store,
+        node.config,
+        fingerprint=fingerprint,
+        transport=node.transport,
+        keys=keys,
+        authorized=authorized,
+        name=name or node_name(node.config, "producer"),
+    ).start()
+
+
+def start_consumer(node: Node, *, fingerprint: str, name: str = "") -> Consumer:
+    keys, server_key = consumer_keys(node.config)
+    return Consumer(
+        node.store,
+        node.config,
+        fingerprint=fingerprint,
+        transport=node.transport,
+        keys=keys,
+        server_public_key=server_key,
+        name=name or node_name(node.config, "consumer"),
+    ).start()

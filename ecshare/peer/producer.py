@@ -1,0 +1,448 @@
+"""The Producer: grants authenticated consumers reads of READY entries.
+
+All network work runs on the Producer's own thread, which blocks in a ZMQ
+poll and answers within microseconds whatever the engine is doing. The engine
+only writes entries into the shared `Store`; nothing here blocks it.
+
+A grant pins one entry under (session, grant id). It ends on the consumer's
+Release, on the session ending (Bye, or heartbeats stopping), or on lease
+expiry, whichever comes first, and a block is never reused while a grant on
+its entry may still be read.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+
+import zmq
+
+from ecshare import protocol as p
+from ecshare.config import Config
+from ecshare.control import ControlServer, KeyPair, Waker
+from ecshare.store import EntryState, NotFound, NotReady, Store, StoreError
+from ecshare.transport.base import DataTransport, PeerInfo
+
+log = logging.getLogger(__name__)
+
+# Cached replies per session, so that a duplicate FetchRequest (a retry after a
+# lost reply) returns the same grants instead of pinning again.
+_REPLY_CACHE_PER_SESSION = 256
+# While grants are outstanding the data plane may need target-side progress
+# (UCX over TCP does); between grants the thread sleeps in poll.
+_ACTIVE_POLL_S = 0.0002
+
+
+@dataclass(eq=False)
+class _Session:
+    session_id: str
+    user: str  # the authenticated CURVE public key (Z85); "" when insecure
+    route: bytes
+    client_name: str
+    agent_name: str
+    version: int
+    last_seen: float
+    grants: dict[str, str] = field(default_factory=dict)  # grant id -> mm_hash
+    replies: OrderedDict[str, p.FetchReply] = field(default_factory=OrderedDict)
+
+
+class Producer:
+    """Serves grants on `config.listen_host:listen_port` from its own thread."""
+
+    def __init__(
+        self,
+        store: Store,
+        config: Config,
+        *,
+        fingerprint: str,
+        transport: DataTransport,
+        keys: KeyPair | None,
+        authorized: frozenset[bytes],
+        name: str = "ecshare-producer",
+    ) -> None:
+        self._store = store
+        self._table = store.table
+        self._config = config
+        self._fingerprint = fingerprint
+        self._transport = transport
+        self._keys = keys
+        self._authorized = authorized
+        self._name = name
+        self._sessions: dict[str, _Session] = {}
+        self._grant_ids = itertools.count(1)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._server: ControlServer | None = None
+        self._waker: Waker | None = None
+        self._ready = threading.Event()
+        self._startup_error: BaseException | None = None
+        self._lock = threading.Lock()  # guards `counters` and the session snapshot
+        self.counters: Counter[str] = Counter()
+        self._counters_lock = threading.Lock()
+        self.started_at = time.time()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> Producer:
+        region = self._store.region
+        self._transport.register(region.address, region.size)
+        self._thread = threading.Thread(target=self._run, name=f"{self._name}-net", daemon=True)
+        self._thread.start()
+        self._ready.wait(timeout=30)
+        if self._startup_error is not None:
+            raise self._startup_error
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._waker is not None:
+            self._waker.wake()
+        if self._thread is not None:
+            self._thread.join(timeout=self._config.shutdown_timeout_s)
+            self._thread = None
+        # Every grant ends with the producer.
+        for session in list(self._sessions.values()):
+            self._end_session(session, "shutdown")
+
+    def __enter__(self) -> Producer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def port(self) -> int:
+        assert self._server is not None, "producer not started"
+        return self._server.port
+
+    @property
+    def address(self) -> str:
+        """The endpoint consumers connect to (the advertised host)."""
+        host = self._config.advertise_host or self._config.listen_host
+        return f"tcp://{host}:{self.port}"
+
+    @property
+    def fingerprint(self) -> str:
+        return self._fingerprint
+
+    def session_count(self) -> int:
+        with self._lock:
+            return len(self._sessions)
+
+    def active_grants(self) -> int:
+        with self._lock:
+            return sum(len(s.grants) for s in self._sessions.values())
+
+    # -- the network thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            cfg = self._config
+            self._server = ControlServer(
+                host=cfg.listen_host,
+                port=cfg.listen_port,
+                keys=self._keys,
+                authorized=self._authorized,
+                insecure=cfg.insecure,
+                max_frame_bytes=cfg.max_frame_bytes,
+                heartbeat_ivl_s=cfg.heartbeat_interval_s,
+                heartbeat_timeout_s=cfg.heartbeat_timeout_s,
+                handshake_timeout_s=cfg.handshake_timeout_s,
+                name=f"{self._name} control server",
+            )
+            self._waker = Waker()
+        except BaseException as exc:  # reported to start()'s caller
+            self._startup_error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        poller = zmq.Poller()
+        for pollable in self._server.pollables:
+            poller.register(pollable, zmq.POLLIN)
+        poller.register(self._waker, zmq.POLLIN)
+        next_reap = 0.0
+        try:
+            while not self._stop.is_set():
+                active = bool(self.active_grants())
+                timeout_ms = 0 if active else int(cfg.reap_interval_s * 1000)
+                events = dict(poller.poll(timeout_ms))
+                if self._waker in events:
+                    self._waker.clear()
+                if events:
+                    self._drain()
+                for agent, note in self._transport.progress():
+                    self._on_notification(agent, note)
+                now = time.monotonic()
+                if now >= next_reap:
+                    self._reap(now)
+                    next_reap = now + cfg.reap_interval_s
+                if active and not events:
+                    time.sleep(_ACTIVE_POLL_S)
+        except BaseException:
+            log.exception("producer network thread failed")
+            raise
+        finally:
+            self._server.close()
+            self._waker.close()
+
+    def _drain(self) -> None:
+        assert self._server is not None
+        for _ in range(1024):  # bounded, so reaping is never starved
+            inbound = self._server.recv(timeout_ms=0)
+            if inbound is None:
+                return
+            try:
+                reply = self._handle(inbound.peer, inbound.user, inbound.message)
+            except StoreError as exc:  # a bug, not the peer's fault: answer, count, go on
+                log.exception("store error while serving %s", type(inbound.message).__name__)
+                self._count("internal_error")
+                reply = p.Error(code=p.ErrorCode.INTERNAL, message=str(exc)[:4000])
+            if reply is not None:
+                self._server.send(inbound.peer, reply)
+
+    # -- messages ----------------------------------------------------------------------------
+
+    def _handle(self, route: bytes, user: str, msg: p.Message) -> p.Message | None:
+        if isinstance(msg, p.Hello):
+            return self._on_hello(route, user, msg)
+        session_id = getattr(msg, "session_id", None)
+        session = self._sessions.get(session_id) if session_id else None
+        # A session belongs to the key that opened it: another authenticated
+        # peer naming it is told it does not exist, and nothing changes.
+        if session is None or session.user != user:
+            self._count("no_session")
+            return p.Error(code=p.ErrorCode.NO_SESSION, message="unknown session; say hello")
+        session.last_seen = time.monotonic()
+        session.route = route
+        if isinstance(msg, p.FetchRequest):
+            return self._on_fetch(session, msg)
+        if isinstance(msg, p.Release):
+            return p.Released(released=self._release(session, msg.grant_ids))
+        if isinstance(msg, p.Renew):
+            return self._on_renew(session, msg)
+        if isinstance(msg, p.Heartbeat):
+            return p.HeartbeatAck(seq=msg.seq)
+        if isinstance(msg, p.Bye):
+            self._end_session(session, "bye")
+            return None
+        self._count("unexpected_message")
+        return None
+
+    def _on_hello(self, route: bytes, user: str, msg: p.Hello) -> p.Message:
+        cfg = self._config
+        version = p.negotiate_version(msg.versions)
+        if version is None:
+            self._count("refused_version")
+            return p.Error(
+                code=p.ErrorCode.VERSION_MISMATCH,
+                message=f"no common protocol version: peer speaks {msg.versions}, "
+                f"this producer speaks {list(p.SUPPORTED_VERSIONS)}",
+            )
+        if msg.fingerprint != self._fingerprint:
+            self._count("refused_fingerprint")
+            return p.Error(
+                code=p.ErrorCode.FINGERPRINT_MISMATCH,
+                message=f"compatibility fingerprint differs (producer {self._fingerprint}, "
+                f"consumer {msg.fingerprint}): different model, revision, encoder config "
+                "or dtype",
+            )
+        existing = self._sessions.get(msg.session_id)
+        if existing is not None and existing.user != user:
+            self._count("no_session")
+            return p.Error(code=p.ErrorCode.NO_SESSION, message="session id in use")
+        if existing is None:
+            if len(self._sessions) >= cfg.max_sessions:
+                self._count("refused_sessions")
+                return p.Error(
+                    code=p.ErrorCode.TOO_MANY_SESSIONS,
+                    message=f"producer holds its maximum of {cfg.max_sessions} sessions",
+                )
+            agent = msg.data_plane.agent_name if msg.data_plane else ""
+            with self._lock:
+                self._sessions[msg.session_id] = _Session(
+                    session_id=msg.session_id,
+                    user=user,
+                    route=route,
+                    client_name=msg.client_name,
+                    agent_name=agent,
+                    version=version,
+                    last_seen=time.monotonic(),
+                )
+            self._count("sessions_opened")
+        else:
+            existing.route = route
+            existing.last_seen = time.monotonic()
+        info: PeerInfo = self._transport.local_info()
+        return p.Welcome(
+            version=version,
+            session_id=msg.session_id,
+            server_name=self._name,
+            capabilities=p.negotiate_capabilities(msg.capabilities),
+            lease_ms=int(cfg.lease_s * 1000),
+            heartbeat_ms=int(cfg.heartbeat_interval_s * 1000),
+            max_batch_items=min(cfg.max_batch_items, p.MAX_BATCH_ITEMS),
+            data_plane=p.DataPlaneInfo(
+                kind=info.kind,
+                agent_name=info.agent_name,
+                agent_metadata=info.agent_metadata,
+                region_address=info.region_address,
+                region_size=info.region_size,
+            ),
+        )
+
+    def _on_fetch(self, session: _Session, msg: p.FetchRequest) -> p.Message:
+        cfg = self._config
+        cached = session.replies.get(msg.request_id)
+        if cached is not None:
+            # The same attempt again: same grants, leases renewed, nothing pinned twice.
+            self._count("duplicate_requests")
+            for item in cached.items:
+                if item.grant_id:
+                    self._table.renew(session.session_id, item.grant_id, cfg.lease_s)
+            return cached
+        if len(msg.items) > cfg.max_batch_items:
+            self._count("refused_batch")
+            return p.Error(
+                code=p.ErrorCode.BATCH_TOO_LARGE,
+                message=f"{len(msg.items)} items, limit {cfg.max_batch_items}",
+                request_id=msg.request_id,
+            )
+        items = [self._grant_one(session, req) for req in msg.items]
+        reply = p.FetchReply(request_id=msg.request_id, items=items)
+        session.replies[msg.request_id] = reply
+        while len(session.replies) > _REPLY_CACHE_PER_SESSION:
+            session.replies.popitem(last=False)
+        return reply
+
+    def _grant_one(self, session: _Session, req: p.ItemRequest) -> p.ItemReply:
+        cfg = self._config
+        entry = self._table.get(req.mm_hash)
+        if entry is None or entry.state in (EntryState.EVICTING, EntryState.FREED):
+            self._count("refused_missing")
+            return p.ItemReply(mm_hash=req.mm_hash, status=p.ItemStatus.MISSING)
+        if entry.state is EntryState.ALLOCATED:
+            self._count("refused_not_ready")
+            return p.ItemReply(
+                mm_hash=req.mm_hash,
+                status=p.ItemStatus.NOT_READY,
+                retry_after_ms=int(cfg.retry_initial_backoff_s * 1000),
+            )
+        if req.max_nbytes and entry.nbytes > req.max_nbytes:
+            self._count("refused_too_large")
+            return p.ItemReply(
+                mm_hash=req.mm_hash,
+                status=p.ItemStatus.TOO_LARGE,
+                nbytes=entry.nbytes,
+                detail=f"{entry.nbytes} bytes > {req.max_nbytes}",
+            )
+        if len(session.grants) >= cfg.max_grants_per_session:
+            self._count("refused_overloaded")
+            return p.ItemReply(
+                mm_hash=req.mm_hash,
+                status=p.ItemStatus.OVERLOADED,
+                retry_after_ms=int(cfg.retry_max_backoff_s * 1000),
+            )
+        grant_id = f"g{next(self._grant_ids)}"
+        try:
+            self._table.pin(req.mm_hash, session.session_id, grant_id, cfg.lease_s)
+        except NotReady:
+            self._count("refused_not_ready")
+            return p.ItemReply(mm_hash=req.mm_hash, status=p.ItemStatus.NOT_READY)
+        except NotFound:
+            self._count("refused_missing")
+            return p.ItemReply(mm_hash=req.mm_hash, status=p.ItemStatus.MISSING)
+        # Re-read under the pin: the entry cannot change or move from here on.
+        pinned = self._table.pinned_entry(session.session_id, grant_id)
+        assert pinned is not None
+        with self._lock:
+            session.grants[grant_id] = req.mm_hash
+        self._count("granted")
+        self._add("granted_bytes", pinned.nbytes)
+        return p.ItemReply(
+            mm_hash=req.mm_hash,
+            status=p.ItemStatus.GRANTED,
+            grant_id=grant_id,
+            extents=[p.Extent(o, n) for o, n in pinned.byte_extents(self._store.block_size)],
+            nbytes=pinned.nbytes,
+            dtype=pinned.meta.dtype,
+            shape=list(pinned.meta.shape),
+            checksum=pinned.meta.checksum,
+            lease_ms=int(cfg.lease_s * 1000),
+        )
+
+    def _on_renew(self, session: _Session, msg: p.Renew) -> p.Message:
+        lease_s = self._config.lease_s
+        renewed = [
+            g
+            for g in msg.grant_ids
+            if g in session.grants and self._table.renew(session.session_id, g, lease_s)
+        ]
+        self._add("renewed", len(renewed))
+        return p.Renewed(renewed=renewed, lease_ms=int(lease_s * 1000))
+
+    def _release(self, session: _Session, grant_ids: list[str]) -> list[str]:
+        released = []
+        for grant_id in grant_ids:
+            if grant_id not in session.grants:
+                continue  # another session's grant, or already released: no effect
+            with self._lock:
+                del session.grants[grant_id]
+            if self._table.unpin(session.session_id, grant_id):
+                released.append(grant_id)
+        self._add("released", len(released))
+        return released
+
+    def _on_notification(self, agent: str, note: bytes) -> None:
+        # A data-plane completion notice "<session>:<grant>" counts only from
+        # the agent that session announced, so forged notices do nothing.
+        try:
+            session_id, grant_id = note.decode("ascii").split(":", 1)
+        except (UnicodeDecodeError, ValueError):
+            self._count("bad_notifications")
+            return
+        session = self._sessions.get(session_id)
+        if session is None or not session.agent_name or session.agent_name != agent:
+            self._count("bad_notifications")
+            return
+        self._release(session, [grant_id])
+
+    # -- expiry ------------------------------------------------------------------------------
+
+    def _reap(self, now: float) -> None:
+        for owner, grant_id in self._table.reap_expired():
+            session = self._sessions.get(owner)
+            if session is not None:
+                with self._lock:
+                    session.grants.pop(grant_id, None)
+            self._count("leases_expired")
+        dead_after = self._config.heartbeat_timeout_s
+        for session in list(self._sessions.values()):
+            if now - session.last_seen > dead_after:
+                self._end_session(session, "heartbeat timeout")
+
+    def _end_session(self, session: _Session, why: str) -> None:
+        released = self._table.unpin_owner(session.session_id)
+        with self._lock:
+            self._sessions.pop(session.session_id, None)
+            session.grants.clear()
+        self._count("sessions_closed")
+        if released:
+            log.info(
+                "session %s (%s) ended (%s): %d grants released",
+                session.session_id,
+                session.client_name,
+                why,
+                released,
+            )
+
+    def _count(self, key: str) -> None:
+        with self._counters_lock:
+            self.counters[key] += 1
+
+    def _add(self, key: str, n: int) -> None:
+        with self._counters_lock:
+            self.counters[key] += n

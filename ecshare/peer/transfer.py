@@ -1,0 +1,161 @@
+"""One item's fetch, as an explicit state machine.
+
+    QUEUED -> REQUESTED -> GRANTED -> READING -> DONE
+       ^          |           |          |
+       +----------+-----------+----------+   (retry or fail over to another peer)
+    any state -> FAILED(reason)
+
+Every transition goes through `Transfer.move`, which refuses illegal ones and
+counts legal ones, so a reader never has to infer state from which fields
+happen to be set.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Final
+
+from ecshare.store import Entry
+
+
+class TransferState(enum.Enum):
+    QUEUED = "queued"  # waiting for a peer session, a batch, or a backoff
+    REQUESTED = "requested"  # in a FetchRequest on the wire
+    GRANTED = "granted"  # the producer pinned it; destination not yet read
+    READING = "reading"  # the data-plane READ is in flight
+    DONE = "done"
+    FAILED = "failed"
+
+
+_LEGAL: Final[dict[TransferState, frozenset[TransferState]]] = {
+    TransferState.QUEUED: frozenset({TransferState.REQUESTED, TransferState.FAILED}),
+    TransferState.REQUESTED: frozenset(
+        {TransferState.GRANTED, TransferState.QUEUED, TransferState.FAILED}
+    ),
+    TransferState.GRANTED: frozenset(
+        {TransferState.READING, TransferState.QUEUED, TransferState.FAILED}
+    ),
+    TransferState.READING: frozenset(
+        {TransferState.DONE, TransferState.QUEUED, TransferState.FAILED}
+    ),
+    TransferState.DONE: frozenset(),
+    TransferState.FAILED: frozenset(),
+}
+
+
+class FailureReason(enum.Enum):
+    """Why a fetch ended without data; every one means "encode it locally"."""
+
+    MISSING = "missing"  # no peer holds the item
+    INCOMPATIBLE = "incompatible"  # peers hold it for another model/config
+    TOO_LARGE = "too_large"  # larger than the caller accepts
+    PEER_UNREACHABLE = "peer_unreachable"  # no live, authenticated peer to ask
+    AUTH_FAILED = "auth_failed"  # a peer refused our key, or we its key
+    DEADLINE = "deadline"  # the item's deadline passed
+    CHECKSUM_MISMATCH = "checksum_mismatch"  # every copy read was corrupt
+    LOCAL_STORE_FULL = "local_store_full"  # no room here, even after eviction
+    TRANSPORT = "transport"  # the data plane failed on every peer tried
+    RETRIES_EXHAUSTED = "retries_exhausted"  # peers stayed busy or not ready
+    SHUTDOWN = "shutdown"  # the consumer is stopping
+
+
+class IllegalTransition(RuntimeError):
+    pass
+
+
+class FetchFailed(Exception):
+    """The final, typed outcome of a fetch that delivered no data."""
+
+    def __init__(self, mm_hash: str, reason: FailureReason, detail: str = "") -> None:
+        super().__init__(
+            f"fetch of {mm_hash} failed: {reason.value}" + (f": {detail}" if detail else "")
+        )
+        self.mm_hash = mm_hash
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class FetchResult:
+    mm_hash: str
+    nbytes: int
+    dtype: str
+    shape: tuple[int, ...]
+    peer: str  # the endpoint the bytes came from, or "local"
+    latency_s: float
+    attempts: int
+
+
+# Transition counts across all transfers of the process, for metrics.
+TRANSITIONS: Counter[tuple[TransferState, TransferState]] = Counter()
+
+
+@dataclass(eq=False)
+class Transfer:
+    mm_hash: str
+    future: Future[FetchResult]
+    candidates: list[str]  # peer endpoints, in preference order
+    started: float
+    deadline: float
+    nbytes_hint: int = 0
+    max_nbytes: int = 0
+    state: TransferState = TransferState.QUEUED
+    peer_index: int = 0
+    attempts: int = 0  # requests sent, over all peers
+    retries_here: int = 0  # retryable refusals from the current peer
+    not_before: float = 0.0  # backoff: do not request before this time
+    request_id: str = ""
+    grant_id: str = ""
+    nbytes: int = 0
+    dtype: str = ""
+    shape: tuple[int, ...] = ()
+    checksum: int | None = None
+    remote_extents: list[tuple[int, int]] = field(default_factory=list)
+    read_handle: object | None = None
+    dest: Entry | None = None  # the local entry being written
+    reasons: list[FailureReason] = field(default_factory=list)  # per failed peer
+
+    @property
+    def peer(self) -> str | None:
+        if self.peer_index < len(self.candidates):
+            return self.candidates[self.peer_index]
+        return None
+
+    def move(self, new: TransferState) -> None:
+        if new not in _LEGAL[self.state]:
+            raise IllegalTransition(f"{self.mm_hash}: {self.state.value} -> {new.value}")
+        TRANSITIONS[(self.state, new)] += 1
+        self.state = new
+
+    def clear_grant(self) -> None:
+        self.request_id = ""
+        self.grant_id = ""
+        self.remote_extents = []
+        self.read_handle = None
+
+    def next_peer(self, reason: FailureReason) -> bool:
+        """Give up on the current peer; True when another candidate remains."""
+        self.reasons.append(reason)
+        self.peer_index += 1
+        self.retries_here = 0
+        self.not_before = 0.0
+        return self.peer is not None
+
+    def final_reason(self) -> FailureReason:
+        """The most telling reason among the peers tried."""
+        for preferred in (
+            FailureReason.CHECKSUM_MISMATCH,
+            FailureReason.INCOMPATIBLE,
+            FailureReason.TOO_LARGE,
+            FailureReason.AUTH_FAILED,
+            FailureReason.TRANSPORT,
+            FailureReason.RETRIES_EXHAUSTED,
+            FailureReason.PEER_UNREACHABLE,
+            FailureReason.LOCAL_STORE_FULL,
+        ):
+            if preferred in self.reasons:
+                return preferred
+        return FailureReason.MISSING if self.reasons else FailureReason.PEER_UNREACHABLE
