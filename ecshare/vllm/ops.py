@@ -1,0 +1,90 @@
+"""What the scheduler side tells workers, and what workers report back.
+
+These travel inside vLLM's scheduler output and model runner output, so they
+are plain picklable values: region-relative extents, never pointers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgspec
+
+from ecshare.store import RegionHandle
+
+
+class TransferParam(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a consumer fetches one mm_hash: the `ec_transfer_params` of one item.
+
+    It names a producer endpoint and what the entry is, never a memory address
+    or data-plane metadata; those are exchanged only after authentication.
+    """
+
+    peer: str
+    fingerprint: str
+    nbytes: int
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SaveOp:
+    """Copy the encoder output of `mm_hash` into these region extents."""
+
+    mm_hash: str
+    extents: tuple[tuple[int, int], ...]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class LoadOp:
+    """Build the encoder cache entry of `mm_hash` from these region extents."""
+
+    mm_hash: str
+    extents: tuple[tuple[int, int], ...]
+    nbytes: int
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass
+class StepPlan:
+    """One step's work for the workers (the connector metadata's payload)."""
+
+    region: RegionHandle | None
+    saves: dict[str, SaveOp] = field(default_factory=dict)
+    loads: list[LoadOp] = field(default_factory=list)
+
+
+@dataclass
+class StepReport:
+    """One step's results from the workers, merged across workers."""
+
+    saved: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)  # dtype, shape
+    save_failed: dict[str, str] = field(default_factory=dict)
+    loaded: set[str] = field(default_factory=set)
+    load_failed: dict[str, str] = field(default_factory=dict)
+    counters: dict[str, float] = field(default_factory=dict)
+
+    def merge(self, other: StepReport) -> StepReport:
+        counters = dict(self.counters)
+        for key, value in other.counters.items():
+            counters[key] = counters.get(key, 0) + value
+        return StepReport(
+            saved={**self.saved, **other.saved},
+            save_failed={**self.save_failed, **other.save_failed},
+            loaded=self.loaded | other.loaded,
+            load_failed={**self.load_failed, **other.load_failed},
+            counters=counters,
+        )
+
+    def empty(self) -> bool:
+        return not (self.saved or self.save_failed or self.loaded or self.load_failed)
+
+
+def decode_param(raw: object) -> TransferParam | None:
+    """One item's params from a request; None when absent or malformed (then encode locally)."""
+    try:
+        return msgspec.convert(raw, TransferParam, strict=False)
+    except (msgspec.ValidationError, TypeError):
+        return None
