@@ -1,0 +1,11 @@
+"""`python -m ecshare.config`: print, write or check the README's config reference.
+
+Only an entry point; the work is `ecshare.config.reference.main`.
+"""
+
+import sys
+
+from ecshare.config.reference import main
+
+if __name__ == "__main__":
+    sys.exit(main())

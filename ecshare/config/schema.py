@@ -1,0 +1,475 @@
+"""The `Config` Struct: every key an ecshare instance takes, and the rules across keys.
+
+Each field's annotation is its whole specification: type, bounds and description, from which
+fields.py derives the checks and reference.py the README. `Config.__post_init__` runs every
+field check and every cross-field `_Rule` in `_RULES`, so an invalid `Config` cannot exist;
+`from_dict`, `from_env` and `merged` decode into it through decode.py. Loading from all
+sources at once is in sources.py.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from typing import Annotated, Any, Literal, NamedTuple
+
+import msgspec
+from msgspec import Meta
+
+from ecshare.config.decode import _build, _checked_keys, _values_from_env
+from ecshare.config.errors import ConfigError, _show
+from ecshare.config.fields import (
+    ENV_PREFIX,
+    GiB,
+    KiB,
+    MiB,
+    TiB,
+    Z85Key,
+    _Field,
+    struct_field_map,
+    struct_fields,
+)
+
+Seconds = float
+_WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "*", "[::]"})
+
+
+class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Everything an ecshare instance can be told; the package docstring lists the sources."""
+
+    # --- region -------------------------------------------------------------------------------
+    region_bytes: Annotated[
+        int,
+        Meta(
+            ge=MiB,
+            le=TiB,
+            description="Size of this instance's shared-memory region, which caches encoder "
+            "outputs.",
+        ),
+    ] = GiB
+    block_bytes: Annotated[
+        int,
+        Meta(
+            ge=4 * KiB,
+            le=16 * MiB,
+            extra={"power_of_two": True},
+            description="Allocation unit of the region; an entry occupies whole blocks.",
+        ),
+    ] = 64 * KiB
+    prefault: Annotated[
+        bool,
+        Meta(
+            description="Touch every page of the region at start-up, so that the first "
+            "transfers do not pay for page faults (commits the memory up front)."
+        ),
+    ] = True
+
+    # --- control plane ------------------------------------------------------------------------
+    listen_host: Annotated[
+        str,
+        Meta(
+            min_length=1,
+            description="Address the control-plane server binds to. A wildcard (0.0.0.0, ::) "
+            "accepts peers from other hosts and then needs advertise_host.",
+        ),
+    ] = "127.0.0.1"
+    listen_port: Annotated[
+        int,
+        Meta(
+            ge=0,
+            le=65535,
+            description="TCP port of the control-plane server. 0 picks a free port, and the "
+            "port actually bound is the one advertised, so that several instances can share "
+            "a host without coordination.",
+        ),
+    ] = 0
+    advertise_host: Annotated[
+        Annotated[str, Meta(min_length=1)] | None,
+        Meta(
+            description="Address peers use to reach this instance, put into "
+            "ec_transfer_params. Unset means listen_host.",
+        ),
+    ] = None
+    max_frame_bytes: Annotated[
+        int,
+        Meta(
+            ge=4 * KiB,
+            le=64 * MiB,
+            description="Largest control-plane message accepted; larger ones are dropped "
+            "and counted.",
+        ),
+    ] = MiB
+    max_batch_items: Annotated[
+        int,
+        Meta(ge=1, le=65536, description="Most items in one batched request or grant."),
+    ] = 256
+    max_sessions: Annotated[
+        int,
+        Meta(
+            ge=1,
+            le=65536,
+            description="Most concurrent peer sessions a control-plane server keeps.",
+        ),
+    ] = 1024
+    max_grants_per_session: Annotated[
+        int,
+        Meta(
+            ge=1,
+            le=1 << 20,
+            description="Most outstanding grants one session may hold; further requests are "
+            "refused until some end.",
+        ),
+    ] = 4096
+
+    # --- security -----------------------------------------------------------------------------
+    insecure: Annotated[
+        bool,
+        Meta(
+            description="Run the control plane over plain TCP, without CURVE authentication "
+            "or encryption. Only for tests and trusted single-host setups; never implied.",
+        ),
+    ] = False
+    server_secret_key_file: Annotated[
+        Annotated[str, Meta(min_length=1)] | None,
+        Meta(
+            description="ZMQ certificate file (zmq.auth format) with the server's CURVE "
+            "secret key; the serving side needs it unless insecure.",
+        ),
+    ] = None
+    server_public_key_file: Annotated[
+        Annotated[str, Meta(min_length=1)] | None,
+        Meta(
+            description="ZMQ certificate file with the server's CURVE public key, which "
+            "clients use to authenticate the server.",
+        ),
+    ] = None
+    client_secret_key_file: Annotated[
+        Annotated[str, Meta(min_length=1)] | None,
+        Meta(description="ZMQ certificate file with this instance's client CURVE secret key."),
+    ] = None
+    client_public_key_file: Annotated[
+        Annotated[str, Meta(min_length=1)] | None,
+        Meta(description="ZMQ certificate file with this instance's client CURVE public key."),
+    ] = None
+    authorized_keys_file: Annotated[
+        Annotated[str, Meta(min_length=1)] | None,
+        Meta(
+            description="Allow-list of client CURVE public keys: a ZMQ certificate "
+            "directory or a single certificate file.",
+        ),
+    ] = None
+    server_public_key: Annotated[
+        Z85Key | None,
+        Meta(description="The server's CURVE public key inline, instead of a file."),
+    ] = None
+    authorized_keys: Annotated[
+        tuple[Z85Key, ...],
+        Meta(
+            max_length=65536,
+            description="Client CURVE public keys accepted inline, in addition to "
+            "authorized_keys_file.",
+        ),
+    ] = ()
+
+    # --- timeouts (seconds) -------------------------------------------------------------------
+    handshake_timeout_s: Annotated[
+        Seconds,
+        Meta(
+            gt=0,
+            le=300,
+            description="Longest a peer may take to complete the control-plane handshake "
+            "(authentication and region exchange) before it is dropped.",
+        ),
+    ] = 5.0
+    request_timeout_s: Annotated[
+        Seconds,
+        Meta(
+            gt=0,
+            le=300,
+            description="Longest a client waits for the reply to one control-plane request.",
+        ),
+    ] = 2.0
+    lease_s: Annotated[
+        Seconds,
+        Meta(
+            gt=0,
+            le=3600,
+            description="How long a producer keeps a grant's blocks pinned for its reader; "
+            "after that the blocks may be reused.",
+        ),
+    ] = 30.0
+    fetch_deadline_base_s: Annotated[
+        Seconds,
+        Meta(gt=0, le=3600, description="Fixed part of a consumer's per-item fetch deadline."),
+    ] = 2.0
+    fetch_deadline_per_gib_s: Annotated[
+        Seconds,
+        Meta(
+            ge=0,
+            le=3600,
+            description="Seconds added to the per-item fetch deadline per GiB of item size.",
+        ),
+    ] = 10.0
+    fetch_deadline_max_s: Annotated[
+        Seconds,
+        Meta(gt=0, le=3600, description="Cap on the per-item fetch deadline."),
+    ] = 20.0
+    heartbeat_interval_s: Annotated[
+        Seconds,
+        Meta(gt=0, le=60, description="Time between heartbeats on an idle session."),
+    ] = 1.0
+    heartbeat_timeout_s: Annotated[
+        Seconds,
+        Meta(
+            gt=0,
+            le=600,
+            description="A session silent for this long is closed and its grants released.",
+        ),
+    ] = 5.0
+    retry_initial_backoff_s: Annotated[
+        Seconds,
+        Meta(
+            gt=0,
+            le=60,
+            description="Delay before the first retry of a failed request; it doubles on "
+            "each further retry.",
+        ),
+    ] = 0.02
+    retry_max_backoff_s: Annotated[
+        Seconds,
+        Meta(gt=0, le=600, description="Upper bound on the delay between retries."),
+    ] = 1.0
+    max_retries: Annotated[
+        int,
+        Meta(
+            ge=0,
+            le=100,
+            description="Retries of a failed fetch before the item is encoded locally instead.",
+        ),
+    ] = 5
+    quarantine_s: Annotated[
+        Seconds,
+        Meta(
+            ge=0,
+            le=3600,
+            description="How long a peer that failed is skipped before it is tried again; "
+            "0 disables quarantine.",
+        ),
+    ] = 10.0
+    reap_interval_s: Annotated[
+        Seconds,
+        Meta(gt=0, le=60, description="How often expired leases and dead sessions are reaped."),
+    ] = 0.5
+    shutdown_timeout_s: Annotated[
+        Seconds,
+        Meta(
+            gt=0,
+            le=600,
+            description="Longest shutdown waits for in-flight transfers before releasing "
+            "everything.",
+        ),
+    ] = 5.0
+
+    # --- integrity ----------------------------------------------------------------------------
+    checksum: Annotated[
+        Literal["none", "xxh3_64"],
+        Meta(
+            description="Checksum the producer computes and the consumer verifies for every "
+            "item. 'none' relies on the transport's own integrity checks (UCX, RDMA link "
+            "CRC); 'xxh3_64' also catches bookkeeping bugs, at the cost of one pass over "
+            "the bytes on each side.",
+        ),
+    ] = "none"
+
+    # --- data plane ---------------------------------------------------------------------------
+    transport: Annotated[
+        Literal["nixl"],
+        Meta(description="Data-plane implementation used to read peers' regions."),
+    ] = "nixl"
+    nixl_backends: Annotated[
+        tuple[Annotated[str, Meta(min_length=1)], ...],
+        Meta(
+            min_length=1,
+            max_length=16,
+            description="NIXL backend plugins to create, in order of preference.",
+        ),
+    ] = ("UCX",)
+    nixl_progress_thread: Annotated[
+        bool,
+        Meta(
+            description="Run NIXL's own progress thread. Off by default: it busy-spins a "
+            "CPU core even when idle, and ecshare progresses transfers from its own thread.",
+        ),
+    ] = False
+    ucx_tls: Annotated[
+        Annotated[str, Meta(min_length=1)] | None,
+        Meta(
+            description="UCX transports for the NIXL agent (UCX_TLS), e.g. 'rc,sm,self'. "
+            "Unset leaves the choice to UCX.",
+        ),
+    ] = None
+    ucx_net_devices: Annotated[
+        Annotated[str, Meta(min_length=1)] | None,
+        Meta(
+            description="Network devices UCX may use (UCX_NET_DEVICES), e.g. 'mlx5_0:1'. "
+            "Unset leaves the choice to UCX.",
+        ),
+    ] = None
+
+    # --- identity and metrics -----------------------------------------------------------------
+    instance_name: Annotated[
+        Annotated[
+            str,
+            Meta(
+                pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$",
+                extra={"allowed": "1-64 of A-Z a-z 0-9 . _ -, not starting with . _ -"},
+            ),
+        ]
+        | None,
+        Meta(
+            description="Name of this instance in NIXL agent names, logs and metrics. Unset "
+            "means one is generated at start-up.",
+        ),
+    ] = None
+    metrics_port: Annotated[
+        Annotated[int, Meta(ge=1, le=65535)] | None,
+        Meta(description="Port of the Prometheus metrics endpoint; unset disables it."),
+    ] = None
+
+    def __post_init__(self) -> None:
+        for field in _fields():
+            value = getattr(self, field.name)
+            checked = field.check(value, field.name)
+            if checked is not value:
+                msgspec.structs.force_setattr(self, field.name, checked)
+        for rule in _RULES:
+            rule.enforce(self)
+
+    @property
+    def advertised_host(self) -> str:
+        """The host that peers are told to connect to."""
+        return self.advertise_host if self.advertise_host is not None else self.listen_host
+
+    def fetch_deadline_s(self, nbytes: int) -> float:
+        """A consumer's deadline for fetching one item of `nbytes`: base + per GiB, capped.
+
+        The cap is below `lease_s` (checked at construction), so a consumer always gives up
+        before the producer's lease on the blocks it reads can expire.
+        """
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        scaled = self.fetch_deadline_base_s + self.fetch_deadline_per_gib_s * (nbytes / GiB)
+        return min(self.fetch_deadline_max_s, scaled)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field as JSON-compatible values; `Config.from_dict` reads it back."""
+        return {
+            name: list(value) if isinstance(value, tuple) else value
+            for name, value in msgspec.structs.asdict(self).items()
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Config:
+        """Decode a dict such as vLLM's `ec_connector_extra_config`; unset keys keep defaults."""
+        return _build(cls, _checked_keys(Config, data), {})
+
+    @classmethod
+    def from_env(
+        cls, environ: Mapping[str, str] | None = None, *, prefix: str = ENV_PREFIX
+    ) -> Config:
+        """Decode `ECSHARE_LEASE_S=30`-style variables (`os.environ` when `environ` is None)."""
+        values, sources = _values_from_env(
+            Config, os.environ if environ is None else environ, prefix
+        )
+        return _build(cls, values, sources)
+
+    def merged(self, overrides: Mapping[str, Any]) -> Config:
+        """A copy with `overrides` (dict-style values) applied and validated again."""
+        values = msgspec.structs.asdict(self)
+        values.update(_checked_keys(Config, overrides))
+        return _build(type(self), values, {})
+
+
+# --- rules that involve more than one field ---------------------------------------------------
+
+
+class _Rule(NamedTuple):
+    key: str
+    other: str
+    expected: str
+    why: str
+    holds: Callable[[Config], bool]
+
+    def enforce(self, config: Config) -> None:
+        if self.holds(config):
+            return
+        detail = (
+            f"got {_show(getattr(config, self.key))}, expected {self.expected} "
+            f"({self.other} is {_show(getattr(config, self.other))})"
+        )
+        detail = f"{detail}: {self.why}" if self.why else detail
+        raise ConfigError(self.key, detail, other=self.other)
+
+
+_RULES: tuple[_Rule, ...] = (
+    _Rule(
+        "region_bytes",
+        "block_bytes",
+        "a multiple of block_bytes",
+        "the region is divided into whole blocks",
+        lambda c: c.region_bytes % c.block_bytes == 0,
+    ),
+    _Rule(
+        "fetch_deadline_max_s",
+        "lease_s",
+        "less than lease_s",
+        "the consumer's deadline must be shorter than the producer's lease, so that a reader "
+        "always gives up before the producer may reuse the blocks it reads",
+        lambda c: c.fetch_deadline_max_s < c.lease_s,
+    ),
+    _Rule(
+        "fetch_deadline_base_s",
+        "fetch_deadline_max_s",
+        "at most fetch_deadline_max_s",
+        "the base deadline is the deadline of an empty item and cannot exceed the cap",
+        lambda c: c.fetch_deadline_base_s <= c.fetch_deadline_max_s,
+    ),
+    _Rule(
+        "heartbeat_timeout_s",
+        "heartbeat_interval_s",
+        "more than heartbeat_interval_s",
+        "otherwise a healthy idle session would be closed between two heartbeats",
+        lambda c: c.heartbeat_timeout_s > c.heartbeat_interval_s,
+    ),
+    _Rule(
+        "retry_max_backoff_s",
+        "retry_initial_backoff_s",
+        "at least retry_initial_backoff_s",
+        "",
+        lambda c: c.retry_max_backoff_s >= c.retry_initial_backoff_s,
+    ),
+    _Rule(
+        "advertise_host",
+        "listen_host",
+        "an address when listen_host is a wildcard",
+        "peers cannot connect to a wildcard address",
+        lambda c: c.advertise_host is not None or c.listen_host not in _WILDCARD_HOSTS,
+    ),
+    _Rule(
+        "metrics_port",
+        "listen_port",
+        "a port other than listen_port",
+        "",
+        lambda c: c.metrics_port is None or c.metrics_port != c.listen_port,
+    ),
+)
+
+
+def _fields() -> tuple[_Field, ...]:
+    """`Config`'s fields, in declaration order."""
+    return struct_fields(Config)
+
+
+def _field_map() -> dict[str, _Field]:
+    """`Config`'s fields by name."""
+    return struct_field_map(Config)
