@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import math
 import threading
 import time
 from collections import Counter
@@ -87,6 +88,7 @@ class Consumer:
         self._thread: threading.Thread | None = None
         self._waker: Waker | None = None
         self._pool: ClientPool | None = None
+        self._polled: tuple[tuple[object, ...], zmq.Poller] | None = None
         self._ready = threading.Event()
         self._startup_error: BaseException | None = None
         self.counters: Counter[str] = Counter()
@@ -218,14 +220,22 @@ class Consumer:
         finally:
             self._shutdown()
 
+    def _poller(self) -> zmq.Poller:
+        """The poller over the waker and every link's sockets, rebuilt only when they change."""
+        assert self._waker is not None
+        clients = tuple(link.client for link in self._links.values() if link.client is not None)
+        if self._polled is None or self._polled[0] != clients:
+            poller = zmq.Poller()
+            poller.register(self._waker, zmq.POLLIN)
+            for client in clients:
+                for pollable in client.pollables:
+                    poller.register(pollable, zmq.POLLIN)
+            self._polled = (clients, poller)
+        return self._polled[1]
+
     def _wait(self) -> dict[object, int]:
         assert self._waker is not None
-        poller = zmq.Poller()
-        poller.register(self._waker, zmq.POLLIN)
-        for link in self._links.values():
-            if link.client is not None:
-                for pollable in link.client.pollables:
-                    poller.register(pollable, zmq.POLLIN)
+        poller = self._poller()
         now = time.monotonic()
         wake_at = now + _MAX_IDLE_S
         for t in self._transfers:
@@ -234,9 +244,11 @@ class Consumer:
                 wake_at = now  # poll reads that did not finish synchronously
         for link in self._links.values():
             wake_at = min(wake_at, link.next_deadline(now))
-        timeout_ms = max(0, int((wake_at - now) * 1000))
+        # Rounded up: a timer due in under 1 ms must not turn into a busy loop.
+        timeout_ms = max(0, math.ceil((wake_at - now) * 1000))
         events = dict(poller.poll(timeout_ms))
-        if self._waker in events:
+        # zmq.Poller reports a non-socket (the waker) by its file descriptor.
+        if self._waker.fileno() in events:
             self._waker.clear()
         return events
 
@@ -423,9 +435,12 @@ class Consumer:
         if status.state is ReadState.FAILED:
             self._drop_dest(t)
             if status.failure is FailureKind.PEER_DISCONNECTED:
+                # This moves every transfer of the peer on, `t` included; moving
+                # `t` again would skip its next candidate.
                 self._peer_failed(
                     link, FailureReason.PEER_UNREACHABLE, status.detail, time.monotonic()
                 )
+                return
             self._move_on(t, FailureReason.TRANSPORT, status.detail)
             return
         if not self._verify(t):

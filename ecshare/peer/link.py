@@ -58,7 +58,8 @@ class PeerLink:
         self.pending: dict[str, list[Any]] = {}  # request id -> transfers
         self._sent_at: dict[str, float] = {}
         self._hello_at = 0.0
-        self._last_heard = 0.0
+        # When the first ping the peer has not yet answered went out (0: none).
+        self._unanswered_since = 0.0
         self._next_ping = 0.0
         self._ping_seq = 0
         self._quarantined_until = 0.0
@@ -89,7 +90,7 @@ class PeerLink:
 
     def on_message(self, msg: p.Message, now: float) -> Problem | None:
         """Session-level messages; returns a problem that should quarantine the peer."""
-        self._last_heard = now
+        self.heard(now)
         if isinstance(msg, p.Welcome):
             if self.state is not PeerLinkState.HELLO_SENT or msg.session_id != self.session_id:
                 return None  # a stale welcome from an earlier handshake
@@ -140,13 +141,18 @@ class PeerLink:
                 f"no welcome within {cfg.handshake_timeout_s} s",
             )
         if self.state is PeerLinkState.READY:
-            if now - self._last_heard > cfg.heartbeat_timeout_s:
+            # Silence counts from a ping left unanswered, not from when we last heard
+            # the peer: while this thread was stalled (a long data-plane call) it sent
+            # no pings, and the peer owed it nothing.
+            unanswered = self._unanswered_since
+            if unanswered and now - unanswered > cfg.heartbeat_timeout_s:
                 return (FailureReason.PEER_UNREACHABLE, f"silent for {cfg.heartbeat_timeout_s} s")
             if now >= self._next_ping:
                 assert self.client is not None
                 self._ping_seq += 1
                 self.client.send(p.Heartbeat(session_id=self.session_id, seq=self._ping_seq))
                 self._next_ping = now + cfg.heartbeat_interval_s
+                self._unanswered_since = unanswered or now
         return None
 
     def next_deadline(self, now: float) -> float:
@@ -155,7 +161,9 @@ class PeerLink:
         if self.state is PeerLinkState.HELLO_SENT:
             return self._hello_at + self._config.handshake_timeout_s
         if self.state is PeerLinkState.READY:
-            soonest = min(self._next_ping, self._last_heard + self._config.heartbeat_timeout_s)
+            soonest = self._next_ping
+            if self._unanswered_since:
+                soonest = min(soonest, self._unanswered_since + self._config.heartbeat_timeout_s)
             for sent in self._sent_at.values():
                 soonest = min(soonest, sent + self._config.request_timeout_s)
             return soonest
@@ -204,7 +212,7 @@ class PeerLink:
         return out
 
     def heard(self, now: float) -> None:
-        self._last_heard = now
+        self._unanswered_since = 0.0
 
     def answered(self, request_id: str) -> None:
         self._sent_at.pop(request_id, None)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import select
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -33,7 +34,9 @@ log = logging.getLogger(__name__)
 # lost reply) returns the same grants instead of pinning again.
 _REPLY_CACHE_PER_SESSION = 256
 # While grants are outstanding the data plane may need target-side progress
-# (UCX over TCP does); between grants the thread sleeps in poll.
+# (UCX over TCP does), so the loop drives it at least this often; between
+# grants the thread sleeps in poll. The wait between progress calls ends early
+# when a message or wake-up arrives (see `_run`).
 _ACTIVE_POLL_S = 0.0002
 
 
@@ -164,24 +167,34 @@ class Producer:
         for pollable in self._server.pollables:
             poller.register(pollable, zmq.POLLIN)
         poller.register(self._waker, zmq.POLLIN)
+        # zmq polls in whole milliseconds, so the sub-millisecond wait while
+        # grants are active selects on the sockets' descriptors instead. A
+        # ZMQ_FD turns readable when the socket may have news, so a request
+        # that comes in mid-wait is answered at once rather than after a blind
+        # sleep; a spurious wake-up costs one more empty poll.
+        wait_fds = [int(s.getsockopt(zmq.FD)) for s in self._server.pollables]
+        wait_fds.append(self._waker.fileno())
         next_reap = 0.0
         try:
             while not self._stop.is_set():
                 active = bool(self.active_grants())
                 timeout_ms = 0 if active else int(cfg.reap_interval_s * 1000)
                 events = dict(poller.poll(timeout_ms))
-                if self._waker in events:
+                if self._waker.fileno() in events:  # zmq.Poller reports it by descriptor
                     self._waker.clear()
                 if events:
                     self._drain()
-                for agent, note in self._transport.progress():
-                    self._on_notification(agent, note)
+                # Reap right after draining, never after progress: a progress call
+                # that stalled the thread must not make sessions whose heartbeats
+                # wait unread in the socket look dead, and free their pins.
                 now = time.monotonic()
                 if now >= next_reap:
                     self._reap(now)
                     next_reap = now + cfg.reap_interval_s
+                for agent, note in self._transport.progress():
+                    self._on_notification(agent, note)
                 if active and not events:
-                    time.sleep(_ACTIVE_POLL_S)
+                    select.select(wait_fds, [], [], _ACTIVE_POLL_S)
         except BaseException:
             log.exception("producer network thread failed")
             raise
@@ -296,6 +309,7 @@ class Producer:
 
     def _on_fetch(self, session: _Session, msg: p.FetchRequest) -> p.Message:
         cfg = self._config
+        self._count("fetch_requests")
         cached = session.replies.get(msg.request_id)
         if cached is not None:
             # The same attempt again: same grants, leases renewed, nothing pinned twice.

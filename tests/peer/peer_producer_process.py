@@ -1,0 +1,105 @@
+"""A producer process with test hooks: `ecshare serve`, plus commands on stdin.
+
+It starts exactly as `python -m ecshare serve` does (same flags, same ready line)
+and then reads one command per line from stdin:
+
+    stats              print one JSON line: counters, store stats, grants, sessions
+    stall SECONDS      block the producer's network thread for SECONDS (answers once
+                       it is blocked)
+    stall-on-grant SECONDS
+                       the same, as soon as a grant is outstanding
+    (EOF)              stop cleanly
+
+Each command answers with one JSON line, so a test can wait for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+
+import msgspec
+
+from ecshare.bench.synthetic import parse_spec, synthetic_bytes, synthetic_hash
+from ecshare.cli import READY_PREFIX
+from ecshare.config import add_config_arguments, load_config
+from ecshare.peer import Node, Producer, start_producer
+
+
+def _stats(node: Node, producer: Producer) -> dict[str, object]:
+    return {
+        "counters": dict(producer.counters),
+        "store": msgspec.structs.asdict(node.store.stats()),
+        "active_grants": producer.active_grants(),
+        "sessions": producer.session_count(),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--synthetic", default="")
+    parser.add_argument("--fingerprint", default="ecshare-synthetic")
+    add_config_arguments(parser)
+    args = parser.parse_args()
+    config = load_config(cli=args)
+    node = Node.create(config, "producer")
+    entries = []
+    for nbytes, count in parse_spec(args.synthetic) if args.synthetic else []:
+        for i in range(count):
+            h = synthetic_hash(nbytes, i)
+            node.store.put(h, synthetic_bytes(h, nbytes))
+            entries.append({"mm_hash": h, "nbytes": nbytes})
+    producer = start_producer(node, fingerprint=args.fingerprint)
+    stall = threading.Event()
+    stalling = threading.Event()
+    on_grant = threading.Event()
+    stall_s = [0.0]
+    real_progress = node.transport.progress
+
+    def progress() -> list[tuple[str, bytes]]:
+        # Runs on the producer's network thread: sleeping here stalls it, and with
+        # it the data plane (a READ over UCX's TCP transport moves only as the
+        # target progresses).
+        if stall.is_set() and (not on_grant.is_set() or producer.active_grants()):
+            stall.clear()
+            stalling.set()
+            time.sleep(stall_s[0])
+        return real_progress()
+
+    node.transport.progress = progress  # type: ignore[method-assign]
+    print(READY_PREFIX + json.dumps({"address": producer.address, "entries": entries}), flush=True)
+    try:
+        for line in sys.stdin:
+            words = line.split()
+            if not words:
+                continue
+            if words[0] == "stats":
+                answer: dict[str, object] = _stats(node, producer)
+            elif words[0] == "stall":
+                stall_s[0] = float(words[1])
+                on_grant.clear()
+                stalling.clear()
+                stall.set()
+                # Answer once the network thread is asleep (it progresses at least
+                # every reap interval).
+                answer = {"stalling": stalling.wait(timeout=10.0)}
+            elif words[0] == "stall-on-grant":
+                stall_s[0] = float(words[1])
+                on_grant.set()
+                stalling.clear()
+                stall.set()
+                answer = {"armed": True}
+            else:
+                answer = {"error": f"unknown command {words[0]!r}"}
+            print(json.dumps(answer), flush=True)
+    finally:
+        producer.stop()
+        node.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

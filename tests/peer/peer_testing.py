@@ -1,0 +1,462 @@
+"""Helpers and fixtures for the peer-layer tests: real processes, sockets and NIXL.
+
+Producers run as `python -m ecshare serve` or as peer_producer_process.py (the same,
+plus stdin hooks), or in this process where a test must watch the producer's pins.
+Consumers run in this process unless a test kills them. Every child is killed at
+teardown, whatever the test did.
+
+The fixtures are registered by this directory's conftest.py; test modules import
+the helpers from here (a uniquely named module, unlike conftest).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+import pytest
+
+from ecshare import protocol as p
+from ecshare.bench.synthetic import synthetic_bytes
+from ecshare.cli import READY_PREFIX
+from ecshare.config import Config
+from ecshare.control import ControlClient, KeyPair, generate_keypair, load_keypair
+from ecshare.peer import Consumer, Node, Producer, start_consumer, start_producer
+
+REPO = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+HOOK_SCRIPT = HERE / "peer_producer_process.py"
+FINGERPRINT = "ecshare-peer-tests"
+MiB = 1 << 20
+
+# Short timeouts everywhere, so that failures show within seconds; the consumer's
+# deadline cap stays under the lease, as the config requires.
+FAST: dict[str, Any] = {
+    "region_bytes": 64 * MiB,
+    "prefault": False,
+    "heartbeat_interval_s": 0.2,
+    "heartbeat_timeout_s": 1.0,
+    "handshake_timeout_s": 1.0,
+    "request_timeout_s": 1.0,
+    "lease_s": 3.0,
+    "fetch_deadline_base_s": 2.0,
+    "fetch_deadline_max_s": 2.5,
+    "retry_initial_backoff_s": 0.01,
+    "retry_max_backoff_s": 0.1,
+    "quarantine_s": 0.5,
+    "reap_interval_s": 0.1,
+    "shutdown_timeout_s": 2.0,
+    "ucx_net_devices": "lo",
+}
+
+
+def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of a child: this one, on the loopback device, no ECSHARE_* leaks."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ECSHARE_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env["UCX_NET_DEVICES"] = "lo"
+    env.update(extra or {})
+    return env
+
+
+def flags(config: Mapping[str, Any]) -> list[str]:
+    """Config values as `ecshare serve` / `ecshare fetch` command-line flags."""
+    out: list[str] = []
+    for key, value in config.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, list | tuple):
+            out += [flag, ",".join(str(v) for v in value)]
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+def expected(mm_hash: str, nbytes: int) -> np.ndarray:
+    return synthetic_bytes(mm_hash, nbytes)
+
+
+def stored_bytes(node: Node, mm_hash: str) -> np.ndarray:
+    return np.asarray(node.store.read(mm_hash)).reshape(-1).view(np.uint8)
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.01) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval_s)
+
+
+# -- keys ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Keyring:
+    dir: Path
+    producer_secret: Path
+    producer_public: Path
+    consumer_secret: Path
+    consumer_public: Path  # the producers' allow-list
+    stranger_secret: Path  # a valid key pair nobody authorized
+    consumer: KeyPair
+    producer: KeyPair
+
+    def producer_config(self) -> dict[str, Any]:
+        return {
+            "server_secret_key_file": str(self.producer_secret),
+            "authorized_keys_file": str(self.consumer_public),
+        }
+
+    def consumer_config(self, *, stranger: bool = False) -> dict[str, Any]:
+        secret = self.stranger_secret if stranger else self.consumer_secret
+        return {
+            "client_secret_key_file": str(secret),
+            "server_public_key_file": str(self.producer_public),
+        }
+
+
+@pytest.fixture(scope="session")
+def keyring(tmp_path_factory: pytest.TempPathFactory) -> Keyring:
+    root = tmp_path_factory.mktemp("keys")
+    prod = generate_keypair(root, "producer")
+    cons = generate_keypair(root, "consumer")
+    stranger = generate_keypair(root, "stranger")
+    return Keyring(
+        dir=root,
+        producer_secret=prod.secret_path,
+        producer_public=prod.public_path,
+        consumer_secret=cons.secret_path,
+        consumer_public=cons.public_path,
+        stranger_secret=stranger.secret_path,
+        consumer=load_keypair(cons.secret_path),
+        producer=load_keypair(prod.secret_path),
+    )
+
+
+# -- producer processes --------------------------------------------------------------------------
+
+
+@dataclass
+class ProducerProcess:
+    """A producer in a child process; `address` and `entries` from its ready line."""
+
+    process: subprocess.Popen[str]
+    address: str
+    entries: list[dict[str, Any]]
+    errors: IO[str]
+    hooks: bool
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return {e["mm_hash"]: int(e["nbytes"]) for e in self.entries}
+
+    def command(self, line: str, timeout_s: float = 10.0) -> dict[str, Any]:
+        """Send a hook command; its one-line JSON answer."""
+        assert self.hooks, "only peer_producer_process.py takes commands"
+        assert self.process.stdin is not None and self.process.stdout is not None
+        self.process.stdin.write(line + "\n")
+        self.process.stdin.flush()
+        ready, _, _ = select.select([self.process.stdout], [], [], timeout_s)
+        assert ready, f"producer did not answer {line!r}: {self.stderr()}"
+        answer: dict[str, Any] = json.loads(self.process.stdout.readline())
+        return answer
+
+    def stats(self) -> dict[str, Any]:
+        return self.command("stats")
+
+    def stderr(self) -> str:
+        self.errors.seek(0)
+        return self.errors.read()[-4000:]
+
+    def kill(self) -> None:
+        """SIGKILL: die without closing anything, as a crashed producer would."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+        self.process.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            if self.hooks:
+                assert self.process.stdin is not None
+                self.process.stdin.close()  # the hook script stops on EOF
+            else:
+                self.process.terminate()
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self.errors.close()
+
+
+def start_producer_process(
+    *,
+    synthetic: str,
+    config: Mapping[str, Any],
+    fingerprint: str = FINGERPRINT,
+    hooks: bool = False,
+    prefix: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    started: list[ProducerProcess] | None = None,
+) -> ProducerProcess:
+    """Start a producer (`ecshare serve`, or the hook script) and wait for its ready line.
+
+    `config` is layered over FAST and passed as command-line flags.
+    """
+    program = [str(HOOK_SCRIPT)] if hooks else ["-m", "ecshare", "serve"]
+    cmd = [
+        *prefix,
+        sys.executable,
+        *program,
+        "--synthetic",
+        synthetic,
+        "--fingerprint",
+        fingerprint,
+        *flags({**FAST, **config}),
+    ]
+    # A file, not a pipe, for stderr: nobody drains it while the producer runs.
+    errors = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed by stop()
+    process = subprocess.Popen(
+        cmd,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=errors,
+        text=True,
+        env=child_env(env),
+        start_new_session=True,
+    )
+    producer = ProducerProcess(process, "", [], errors, hooks)
+    if started is not None:
+        started.append(producer)  # killed at teardown even if it never gets ready
+    assert process.stdout is not None
+    deadline = time.monotonic() + 60.0
+    while True:
+        ready, _, _ = select.select([process.stdout], [], [], max(0.0, deadline - time.monotonic()))
+        line = process.stdout.readline() if ready else ""
+        if line.startswith(READY_PREFIX):
+            info = json.loads(line[len(READY_PREFIX) :])
+            producer.address = info["address"]
+            producer.entries = info["entries"]
+            return producer
+        if not line:
+            producer.kill()
+            raise AssertionError(f"producer did not start ({cmd}): {producer.stderr()}")
+
+
+SpawnProducer = Callable[..., ProducerProcess]
+
+
+@pytest.fixture
+def spawn_producer() -> Iterator[SpawnProducer]:
+    started: list[ProducerProcess] = []
+
+    def spawn(**kwargs: Any) -> ProducerProcess:
+        return start_producer_process(started=started, **kwargs)
+
+    yield spawn
+    for producer in started:
+        producer.stop()
+
+
+# -- in-process nodes ----------------------------------------------------------------------------
+
+
+def config_of(*layers: Mapping[str, Any]) -> Config:
+    merged: dict[str, Any] = {}
+    for layer in (FAST, *layers):
+        merged.update(layer)
+    return Config.from_dict(merged)
+
+
+MakeConsumer = Callable[..., tuple[Node, Consumer]]
+MakeProducer = Callable[..., tuple[Node, Producer]]
+
+
+@pytest.fixture
+def make_consumer() -> Iterator[MakeConsumer]:
+    made: list[tuple[Node, Consumer]] = []
+
+    def make(*layers: Mapping[str, Any], fingerprint: str = FINGERPRINT) -> tuple[Node, Consumer]:
+        node = Node.create(config_of(*layers), "consumer")
+        try:
+            consumer = start_consumer(node, fingerprint=fingerprint)
+        except BaseException:
+            node.close()
+            raise
+        made.append((node, consumer))
+        return node, consumer
+
+    yield make
+    for node, consumer in made:
+        consumer.stop()
+        node.close()
+
+
+@pytest.fixture
+def make_producer() -> Iterator[MakeProducer]:
+    """A producer in this process, so that a test can watch its pins directly."""
+    made: list[tuple[Node, Producer]] = []
+
+    def make(
+        *layers: Mapping[str, Any],
+        entries: Mapping[str, int] | None = None,
+        fingerprint: str = FINGERPRINT,
+    ) -> tuple[Node, Producer]:
+        node = Node.create(config_of(*layers), "producer")
+        try:
+            for h, nbytes in (entries or {}).items():
+                node.store.put(h, expected(h, nbytes))
+            producer = start_producer(node, fingerprint=fingerprint)
+        except BaseException:
+            node.close()
+            raise
+        made.append((node, producer))
+        return node, producer
+
+    yield make
+    for node, producer in made:
+        producer.stop()
+        node.close()
+
+
+# -- a raw control-plane client ------------------------------------------------------------------
+
+
+class RawSession:
+    """A hand-driven consumer session: Hello, FetchRequests, heartbeats, nothing automatic."""
+
+    def __init__(self, client: ControlClient, fingerprint: str = FINGERPRINT) -> None:
+        self.client = client
+        self.fingerprint = fingerprint
+        self.session_id = uuid.uuid4().hex
+        self._seq = 0
+
+    def call(self, message: p.Message, timeout_s: float = 5.0) -> p.Message:
+        """Send, and return the next reply that is not a heartbeat ack."""
+        self.client.send(message)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = int(max(0.0, deadline - time.monotonic()) * 1000)
+            reply = self.client.recv(timeout_ms=left)
+            if reply is None:
+                raise AssertionError(f"no reply to {type(message).__name__} in {timeout_s} s")
+            if not isinstance(reply, p.HeartbeatAck):
+                return reply
+
+    def hello(self, versions: Sequence[int] = p.SUPPORTED_VERSIONS) -> p.Message:
+        return self.call(
+            p.Hello(
+                versions=list(versions),
+                session_id=self.session_id,
+                client_name="raw-test-client",
+                fingerprint=self.fingerprint,
+            )
+        )
+
+    def fetch(self, request_id: str, *hashes: str) -> p.Message:
+        items = [p.ItemRequest(h) for h in hashes]
+        return self.call(
+            p.FetchRequest(session_id=self.session_id, request_id=request_id, items=items)
+        )
+
+    def heartbeat(self) -> None:
+        self._seq += 1
+        self.client.send(p.Heartbeat(session_id=self.session_id, seq=self._seq))
+        while self.client.recv(timeout_ms=0) is not None:
+            pass
+
+    def keep_alive_until(
+        self, predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.1
+    ) -> bool:
+        """Heartbeat (so the session lives) until `predicate` holds or time runs out."""
+        deadline = time.monotonic() + timeout_s
+        while not predicate():
+            if time.monotonic() >= deadline:
+                return False
+            self.heartbeat()
+            time.sleep(interval_s)
+        return True
+
+
+MakeRawSession = Callable[..., RawSession]
+
+
+@pytest.fixture
+def raw_session(keyring: Keyring) -> Iterator[MakeRawSession]:
+    clients: list[ControlClient] = []
+
+    def make(address: str, *, fingerprint: str = FINGERPRINT, insecure: bool = False) -> RawSession:
+        client = ControlClient(
+            address,
+            server_public_key=None if insecure else keyring.producer.public,
+            keys=None if insecure else keyring.consumer,
+            insecure=insecure,
+            heartbeat_ivl_s=0.2,
+            heartbeat_timeout_s=1.0,
+            handshake_timeout_s=1.0,
+        )
+        clients.append(client)
+        return RawSession(client, fingerprint)
+
+    yield make
+    for client in clients:
+        client.close()
+
+
+# -- a consumer process --------------------------------------------------------------------------
+
+
+def fetch_command(
+    address: str,
+    hashes: Sequence[str],
+    config: Mapping[str, Any],
+    *,
+    fingerprint: str = FINGERPRINT,
+    timeout_s: float = 20.0,
+    prefix: Sequence[str] = (),
+) -> list[str]:
+    """`ecshare fetch` that checks synthetic content and prints one JSON object."""
+    return [
+        *prefix,
+        sys.executable,
+        "-m",
+        "ecshare",
+        "fetch",
+        address,
+        *hashes,
+        "--fingerprint",
+        fingerprint,
+        "--verify-synthetic",
+        "--json",
+        "--timeout",
+        str(timeout_s),
+        *flags(config),
+    ]
+
+
+@pytest.fixture
+def children() -> Iterator[list[subprocess.Popen[str]]]:
+    """Processes a test starts itself; killed at teardown if still running."""
+    procs: list[subprocess.Popen[str]] = []
+    yield procs
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)

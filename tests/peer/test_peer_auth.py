@@ -1,0 +1,163 @@
+"""Authentication and compatibility: who gets a Welcome, and what everyone else is told."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip("nixl._api")
+
+from peer_testing import (
+    FAST,
+    FINGERPRINT,
+    Keyring,
+    MakeConsumer,
+    MakeProducer,
+    MakeRawSession,
+    SpawnProducer,
+    child_env,
+    expected,
+    flags,
+    stored_bytes,
+)
+
+from ecshare import protocol as p
+from ecshare.cli import READY_PREFIX
+from ecshare.control import ControlConfigError
+from ecshare.peer import Consumer, FailureReason, FetchFailed
+
+pytestmark = pytest.mark.timeout(60)
+
+REFUSED = (FailureReason.AUTH_FAILED, FailureReason.PEER_UNREACHABLE)
+
+
+def _fetch_error(consumer: Consumer, h: str, address: str) -> FetchFailed:
+    """The typed failure of fetching `h` from `address` (a success fails the test)."""
+    error = consumer.fetch([h], [address])[0].exception(timeout=10)
+    assert isinstance(error, FetchFailed), error
+    return error
+
+
+def test_consumer_without_key_gets_no_metadata_and_a_clear_error(
+    spawn_producer: SpawnProducer,
+    make_consumer: MakeConsumer,
+    raw_session: MakeRawSession,
+    keyring: Keyring,
+) -> None:
+    producer = spawn_producer(synthetic="64KiB:1", config=keyring.producer_config(), hooks=True)
+    (h,) = producer.sizes
+
+    # No key at all: this consumer runs insecure against a CURVE producer.
+    node, consumer = make_consumer({"insecure": True})
+    error = _fetch_error(consumer, h, producer.address)
+    assert error.reason in REFUSED, error
+    assert "CURVE" in error.detail or "welcome" in error.detail, error.detail
+    assert node.transport.peers == []  # the producer's agent metadata never arrived
+    assert node.store.get(h) is None
+
+    # A valid key pair that is not on the producer's allow-list.
+    node, consumer = make_consumer(keyring.consumer_config(stranger=True))
+    error = _fetch_error(consumer, h, producer.address)
+    assert error.reason is FailureReason.AUTH_FAILED, error
+    assert "allow-list" in error.detail, error.detail
+    assert node.transport.peers == []
+    assert consumer.counters["peer_failures.auth_failed"] >= 1
+
+    # The same, message by message: a Hello without CURVE is never answered.
+    session = raw_session(producer.address, insecure=True)
+    session.client.send(
+        p.Hello(
+            versions=list(p.SUPPORTED_VERSIONS),
+            session_id=session.session_id,
+            client_name="no-key",
+            fingerprint=FINGERPRINT,
+        )
+    )
+    assert session.client.recv(timeout_ms=1000) is None
+
+    stats = producer.stats()
+    assert stats["sessions"] == 0, stats
+    assert stats["counters"].get("sessions_opened", 0) == 0, stats
+    assert stats["counters"].get("granted", 0) == 0, stats
+
+
+def test_insecure_mode_works_only_when_configured(
+    spawn_producer: SpawnProducer,
+    make_consumer: MakeConsumer,
+    keyring: Keyring,
+) -> None:
+    # Both sides insecure, by explicit configuration: it works, byte-exact.
+    producer = spawn_producer(synthetic="1MiB:1,100003:1", config={"insecure": True})
+    node, consumer = make_consumer({"insecure": True})
+    results = [
+        f.result(timeout=10) for f in consumer.fetch(list(producer.sizes), [producer.address])
+    ]
+    for result, (h, nbytes) in zip(results, producer.sizes.items(), strict=True):
+        assert result.nbytes == nbytes
+        np.testing.assert_array_equal(stored_bytes(node, h), expected(h, nbytes))
+
+    # A consumer configured with keys never falls back to an insecure producer.
+    node, consumer = make_consumer(keyring.consumer_config())
+    error = _fetch_error(consumer, next(iter(producer.sizes)), producer.address)
+    assert error.reason in REFUSED, error
+    assert error.detail, error
+    assert node.transport.peers == []
+
+    # Neither side is insecure by default: without keys, each refuses to start.
+    with pytest.raises(ControlConfigError, match="client_secret_key_file"):
+        make_consumer({})
+    serve = subprocess.run(
+        [sys.executable, "-m", "ecshare", "serve", "--synthetic", "4KiB:1", *flags(FAST)],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=60,
+    )
+    assert serve.returncode != 0
+    assert READY_PREFIX not in serve.stdout
+    assert "server_secret_key_file" in serve.stderr and "insecure" in serve.stderr
+
+
+def test_fingerprint_mismatch_is_a_typed_refusal(
+    spawn_producer: SpawnProducer,
+    make_consumer: MakeConsumer,
+    raw_session: MakeRawSession,
+    keyring: Keyring,
+) -> None:
+    producer = spawn_producer(synthetic="64KiB:1", config=keyring.producer_config(), hooks=True)
+    (h,) = producer.sizes
+
+    node, consumer = make_consumer(keyring.consumer_config(), fingerprint="another-model")
+    error = _fetch_error(consumer, h, producer.address)
+    assert error.reason is FailureReason.INCOMPATIBLE, error
+    assert "fingerprint" in error.detail, error.detail
+    assert node.transport.peers == []
+
+    session = raw_session(producer.address, fingerprint="another-model")
+    reply = session.hello()
+    assert isinstance(reply, p.Error) and reply.code is p.ErrorCode.FINGERPRINT_MISMATCH, reply
+    stats = producer.stats()
+    assert stats["sessions"] == 0 and stats["counters"]["refused_fingerprint"] == 2, stats
+
+
+def test_version_mismatch_is_a_typed_refusal(
+    make_producer: MakeProducer, raw_session: MakeRawSession, keyring: Keyring
+) -> None:
+    _, producer = make_producer(keyring.producer_config())
+    session = raw_session(producer.address)
+
+    reply = session.hello(versions=[99])
+
+    assert isinstance(reply, p.Error), reply
+    assert reply.code is p.ErrorCode.VERSION_MISMATCH
+    assert "99" in reply.message
+    assert producer.session_count() == 0
+    assert producer.counters["refused_version"] == 1
+    # Without a session, a FetchRequest gets nothing but NO_SESSION.
+    refused = session.fetch("r1", "anything")
+    assert isinstance(refused, p.Error) and refused.code is p.ErrorCode.NO_SESSION
+    # The same client speaking a common version is welcomed.
+    assert isinstance(session.hello(versions=[99, *p.SUPPORTED_VERSIONS]), p.Welcome)

@@ -1,0 +1,249 @@
+"""Grants and pins, watched from inside a producer that runs in this process.
+
+The producer serves real sockets and a real NIXL agent; the peers that talk to it
+are a raw control-plane client (driven message by message) and real Consumers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("nixl._api")
+
+from peer_testing import (
+    FAST,
+    Keyring,
+    MakeConsumer,
+    MakeProducer,
+    MakeRawSession,
+    SpawnProducer,
+    expected,
+    stored_bytes,
+    wait_until,
+)
+
+from ecshare import protocol as p
+from ecshare.peer import FailureReason, FetchFailed
+from ecshare.store import EntryState, StoreFull
+
+pytestmark = pytest.mark.timeout(60)
+
+KiB = 1 << 10
+MiB = 1 << 20
+
+
+def _granted(reply: p.Message) -> p.ItemReply:
+    assert isinstance(reply, p.FetchReply), reply
+    (item,) = reply.items
+    assert item.status is p.ItemStatus.GRANTED, item
+    return item
+
+
+def test_duplicate_request_pins_once(
+    make_producer: MakeProducer, raw_session: MakeRawSession, keyring: Keyring
+) -> None:
+    h, nbytes = "dup-item", 3 * MiB + 17
+    node, producer = make_producer(keyring.producer_config(), entries={h: nbytes})
+    session = raw_session(producer.address)
+    welcome = session.hello()
+    assert isinstance(welcome, p.Welcome), welcome
+
+    first = session.fetch("attempt-1", h)
+    second = session.fetch("attempt-1", h)
+
+    assert first == second  # the same grant, not a second one
+    item = _granted(first)
+    assert item.grant_id
+    assert node.store.stats().pins == 1
+    assert node.store.stats().pinned_entries == 1
+    assert producer.active_grants() == 1
+    assert producer.counters["granted"] == 1
+    assert producer.counters["duplicate_requests"] == 1
+    # The grant is the item's extents relative to the region: a few dozen bytes,
+    # and no memory address (those came once, in the Welcome).
+    region = welcome.data_plane
+    assert item.extents and sum(e.length for e in item.extents) == nbytes
+    assert all(e.offset >= 0 and e.offset + e.length <= region.region_size for e in item.extents)
+    assert all(e.offset < region.region_address for e in item.extents)
+    assert len(p.encode(first)) < 200
+    assert b"agent_metadata" not in p.encode(first)
+    # A new attempt is a new grant; releasing both leaves nothing pinned.
+    third = _granted(session.fetch("attempt-2", h))
+    assert third.grant_id != item.grant_id
+    assert node.store.stats().pins == 2
+    released = session.call(p.Release(session_id=session.session_id, grant_ids=[item.grant_id]))
+    assert released == p.Released(released=[item.grant_id])
+    again = session.call(p.Release(session_id=session.session_id, grant_ids=[item.grant_id]))
+    assert again == p.Released(released=[])  # a second release of one grant does nothing
+    session.call(p.Release(session_id=session.session_id, grant_ids=[third.grant_id]))
+    assert node.store.stats().pins == 0
+    assert producer.active_grants() == 0
+    node.store.table.check_invariants()
+
+
+def test_lease_expiry_releases_pins(
+    make_producer: MakeProducer, raw_session: MakeRawSession, keyring: Keyring
+) -> None:
+    lease_s = 1.5
+    short = {"lease_s": lease_s, "fetch_deadline_base_s": 1.0, "fetch_deadline_max_s": 1.0}
+    h, nbytes = "leased-item", 1 * MiB
+    node, producer = make_producer(keyring.producer_config(), short, entries={h: nbytes})
+    session = raw_session(producer.address)
+    assert isinstance(session.hello(), p.Welcome)
+
+    granted_at = time.monotonic()
+    item = _granted(session.fetch("r1", h))
+    assert node.store.stats().pins == 1
+    # Never released; the session stays alive (heartbeats), so only the lease can end it.
+    assert session.keep_alive_until(lambda: time.monotonic() - granted_at > lease_s / 2, 5.0)
+    assert node.store.stats().pins == 1, "the pin ended before its lease"
+    assert session.keep_alive_until(lambda: node.store.stats().pins == 0, lease_s + 2.0)
+    held_s = time.monotonic() - granted_at
+
+    assert held_s >= lease_s - 0.05, f"pin ended after {held_s:.2f} s, lease is {lease_s}"
+    assert producer.counters["leases_expired"] == 1
+    assert producer.session_count() == 1  # the session did not end: the lease did
+    assert producer.active_grants() == 0
+    late = session.call(p.Release(session_id=session.session_id, grant_ids=[item.grant_id]))
+    assert late == p.Released(released=[])
+    # The entry is evictable again: eviction takes it.
+    assert node.store.stats().pinned_entries == 0
+    assert node.store.table.evict_bytes(nbytes) >= nbytes
+    assert node.store.get(h) is None
+    node.store.table.check_invariants()
+
+
+def test_pinned_entry_is_never_evicted_while_granted(
+    make_producer: MakeProducer,
+    make_consumer: MakeConsumer,
+    raw_session: MakeRawSession,
+    keyring: Keyring,
+) -> None:
+    # A region of 32 blocks, filled by four entries of 8 blocks; the granted one
+    # is the least recently used, so it is what a careless eviction would take.
+    block = 64 * KiB
+    entry_bytes = 8 * block - 5
+    small = {"region_bytes": 2 * MiB, "block_bytes": block}
+    names = ["granted", "b", "c", "d"]
+    node, producer = make_producer(
+        keyring.producer_config(), small, entries=dict.fromkeys(names, entry_bytes)
+    )
+    store = node.store
+    assert store.stats().free_blocks == 0
+    session = raw_session(producer.address)
+    assert isinstance(session.hello(), p.Welcome)
+    _granted(session.fetch("r1", "granted"))
+    original = expected("granted", entry_bytes)
+
+    # Eviction pressure evicts the others, in LRU order, never the pinned entry.
+    store.put("e", np.zeros(entry_bytes, np.uint8))
+    assert store.get("b") is None and store.get("granted") is not None
+    store.put("f", np.zeros(3 * 8 * block, np.uint8))
+    assert [h for h in names if store.get(h) is not None] == ["granted"]
+    # Only the pinned entry's blocks would do: StoreFull, and nothing is evicted.
+    before = store.stats()
+    with pytest.raises(StoreFull):
+        store.put("whole-region", np.zeros(32 * block, np.uint8))
+    assert store.stats().evictions == before.evictions
+    assert store.get("f") is not None
+
+    # Now eviction races real grants: a writer churns the region while a consumer
+    # fetches the granted entry over and over. Every fetch that gets a grant must
+    # read exactly the original bytes.
+    stop = threading.Event()
+    churned = [0]
+
+    def churn() -> None:
+        rng = np.random.default_rng(7)
+        while not stop.is_set():
+            n = int(rng.integers(1, 24)) * block
+            with contextlib.suppress(StoreFull):
+                store.put(f"churn-{churned[0]}", rng.integers(0, 256, n, dtype=np.uint8))
+            churned[0] += 1
+
+    cnode, consumer = make_consumer(keyring.consumer_config())
+    writer = threading.Thread(target=churn, daemon=True)
+    writer.start()
+    try:
+        fetched = 0
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            session.heartbeat()
+            result = consumer.fetch(["granted"], [producer.address])[0].result(timeout=10)
+            assert result.nbytes == entry_bytes
+            np.testing.assert_array_equal(stored_bytes(cnode, "granted"), original)
+            cnode.store.remove("granted")
+            fetched += 1
+    finally:
+        stop.set()
+        writer.join(timeout=10)
+
+    assert fetched >= 3 and churned[0] >= 3
+    assert store.stats().evictions > before.evictions
+    np.testing.assert_array_equal(stored_bytes(node, "granted"), original)
+    entry = store.get("granted")
+    assert entry is not None and entry.state is EntryState.READY
+    store.table.check_invariants()
+
+
+def test_allocated_entry_is_never_granted(
+    make_producer: MakeProducer,
+    make_consumer: MakeConsumer,
+    raw_session: MakeRawSession,
+    keyring: Keyring,
+) -> None:
+    node, producer = make_producer(keyring.producer_config())
+    writing = node.store.allocate("half-written", 256 * KiB)
+    session = raw_session(producer.address)
+    assert isinstance(session.hello(), p.Welcome)
+
+    reply = session.fetch("r1", "half-written")
+
+    assert isinstance(reply, p.FetchReply)
+    (item,) = reply.items
+    assert item.status is p.ItemStatus.NOT_READY and not item.grant_id and not item.extents
+    assert node.store.stats().pins == 0
+    _, consumer = make_consumer(keyring.consumer_config())
+    with pytest.raises(FetchFailed) as failed:
+        consumer.fetch(["half-written"], [producer.address])[0].result(timeout=10)
+    assert failed.value.reason is FailureReason.RETRIES_EXHAUSTED
+    assert producer.counters["granted"] == 0
+    # Once committed, the same entry is granted.
+    node.store.write(writing, expected("half-written", 256 * KiB))
+    node.store.commit(writing)
+    assert wait_until(lambda: not consumer.pending(), 5.0)
+    result = consumer.fetch(["half-written"], [producer.address])[0].result(timeout=10)
+    assert result.nbytes == 256 * KiB
+
+
+def test_stalled_producer_keeps_live_sessions_and_their_pins(
+    spawn_producer: SpawnProducer, raw_session: MakeRawSession, keyring: Keyring
+) -> None:
+    # The producer's network thread stalls (as in a long data-plane progress call)
+    # for longer than the heartbeat timeout, while the consumer keeps sending
+    # heartbeats. Those are waiting in its socket: the session is alive, and its
+    # grant must stay pinned.
+    producer = spawn_producer(synthetic="1MiB:1", config=keyring.producer_config(), hooks=True)
+    (h,) = producer.sizes
+    session = raw_session(producer.address)
+    assert isinstance(session.hello(), p.Welcome)
+    _granted(session.fetch("r1", h))
+    assert producer.stats()["store"]["pins"] == 1
+
+    stall_s = FAST["heartbeat_timeout_s"] + 0.6
+    assert producer.command(f"stall {stall_s}")["stalling"]
+    stalled_at = time.monotonic()
+    session.keep_alive_until(lambda: time.monotonic() - stalled_at > stall_s + 0.6, 5.0)
+    stats = producer.stats()
+
+    assert stats["store"]["pins"] == 1, stats
+    assert stats["sessions"] == 1, stats
+    assert stats["counters"].get("sessions_closed", 0) == 0, stats
+    # The session still works.
+    reply = session.fetch("r2", h)
+    assert isinstance(reply, p.FetchReply) and reply.items[0].status is p.ItemStatus.GRANTED
