@@ -88,7 +88,6 @@ class Consumer:
         self._thread: threading.Thread | None = None
         self._waker: Waker | None = None
         self._pool: ClientPool | None = None
-        self._polled: tuple[tuple[object, ...], zmq.Poller] | None = None
         self._ready = threading.Event()
         self._startup_error: BaseException | None = None
         self.counters: Counter[str] = Counter()
@@ -220,22 +219,14 @@ class Consumer:
         finally:
             self._shutdown()
 
-    def _poller(self) -> zmq.Poller:
-        """The poller over the waker and every link's sockets, rebuilt only when they change."""
-        assert self._waker is not None
-        clients = tuple(link.client for link in self._links.values() if link.client is not None)
-        if self._polled is None or self._polled[0] != clients:
-            poller = zmq.Poller()
-            poller.register(self._waker, zmq.POLLIN)
-            for client in clients:
-                for pollable in client.pollables:
-                    poller.register(pollable, zmq.POLLIN)
-            self._polled = (clients, poller)
-        return self._polled[1]
-
     def _wait(self) -> dict[object, int]:
         assert self._waker is not None
-        poller = self._poller()
+        poller = zmq.Poller()
+        poller.register(self._waker, zmq.POLLIN)
+        for link in self._links.values():
+            if link.client is not None:
+                for pollable in link.client.pollables:
+                    poller.register(pollable, zmq.POLLIN)
         now = time.monotonic()
         wake_at = now + _MAX_IDLE_S
         for t in self._transfers:

@@ -61,8 +61,7 @@ def test_server_sees_client_key_as_user_id(
         "call",
         "--endpoint",
         server.endpoint,
-        "--server-key",
-        str(keyring.server.files.public_path),
+        f"--server-key={keyring.server.files.public_path!s}",
         "--secret-file",
         str(keyring.client.files.secret_path),
     )
@@ -98,8 +97,7 @@ def test_client_not_on_allow_list_is_refused_with_clear_error(
         "call",
         "--endpoint",
         server.endpoint,
-        "--server-key",
-        keyring.server.keys.public_text,
+        f"--server-key={keyring.server.keys.public_text}",
         "--secret-file",
         str(keyring.stranger.files.secret_path),
     )
@@ -126,8 +124,7 @@ def test_wrong_server_key_is_a_clear_error(
         "--endpoint",
         server.endpoint,
         # A valid key, but the stranger's rather than the producer's.
-        "--server-key",
-        keyring.stranger.keys.public_text,
+        f"--server-key={keyring.stranger.keys.public_text}",
         "--secret-file",
         str(keyring.client.files.secret_path),
     )
@@ -184,8 +181,7 @@ def test_insecure_mode_only_when_configured(
         "call",
         "--endpoint",
         insecure.endpoint,
-        "--server-key",
-        keyring.server.keys.public_text,
+        f"--server-key={keyring.server.keys.public_text}",
         "--secret-file",
         str(keyring.client.files.secret_path),
     )

@@ -1,0 +1,538 @@
+"""``ecshare bench fetch``: fetch throughput and latency against raw NIXL and memcpy.
+
+Two processes on this host. A producer child (``multiprocessing`` spawn) runs
+a real `Producer` with CURVE keys, and this process is the consumer: a real
+`Consumer` on its own thread fetches over the authenticated control plane and
+READs with NIXL into its region. The child fills the entries of one size at a
+time on command over a pipe and sends back, beside the control-plane address,
+its data-plane `PeerInfo` and each entry's extents. The harness is trusted:
+that is how the raw baseline, a second `NixlTransport` in this process with
+its own registered buffer, reads exactly the same remote bytes with none of
+ecshare's control plane.
+
+Per item size, three ways of moving the same bytes run back to back in every
+sample, so that background load hits them alike:
+
+* ``ecshare``: ``Consumer.fetch`` until the futures are done; the consumer's
+  copies are removed after each sample, so every sample is a real fetch
+  (request, grant, READ, commit, release);
+* ``raw NIXL``: ``NixlTransport.read`` of the granted extents, polled to DONE;
+* ``memcpy``: ``np.copyto`` of the same sizes inside this process.
+
+Mode ``single`` moves one item at a time; mode ``batch`` moves 32 items (one
+``fetch()`` of 32 hashes against 32 reads started back to back, then polled).
+Each mode is warmed up before it is timed, and figures are medians. A last
+loop of sequential single 64 KiB fetches gives the latency p50 and p99.
+Entries carry no checksum, so the figures are the transfer path alone.
+
+What limits ecshare against raw NIXL (measured on a 2-vCPU VM). A raw
+same-host READ runs synchronously in the caller's thread and wakes nobody. A
+fetch crosses about eight threads: the caller, the consumer's network thread,
+the consumer's and the producer's ZMQ I/O threads, the producer's network
+thread, and back. A bare pyzmq round trip between two processes takes 70 to
+150 us here. Waking a thread whose vCPU has idled for 5 ms or more costs about
+50 us instead of 5 us. After a copy of several MiB the control-plane code also
+runs with cold caches. So a single fetch carries a fixed cost of about 0.3 to
+0.5 ms, rising to about 1 ms after long copies. A batch pays one round trip,
+plus some tens of us of Python bookkeeping per item; a raw 64 KiB read takes
+about 20 us.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import platform
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import wait
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+from ecshare.config import Config
+from ecshare.control import generate_keypair
+from ecshare.peer import Consumer, Node, start_consumer, start_producer
+from ecshare.store import Region
+from ecshare.transport.base import PeerInfo, ReadState, Segment, pair_segments
+from ecshare.transport.nixl import NixlTransport
+
+__all__ = ["run_fetch_bench"]
+
+KiB = 1 << 10
+MiB = 1 << 20
+SIZES = (64 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB)
+BATCH = 32
+QUICK_BATCH_64MIB = 8  # keeps --quick regions at 512 MiB a side
+BLOCK_BYTES = 64 * KiB
+FINGERPRINT = "ecshare-bench-fetch"
+# (single-mode samples, batch-mode samples) per size; --quick uses about a third.
+SAMPLES = {
+    64 * KiB: (200, 30),
+    1 * MiB: (100, 20),
+    4 * MiB: (50, 12),
+    16 * MiB: (25, 8),
+    64 * MiB: (10, 5),
+}
+LATENCY_SAMPLES = (2000, 400)  # full, quick
+WARMUP = 3
+FETCH_TIMEOUT_S = 30.0
+TARGET_SINGLE_RATIO = 0.8  # single fetch of >= 4 MiB against raw NIXL
+TARGET_SINGLE_MIN_BYTES = 4 * MiB
+TARGET_BATCH_RATIO = 0.9
+TARGET_P50_MS = 1.0
+
+Bytes = npt.NDArray[np.uint8]
+Extents = list[tuple[int, int]]
+
+
+class Row(msgspec.Struct, frozen=True):
+    size_bytes: int
+    mode: str
+    items: int
+    samples: int
+    ecshare_gbps: float
+    raw_nixl_gbps: float
+    memcpy_gbps: float
+    ratio_vs_raw_nixl: float
+    # The median over samples of (raw time / ecshare time) of the same sample: each
+    # pair ran back to back, so this one shrugs off load that comes and goes.
+    ratio_paired: float
+    ecshare_ms: float
+    raw_nixl_ms: float
+    memcpy_ms: float
+
+
+class FetchBenchResult(msgspec.Struct, frozen=True):
+    rows: list[Row]
+    latency_64k_p50_ms: float
+    latency_64k_p99_ms: float
+    latency_64k_samples: int
+    raw_nixl_64k_p50_ms: float
+    targets: dict[str, Any]
+    meets_targets: bool
+    environment: dict[str, Any]
+    quick: bool
+
+
+# -- the producer process ---------------------------------------------------------------------
+
+
+def _item_value(index: int) -> int:
+    return (index * 37 + 11) % 251
+
+
+def _producer_main(conn: Connection, settings: dict[str, Any]) -> None:
+    """Child: a real Producer; fills entries of one size at a time on command."""
+    config = Config.from_dict(settings)
+    node = Node.create(config, "producer")
+    producer = start_producer(node, fingerprint=FINGERPRINT)
+    store = node.store
+    held: list[str] = []
+    try:
+        conn.send((producer.address, node.transport.local_info()))
+        while True:
+            cmd, arg = conn.recv()
+            if cmd == "fill":
+                size, count = arg
+                _clear(store, held)
+                out = []
+                for i in range(count):
+                    h = f"bench-{size}-{i}"
+                    entry = store.put(h, np.full(size, _item_value(i), dtype=np.uint8))
+                    held.append(h)
+                    out.append((h, entry.byte_extents(store.block_size)))
+                conn.send(out)
+            elif cmd == "counters":
+                conn.send(dict(producer.counters))
+            elif cmd == "stop":
+                break
+    finally:
+        producer.stop()
+        node.close()
+        conn.send("stopped")
+
+
+def _clear(store: Any, held: list[str]) -> None:
+    for h in held:
+        store.remove(h)
+    held.clear()
+    # A removed entry with a pin left (a Release still in flight) is freed once
+    # the pin goes; wait for that, so that the next fill finds the whole region.
+    deadline = time.monotonic() + 10
+    while store.stats().used_blocks and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
+class _ProducerProcess:
+    def __init__(self, settings: dict[str, Any]) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_producer_main, args=(child, settings), daemon=True)
+        self.proc.start()
+        child.close()
+        reply = self.call(None, timeout=60)
+        self.address: str = reply[0]
+        self.info: PeerInfo = reply[1]
+
+    def call(self, msg: Any, timeout: float = 120) -> Any:
+        if msg is not None:
+            self.conn.send(msg)
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"producer process did not answer {msg!r}")
+        return self.conn.recv()
+
+    def stop(self) -> None:
+        try:
+            if self.proc.is_alive():
+                self.call(("stop", None), timeout=30)
+        except (OSError, EOFError, TimeoutError):
+            pass
+        self.proc.join(timeout=10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(timeout=5)
+
+
+# -- the consumer side ------------------------------------------------------------------------
+
+
+class _Bench:
+    def __init__(
+        self,
+        node: Node,
+        consumer: Consumer,
+        producer: _ProducerProcess,
+        raw: NixlTransport,
+        raw_peer: str,
+        raw_buf: Bytes,
+    ) -> None:
+        self.node = node
+        self.consumer = consumer
+        self.producer = producer
+        self.raw = raw
+        self.raw_peer = raw_peer
+        self.raw_buf = raw_buf
+        self.peers = [producer.address]
+
+    # each returns the seconds it took
+
+    def fetch(self, hashes: Sequence[str]) -> float:
+        t0 = time.perf_counter()
+        futures = self.consumer.fetch(hashes, self.peers)
+        # One wake-up when the last future is done, as an engine would see the batch.
+        wait(futures, timeout=FETCH_TIMEOUT_S)
+        elapsed = time.perf_counter() - t0
+        for f in futures:
+            f.result(timeout=0)  # raises a failed fetch
+        for h in hashes:
+            self.node.store.remove(h)
+        return elapsed
+
+    def raw_read(self, reads: Sequence[list[Segment]]) -> float:
+        raw, peer = self.raw, self.raw_peer
+        t0 = time.perf_counter()
+        handles = [raw.read(peer, segments) for segments in reads]
+        for h in handles:
+            status = raw.poll(h)
+            while status.state is ReadState.PENDING:
+                status = raw.poll(h)
+            if status.state is not ReadState.DONE:
+                raise RuntimeError(f"raw NIXL read failed: {status}")
+        elapsed = time.perf_counter() - t0
+        for h in handles:
+            raw.release(h)
+        return elapsed
+
+    @staticmethod
+    def memcpy(pairs: Sequence[tuple[Bytes, Bytes]]) -> float:
+        t0 = time.perf_counter()
+        for dst, src in pairs:
+            np.copyto(dst, src)
+        return time.perf_counter() - t0
+
+    def check_fetched(self, h: str, value: int) -> None:
+        got = self.node.store.read(h).reshape(-1).view(np.uint8)
+        if not (got[0] == value and got[-1] == value and np.all(got == value)):
+            raise RuntimeError(f"fetched bytes of {h} differ")
+
+
+def _segments(local_offset: int, extents: Extents) -> list[Segment]:
+    size = sum(n for _, n in extents)
+    return pair_segments([(local_offset, size)], extents)
+
+
+def _median(xs: Sequence[float]) -> float:
+    return float(np.median(xs))
+
+
+def _measure(
+    size: int,
+    mode: str,
+    samples: int,
+    fns: tuple[Callable[[int], float], Callable[[int], float], Callable[[int], float]],
+    items: int,
+) -> Row:
+    """Run ecshare, raw NIXL and memcpy back to back per sample, after a warm-up."""
+    times: list[tuple[float, float, float]] = []
+    for i in range(WARMUP + samples):
+        sample = (fns[0](i), fns[1](i), fns[2](i))
+        if i >= WARMUP:
+            times.append(sample)
+    eco_s, raw_s, mem_s = (_median(col) for col in zip(*times, strict=True))
+    paired = _median([raw / eco for eco, raw, _ in times])
+    moved = size * items / 1e9
+    eco, raw, mem = moved / eco_s, moved / raw_s, moved / mem_s
+    return Row(
+        size_bytes=size,
+        mode=mode,
+        items=items,
+        samples=samples,
+        ecshare_gbps=eco,
+        raw_nixl_gbps=raw,
+        memcpy_gbps=mem,
+        ratio_vs_raw_nixl=eco / raw,
+        ratio_paired=paired,
+        ecshare_ms=eco_s * 1000,
+        raw_nixl_ms=raw_s * 1000,
+        memcpy_ms=mem_s * 1000,
+    )
+
+
+def _bench_size(
+    b: _Bench, size: int, batch: int, quick: bool, memcpy_dst: Bytes
+) -> tuple[list[Row], list[float], list[float]]:
+    entries: list[tuple[str, Extents]] = b.producer.call(("fill", (size, batch)))
+    hashes = [h for h, _ in entries]
+    singles, batches = SAMPLES[size]
+    if quick:
+        singles, batches = max(5, singles // 3), max(3, batches // 3)
+    # Raw reads go to distinct local slots, as the batch's fetches go to distinct blocks.
+    raw_reads = [_segments(i * size, ext) for i, (_, ext) in enumerate(entries)]
+    raw_src = [b.raw_buf[i * size : (i + 1) * size] for i in range(batch)]
+    mem_pairs = [(memcpy_dst[i * size : (i + 1) * size], raw_src[i]) for i in range(batch)]
+
+    # The first fetch also checks the bytes: the figures are of real transfers.
+    b.consumer.fetch([hashes[0]], b.peers)[0].result(timeout=FETCH_TIMEOUT_S)
+    b.check_fetched(hashes[0], _item_value(0))
+    b.node.store.remove(hashes[0])
+    b.raw_read([raw_reads[1]])
+    if not np.all(b.raw_buf[size : 2 * size] == _item_value(1)):
+        raise RuntimeError(f"raw NIXL read of {hashes[1]} returned other bytes")
+
+    single = _measure(
+        size,
+        "single",
+        singles,
+        (
+            lambda i: b.fetch([hashes[i % batch]]),
+            lambda i: b.raw_read([raw_reads[i % batch]]),
+            lambda i: b.memcpy([mem_pairs[i % batch]]),
+        ),
+        1,
+    )
+    many = _measure(
+        size,
+        "batch",
+        batches,
+        (
+            lambda i: b.fetch(hashes),
+            lambda i: b.raw_read(raw_reads),
+            lambda i: b.memcpy(mem_pairs),
+        ),
+        batch,
+    )
+    latencies: list[float] = []
+    raw_latencies: list[float] = []
+    if size == 64 * KiB:
+        n = LATENCY_SAMPLES[1 if quick else 0]
+        for i in range(n):
+            latencies.append(b.fetch([hashes[i % batch]]))
+            raw_latencies.append(b.raw_read([raw_reads[i % batch]]))
+    return [single, many], latencies, raw_latencies
+
+
+def _load() -> float:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return -1.0
+
+
+def _environment() -> dict[str, Any]:
+    try:
+        from importlib.metadata import version
+
+        nixl_version = version("nixl")
+    except Exception:
+        nixl_version = "unknown"
+    return {
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "nixl": nixl_version,
+        "platform": platform.platform(),
+        "ucx_net_devices": os.environ.get("UCX_NET_DEVICES", ""),
+        "ucx_tls": os.environ.get("UCX_TLS", ""),
+        "block_bytes": BLOCK_BYTES,
+        "control_plane": "zmq CURVE",
+    }
+
+
+def _targets(rows: list[Row], p50_ms: float) -> tuple[dict[str, Any], bool]:
+    singles = [
+        r.ratio_vs_raw_nixl
+        for r in rows
+        if r.mode == "single" and r.size_bytes >= TARGET_SINGLE_MIN_BYTES
+    ]
+    batches = [r.ratio_vs_raw_nixl for r in rows if r.mode == "batch"]
+    single_ok = min(singles) >= TARGET_SINGLE_RATIO
+    batch_ok = min(batches) >= TARGET_BATCH_RATIO
+    p50_ok = p50_ms <= TARGET_P50_MS
+    targets = {
+        "single_ge_4mib_min_ratio": min(singles),
+        "single_ge_4mib_target": TARGET_SINGLE_RATIO,
+        "single_ge_4mib_met": single_ok,
+        "batch_min_ratio": min(batches),
+        "batch_target": TARGET_BATCH_RATIO,
+        "batch_met": batch_ok,
+        "latency_64k_p50_target_ms": TARGET_P50_MS,
+        "latency_64k_p50_met": p50_ok,
+    }
+    return targets, single_ok and batch_ok and p50_ok
+
+
+def _size_label(n: int) -> str:
+    return f"{n // MiB} MiB" if n >= MiB else f"{n // KiB} KiB"
+
+
+def _print_table(result: FetchBenchResult) -> None:
+    env = result.environment
+    print(
+        f"ecshare fetch bench: producer process -> consumer process over NIXL "
+        f"(UCX, {env['cpus']} CPUs), control plane ZMQ+CURVE; medians after warm-up"
+    )
+    heads = ("ecshare", "raw NIXL", "memcpy", "eco/raw", "paired", "eco ms", "raw ms")
+    print(f"{'size':>7} {'mode':>9} " + " ".join(f"{h:>9}" for h in heads) + "   (GB/s)")
+    for r in result.rows:
+        mode = r.mode if r.items == 1 else f"batch{r.items}"
+        print(
+            f"{_size_label(r.size_bytes):>7} {mode:>9} {r.ecshare_gbps:9.2f} "
+            f"{r.raw_nixl_gbps:9.2f} {r.memcpy_gbps:9.2f} {r.ratio_vs_raw_nixl:8.2f}x "
+            f"{r.ratio_paired:8.2f}x {r.ecshare_ms:9.3f} {r.raw_nixl_ms:9.3f}"
+        )
+    print(
+        f"64 KiB fetch latency over {result.latency_64k_samples} sequential fetches: "
+        f"p50 {result.latency_64k_p50_ms:.3f} ms, p99 {result.latency_64k_p99_ms:.3f} ms "
+        f"(raw NIXL read p50 {result.raw_nixl_64k_p50_ms:.3f} ms)"
+    )
+    load = env["load_average_1m"]
+    if max(load["start"], load["end"]) > 0.5 * (env["cpus"] or 1):
+        print(
+            f"note: the machine was busy (1-minute load {load['start']} at start, "
+            f"{load['end']} at end, {env['cpus']} CPUs); figures are noisy"
+        )
+    t = result.targets
+
+    def verdict(ok: bool) -> str:
+        return "met" if ok else "MISSED"
+
+    print(
+        f"targets: single >= 4 MiB >= {t['single_ge_4mib_target']}x raw NIXL "
+        f"(worst {t['single_ge_4mib_min_ratio']:.2f}x): {verdict(t['single_ge_4mib_met'])}; "
+        f"batch >= {t['batch_target']}x (worst {t['batch_min_ratio']:.2f}x): "
+        f"{verdict(t['batch_met'])}; 64 KiB p50 <= {t['latency_64k_p50_target_ms']} ms: "
+        f"{verdict(t['latency_64k_p50_met'])}"
+    )
+
+
+def _batch_for(size: int, quick: bool) -> int:
+    return QUICK_BATCH_64MIB if quick and size >= 64 * MiB else BATCH
+
+
+def run_fetch_bench(json_output: bool = False, quick: bool = False) -> int:
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    load_start = _load()
+    step_bytes = max(size * _batch_for(size, quick) for size in SIZES)
+    region_bytes = step_bytes + 64 * MiB
+    with tempfile.TemporaryDirectory(prefix="ecshare-bench-fetch-") as tmp:
+        workdir = Path(tmp)
+        keys = {r: generate_keypair(workdir, r) for r in ("producer", "consumer")}
+        producer = _ProducerProcess(
+            {
+                "region_bytes": region_bytes,
+                "block_bytes": BLOCK_BYTES,
+                "server_secret_key_file": str(keys["producer"].secret_path),
+                "authorized_keys_file": str(keys["consumer"].public_path),
+            }
+        )
+        node: Node | None = None
+        consumer: Consumer | None = None
+        raw: NixlTransport | None = None
+        raw_region: Region | None = None
+        try:
+            config = Config.from_dict(
+                {
+                    "region_bytes": region_bytes,
+                    "block_bytes": BLOCK_BYTES,
+                    "client_secret_key_file": str(keys["consumer"].secret_path),
+                    "server_public_key_file": str(keys["producer"].public_path),
+                }
+            )
+            node = Node.create(config, "consumer")
+            consumer = start_consumer(node, fingerprint=FINGERPRINT)
+            raw_region = Region.create(step_bytes, name="ecshare-bench-raw")
+            raw = NixlTransport(f"ecshare-bench-raw-{os.getpid()}")
+            raw.register(raw_region.address, raw_region.size)
+            raw_peer = raw.add_peer(producer.info)
+            bench = _Bench(node, consumer, producer, raw, raw_peer, raw_region.array)
+            rows: list[Row] = []
+            latencies: list[float] = []
+            raw_latencies: list[float] = []
+            for size in SIZES:
+                batch = _batch_for(size, quick)
+                memcpy_dst = np.ones(size * batch, dtype=np.uint8)
+                size_rows, lat, raw_lat = _bench_size(bench, size, batch, quick, memcpy_dst)
+                del memcpy_dst
+                rows.extend(size_rows)
+                latencies.extend(lat)
+                raw_latencies.extend(raw_lat)
+            environment = _environment()
+            environment["load_average_1m"] = {"start": load_start, "end": _load()}
+            environment["consumer_counters"] = dict(consumer.counters)
+            environment["producer_counters"] = producer.call(("counters", None))
+        finally:
+            if consumer is not None:
+                consumer.stop()
+            if raw is not None:
+                raw.close()
+            if raw_region is not None:
+                raw_region.close()
+            if node is not None:
+                node.close()
+            producer.stop()
+    p50 = float(np.percentile(latencies, 50)) * 1000
+    p99 = float(np.percentile(latencies, 99)) * 1000
+    targets, meets = _targets(rows, p50)
+    result = FetchBenchResult(
+        rows=rows,
+        latency_64k_p50_ms=p50,
+        latency_64k_p99_ms=p99,
+        latency_64k_samples=len(latencies),
+        raw_nixl_64k_p50_ms=float(np.percentile(raw_latencies, 50)) * 1000,
+        targets=targets,
+        meets_targets=meets,
+        environment=environment,
+        quick=quick,
+    )
+    if json_output:
+        sys.stdout.write(msgspec.json.encode(result).decode() + "\n")
+    else:
+        _print_table(result)
+    return 0
