@@ -1,4 +1,4 @@
-"""The `ecshare` command: serve, fetch, keys, demo, bench."""
+"""The `ecshare` command: serve, fetch, keys, demo, proxy, bench."""
 
 from __future__ import annotations
 
@@ -66,7 +66,18 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--name", default="ecshare")
     gen.add_argument("--force", action="store_true", help="overwrite existing files")
 
-    sub.add_parser("demo", help="two processes on 127.0.0.1 move entries through the stack")
+    demo = sub.add_parser("demo", help="two processes on 127.0.0.1 move entries through the stack")
+    demo.add_argument(
+        "--epd",
+        action="store_true",
+        help="run vLLM as an encoder and a prefill/decode instance sharing through ecshare "
+        "(needs vllm and nixl)",
+    )
+
+    from ecshare.proxy.config import add_proxy_arguments
+
+    proxy = sub.add_parser("proxy", help="the EPD HTTP proxy: encoders first, then prefill/decode")
+    add_proxy_arguments(proxy)
 
     bench = sub.add_parser("bench", help="measure ecshare against baselines")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
@@ -76,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     fetch_bench = bench_sub.add_parser("fetch", help="fetch throughput against raw NIXL")
     fetch_bench.add_argument("--json", action="store_true", help="print one JSON object")
     fetch_bench.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
+    proxy_bench = bench_sub.add_parser("proxy", help="the proxy's added latency over stub backends")
+    proxy_bench.add_argument("--json", action="store_true", help="print one JSON object")
+    proxy_bench.add_argument("--quick", action="store_true", help="fewer requests")
     return parser
 
 
@@ -103,10 +117,23 @@ def _dispatch(args: argparse.Namespace) -> int:
         files = generate_keypair(args.directory, args.name, force=args.force)
         print(f"public key: {files.public_path}\nsecret key: {files.secret_path}")
         return 0
+    if args.command == "demo" and args.epd:
+        from ecshare.epd_demo import run_epd_demo
+
+        return run_epd_demo()
     if args.command == "demo":
         from ecshare.demo import run_demo
 
         return run_demo()
+    if args.command == "proxy":
+        from ecshare.proxy.config import config_from_args
+        from ecshare.proxy.server import run_proxy
+
+        return run_proxy(config_from_args(args))
+    if args.command == "bench" and args.bench_command == "proxy":
+        from ecshare.bench.proxy import run_proxy_bench
+
+        return run_proxy_bench(json_output=args.json, quick=args.quick)
     if args.command == "bench" and args.bench_command == "store":
         from ecshare.bench.store import run_store_bench
 

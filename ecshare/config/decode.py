@@ -21,9 +21,10 @@ from ecshare.config.fields import _Field, struct_field_map
 
 _S = TypeVar("_S", bound=msgspec.Struct)
 
-# ECSHARE_* variables that are not config keys and so are not rejected as unknown. None yet:
-# add a name here, documented, before anything reads such a variable.
-_ENV_ALLOWLIST: frozenset[str] = frozenset()
+# ECSHARE_* variables that are not config keys and so are not rejected as unknown (named
+# without the prefix); add a name here, documented, before anything reads such a variable.
+# PROXY_API_KEY: the API key `ecshare proxy` requires of its clients (ecshare.proxy.config).
+_ENV_ALLOWLIST: frozenset[str] = frozenset({"PROXY_API_KEY"})
 
 
 def _checked_keys(struct: type[msgspec.Struct], data: Mapping[str, Any]) -> dict[str, Any]:

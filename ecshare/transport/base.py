@@ -71,7 +71,10 @@ class DataTransport(Protocol):
     def kind(self) -> str: ...
 
     def register(self, address: int, size: int) -> None:
-        """Register the local region once; required before reads or `local_info`."""
+        """Register the local region; required before reads or `local_info`.
+
+        Registering the same region again is a no-op; another region is an error.
+        """
 
     def local_info(self) -> PeerInfo: ...
 

@@ -249,8 +249,10 @@ class NixlTransport:
             raise ValueError(f"bad region {address:#x}+{size}")
         with self._lock:
             self._check_open()
+            if self._region == (address, size):
+                return  # one node's Producer and Consumer share its transport and region
             if self._region is not None:
-                raise TransportError("a region is already registered")
+                raise TransportError("another region is already registered")
             try:
                 self._reg_descs = self._agent.register_memory([(address, size, 0, "")], "DRAM")
                 if self._block:

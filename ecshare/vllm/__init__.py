@@ -2,8 +2,25 @@
 
 --ec-transfer-config '{"ec_connector": "ECShareConnector",
                        "ec_connector_module_path": "ecshare.vllm", ...}'
+
+The connector classes are loaded on first access, so that the modules here
+that need no vllm (`router`, `tiny_model`) import without it.
 """
 
-from ecshare.vllm.connector import ECShareConnector, ECShareMetadata, ECShareStats
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ecshare.vllm.connector import ECShareConnector, ECShareMetadata, ECShareStats
 
 __all__ = ["ECShareConnector", "ECShareMetadata", "ECShareStats"]
+
+
+def __getattr__(name: str) -> Any:
+    # vLLM loads the connector with getattr(import_module("ecshare.vllm"), name).
+    if name in __all__:
+        from ecshare.vllm import connector
+
+        return getattr(connector, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -23,7 +23,10 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorRole,
     ECConnectorWorkerMetadata,
 )
-from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorStats
+from vllm.distributed.ec_transfer.ec_connector.metrics import (
+    ECConnectorPromMetrics,
+    ECConnectorStats,
+)
 
 from ecshare.config import ConfigError, load_config
 from ecshare.vllm.ops import StepPlan, StepReport
@@ -74,9 +77,11 @@ class ECShareStats(ECConnectorStats):
         for key, value in self.data.items():
             if isinstance(value, list):
                 if value:
+                    # Samples are in seconds (`fetch_latency_s`); shown in ms.
+                    name = key.removesuffix("_s")
                     ordered = sorted(value)
-                    out[f"{key}_p50_ms"] = round(ordered[len(ordered) // 2] * 1000, 3)
-                    out[f"{key}_max_ms"] = round(ordered[-1] * 1000, 3)
+                    out[f"{name}_p50_ms"] = round(ordered[len(ordered) // 2] * 1000, 3)
+                    out[f"{name}_max_ms"] = round(ordered[-1] * 1000, 3)
             else:
                 out[key] = value
         return out
@@ -112,7 +117,10 @@ class ECShareConnector(ECConnectorBase):
         else:
             from ecshare.vllm.worker_side import WorkerSide
 
-            self._worker = WorkerSide(vllm_config.device_config.device, writer=_is_writer())
+            # The device type ("cpu", "cuda"): a bare "cuda" is the device the
+            # worker process made current, which is its own.
+            device = vllm_config.device_config.device_type
+            self._worker = WorkerSide(device, writer=_is_writer())
 
     # -- worker side -------------------------------------------------------------------------
 
@@ -139,7 +147,7 @@ class ECShareConnector(ECConnectorBase):
     def build_connector_worker_meta(self) -> ECConnectorWorkerMetadata | None:
         if self._worker is None:
             return None
-        report = self._worker.take_report()
+        report = self._worker.finish_step()
         return None if report is None else ECShareWorkerMetadata(report)
 
     # -- scheduler side ----------------------------------------------------------------------
@@ -183,6 +191,18 @@ class ECShareConnector(ECConnectorBase):
     @classmethod
     def build_ec_connector_stats(cls, data: dict[str, Any] | None = None) -> ECConnectorStats:
         return ECShareStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> ECConnectorPromMetrics:
+        from ecshare.vllm.metrics import ECSharePromMetrics
+
+        return ECSharePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._scheduler is not None:

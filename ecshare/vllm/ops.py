@@ -47,6 +47,14 @@ class LoadOp:
     shape: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class ReportRoute:
+    """Where workers send their reports when vLLM would drop them (see `reports`)."""
+
+    address: str
+    token: bytes
+
+
 @dataclass
 class StepPlan:
     """One step's work for the workers (the connector metadata's payload)."""
@@ -54,6 +62,7 @@ class StepPlan:
     region: RegionHandle | None
     saves: dict[str, SaveOp] = field(default_factory=dict)
     loads: list[LoadOp] = field(default_factory=list)
+    report_to: ReportRoute | None = None
 
 
 @dataclass

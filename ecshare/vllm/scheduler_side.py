@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections import Counter
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
@@ -37,8 +38,17 @@ from ecshare.peer import (
     start_consumer,
     start_producer,
 )
-from ecshare.store import EntryExists, EntryMeta, EntryState, NotFound, NotReady, StoreFull
+from ecshare.store import (
+    EntryExists,
+    EntryMeta,
+    EntryState,
+    NotFound,
+    NotReady,
+    Store,
+    StoreFull,
+)
 from ecshare.vllm.ops import LoadOp, SaveOp, StepPlan, StepReport, TransferParam, decode_param
+from ecshare.vllm.reports import ReportInbox
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -91,7 +101,12 @@ class SchedulerSide:
         self._store = self._node.store
         self.producer: Producer | None = None
         self.consumer: Consumer | None = None
+        # vLLM drops the worker metadata of an encode-only instance; its workers
+        # report on a side channel instead (see `reports`).
+        self._inbox: ReportInbox | None = None
         try:
+            if produce and not consume:
+                self._inbox = ReportInbox()
             if produce:
                 self.producer = start_producer(self._node, fingerprint=self._fingerprint)
             if consume:
@@ -99,15 +114,28 @@ class SchedulerSide:
         except BaseException:
             self.shutdown()
             raise
-        self._plan = StepPlan(region=self._store.region.handle)
+        self._plan = self._new_plan()
         self._pending_saves: dict[str, Any] = {}  # mm_hash -> ALLOCATED Entry
         self._announced: dict[str, list[dict[str, Any]]] = {}  # params dicts awaiting commit
         self._fetches: dict[str, Future[FetchResult]] = {}
+        # Per request, the items whose fetch has been decided (arrived, failed or
+        # already local): never fetched again for it, so that a failed item does
+        # not stall each later step of the request with another fetch.
+        self._settled: dict[str, set[str]] = {}
         self._unavailable: set[str] = set()
         self._load_pins: dict[str, list[str]] = {}  # mm_hash -> grant ids
         self._grant_ids = itertools.count(1)
         self.counters: Counter[str] = Counter()
         self.fetch_latencies: list[float] = []
+
+    @property
+    def store(self) -> Store:
+        """This instance's store (its region's entries), for tests and tools."""
+        return self._store
+
+    @property
+    def fingerprint(self) -> str:
+        return self._fingerprint
 
     # -- lookups -----------------------------------------------------------------------------
 
@@ -120,31 +148,51 @@ class SchedulerSide:
     def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
         if self.consumer is None or not request.ec_transfer_params:
             return True
+        rid = request.request_id
+        if rid in self._unavailable:
+            return False  # failed at the end of this step: never schedule it
         params = request.ec_transfer_params
+        settled = self._settled.setdefault(rid, set())
         waiting = False
         for feature in request.mm_features:
             h = feature.identifier
             raw = params.get(h)
-            if raw is None:
+            if raw is None or h in settled:
                 continue
+            position = feature.mm_position
+            if position.offset + position.length <= num_computed_tokens:
+                continue  # already computed (a prefix-cache hit): nothing to fetch
             future = self._fetches.get(h)
             if future is None:
                 if self.has_cache_item(h):
+                    settled.add(h)
                     continue
                 future = self._start_fetch(h, raw)
             if not future.done():
                 waiting = True
                 continue
+            settled.add(h)
             if self._fetches.pop(h, None) is not None:
                 self._account(h, future)
-            if not future.exception() or self.has_cache_item(h):
+            exc = future.exception()
+            if exc is None or self.has_cache_item(h):
                 continue
             if feature.data is None:
-                # No media to encode from: only this request's failure is honest.
-                self._unavailable.add(request.request_id)
+                # No media to encode from: only this request's failure is honest,
+                # and it must not be scheduled, or the model would run without
+                # the item's embeddings.
+                log.error(
+                    "ecshare: failing request %s: encoder output %s could not be fetched (%s) "
+                    "and the request carries no media to encode it from",
+                    rid,
+                    h,
+                    exc,
+                )
+                self._unavailable.add(rid)
                 self.counters["requests_unavailable"] += 1
-            else:
-                self.counters["local_encode_fallbacks"] += 1
+                return False
+            log.info("ecshare: encoding %s locally for request %s (%s)", h, rid, exc)
+            self.counters["local_encode_fallbacks"] += 1
         return not waiting
 
     def _start_fetch(self, h: str, raw: object) -> Future[FetchResult]:
@@ -232,8 +280,35 @@ class SchedulerSide:
         return int(self._vllm_config.model_config.get_hidden_size())
 
     def build_plan(self) -> StepPlan:
-        plan, self._plan = self._plan, StepPlan(region=self._store.region.handle)
+        if self._inbox is not None:
+            self._apply_reports(0.0)
+        plan, self._plan = self._plan, self._new_plan()
         return plan
+
+    def _new_plan(self) -> StepPlan:
+        route = self._inbox.route if self._inbox is not None else None
+        return StepPlan(region=self._store.region.handle, report_to=route)
+
+    def _apply_reports(self, timeout_s: float) -> None:
+        assert self._inbox is not None
+        for report in self._inbox.receive(timeout_s):
+            self.on_report(report)
+
+    def _await_saves(self, hashes: list[str]) -> None:
+        """Apply reports until none of `hashes` is still being copied by the workers.
+
+        A request finishes only after the step that encoded it has returned, and
+        the workers sent their report before returning, so it is at most in
+        flight; the wait is bounded all the same.
+        """
+        deadline = time.monotonic() + self._config.request_timeout_s
+        self._apply_reports(0.0)
+        while any(h in self._pending_saves for h in hashes):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                log.warning("ecshare: no worker report for %s in time", hashes)
+                return
+            self._apply_reports(remaining)
 
     # -- results -----------------------------------------------------------------------------
 
@@ -263,7 +338,11 @@ class SchedulerSide:
         self.counters["loaded_items"] += len(report.loaded)
         self.counters["load_failed"] += len(report.load_failed)
         for key, value in report.counters.items():
-            self.counters[key] += int(value)
+            # Counters are integers: worker timings travel on in microseconds.
+            if key.endswith("_seconds"):
+                self.counters[key.removesuffix("_seconds") + "_us"] += round(value * 1e6)
+            else:
+                self.counters[key] += int(value)
 
     def _withdraw(self, h: str, why: str) -> None:
         log.warning("ecshare: encoder output %s not stored (%s); withdrawn from params", h, why)
@@ -271,8 +350,11 @@ class SchedulerSide:
             params.pop(h, None)
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        self._settled.pop(request.request_id, None)
         if self.producer is None or not request.mm_features:
             return False, None
+        if self._inbox is not None:
+            self._await_saves([f.identifier for f in request.mm_features])
         params: dict[str, Any] = {}
         for feature in request.mm_features:
             h = feature.identifier
@@ -308,6 +390,9 @@ class SchedulerSide:
             self.consumer.stop()
         if self.producer is not None:
             self.producer.stop()
+        if self._inbox is not None:
+            self._inbox.close()
+            self._inbox = None
         self._node.close()
 
     @staticmethod

@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from ecshare.store import Region, RegionHandle
-from ecshare.vllm.ops import LoadOp, SaveOp, StepPlan, StepReport
+from ecshare.vllm.ops import LoadOp, ReportRoute, SaveOp, StepPlan, StepReport
+from ecshare.vllm.reports import ReportOutbox
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ class WorkerSide:
         self._region: Region | None = None
         self._plan: StepPlan | None = None
         self._report = StepReport()
+        self._outbox: ReportOutbox | None = None
 
     # -- per step ----------------------------------------------------------------------------
 
@@ -52,6 +54,23 @@ class WorkerSide:
     def take_report(self) -> StepReport | None:
         report, self._report = self._report, StepReport()
         return None if report.empty() and not report.counters else report
+
+    def finish_step(self) -> StepReport | None:
+        """The step's report for vLLM's worker metadata, or None when there is none
+        or the plan asked for it on the side channel (see `reports`)."""
+        report = self.take_report()
+        route = self._plan.report_to if self._plan is not None else None
+        if report is None or route is None:
+            return report
+        self._outbox_for(route).send(report)
+        return None
+
+    def _outbox_for(self, route: ReportRoute) -> ReportOutbox:
+        if self._outbox is None or self._outbox.route != route:
+            if self._outbox is not None:
+                self._outbox.close()
+            self._outbox = ReportOutbox(route)
+        return self._outbox
 
     def _attach(self, handle: RegionHandle) -> None:
         if self._region is not None and self._region.handle == handle:
@@ -134,6 +153,9 @@ class WorkerSide:
         self._report.counters[key] = self._report.counters.get(key, 0.0) + float(value)
 
     def close(self) -> None:
+        if self._outbox is not None:
+            self._outbox.close()
+            self._outbox = None
         if self._region is not None:
             self._region.close()
             self._region = None

@@ -48,6 +48,8 @@ def test_authenticated_client_round_trip(
     # The producer echoes the User-Id libzmq attached to our message: our public key,
     # which is what sessions get bound to.
     assert welcome.server_name == keyring.client.keys.public_text
+    # The state comes from a monitor thread, which may lag the first reply.
+    assert client.wait_ready(5_000)
     assert client.state is LinkState.READY
     assert client.send(p.Heartbeat(session_id="s-1", seq=7))
     assert client.recv(5_000) == p.HeartbeatAck(seq=7)

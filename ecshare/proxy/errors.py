@@ -1,0 +1,61 @@
+"""The one error type a request can end in, and its OpenAI-shaped body.
+
+Every failure the proxy answers itself is a `ProxyError` with an honest status: 400 for a
+body that is not a JSON object, 401 for a missing or wrong API key, 413 for an oversized
+body, 502 when a prefill/decode instance failed or answered 5xx, 503 when none is healthy,
+504 when one stayed silent past its timeout. The body is the shape OpenAI clients parse:
+``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from aiohttp import web
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    500: "internal_error",
+    502: "upstream_error",
+    503: "service_unavailable",
+    504: "upstream_timeout",
+}
+
+
+class ProxyError(Exception):
+    """A request the proxy answers with an error of its own."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class _Body(msgspec.Struct):
+    message: str
+    type: str
+    param: None
+    code: int
+
+
+class _Envelope(msgspec.Struct):
+    error: _Body
+
+
+def error_body(status: int, message: str) -> bytes:
+    """The OpenAI-shaped JSON body of an error with `status`."""
+    body = _Body(message=message, type=_TYPES.get(status, "error"), param=None, code=status)
+    return msgspec.json.encode(_Envelope(error=body))
+
+
+def error_response(status: int, message: str) -> web.Response:
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    return web.Response(
+        status=status,
+        body=error_body(status, message),
+        content_type="application/json",
+        headers=headers,
+    )

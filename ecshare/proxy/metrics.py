@@ -1,0 +1,125 @@
+"""The proxy's Prometheus metrics, in a registry of its own (served at `/metrics`).
+
+A registry per proxy, not the process-global one, so that several proxies in one process
+(tests, the benchmark) never collide, and an embedding application's metrics stay its own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+PREFIX = "ecshare_proxy_"
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+# Why a media item went to prefill/decode without ec_transfer_params (it is encoded there).
+FALLBACK_REASONS = ("unreachable", "timeout", "error", "status", "answer", "no_encoder")
+# Why a request's prefill/decode stage failed.
+UPSTREAM_REASONS = ("unreachable", "timeout", "error", "status", "no_backend", "broken_stream")
+
+
+class ProxyMetrics:
+    """Counters, histograms and gauges of one proxy."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            PREFIX + "requests",
+            "Requests answered, by endpoint and status code.",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.request_seconds = Histogram(
+            PREFIX + "request_seconds",
+            "Time from a request's arrival to its last byte, by endpoint.",
+            ["endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.encode_seconds = Histogram(
+            PREFIX + "encode_seconds",
+            "Time a request with media spent in the encoder stage.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.encoder_items = Counter(
+            PREFIX + "encoder_items",
+            "Media items sent to an encoder, by outcome (ok or fallback).",
+            ["outcome"],
+            registry=r,
+        )
+        self.encoder_fallbacks = Counter(
+            PREFIX + "encoder_fallbacks",
+            "Media items left to prefill/decode to encode locally, by reason.",
+            ["reason"],
+            registry=r,
+        )
+        self.upstream_errors = Counter(
+            PREFIX + "upstream_errors",
+            "Prefill/decode stages that failed, by reason.",
+            ["reason"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            PREFIX + "rejected",
+            "Requests refused before any backend saw them, by reason.",
+            ["reason"],
+            registry=r,
+        )
+        self.client_disconnects = Counter(
+            PREFIX + "client_disconnects",
+            "Requests whose client went away before the answer ended (upstream cancelled).",
+            registry=r,
+        )
+        self.backend_up = Gauge(
+            PREFIX + "backend_up",
+            "1 while a backend is in rotation, 0 while it is ejected.",
+            ["role", "url"],
+            registry=r,
+        )
+        # A plain int read at scrape time: cheaper per request than a locked gauge.
+        self.in_flight = 0
+        in_flight = Gauge(PREFIX + "in_flight", "Requests being answered now.", registry=r)
+        in_flight.set_function(lambda: self.in_flight)
+        self._request_children: dict[tuple[str, int], tuple[Any, Any]] = {}
+        for reason in FALLBACK_REASONS:
+            self.encoder_fallbacks.labels(reason)
+        for reason in UPSTREAM_REASONS:
+            self.upstream_errors.labels(reason)
+        for outcome in ("ok", "fallback"):
+            self.encoder_items.labels(outcome)
+
+    def answered(self, endpoint: str, status: int, seconds: float) -> None:
+        """Count one answered request; the labelled children are looked up once per pair."""
+        children = self._request_children.get((endpoint, status))
+        if children is None:
+            children = (
+                self.requests.labels(endpoint, str(status)),
+                self.request_seconds.labels(endpoint),
+            )
+            self._request_children[(endpoint, status)] = children
+        children[0].inc()
+        children[1].observe(seconds)
+
+    def fallback(self, reason: str, items: int = 1) -> None:
+        self.encoder_items.labels("fallback").inc(items)
+        self.encoder_fallbacks.labels(reason).inc(items)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def value(self, name: str, **labels: str) -> float:
+        """One sample's current value (0 when absent), for tests and reports."""
+        found = self.registry.get_sample_value(PREFIX + name, labels)
+        return 0.0 if found is None else float(found)

@@ -1,0 +1,264 @@
+"""Start and stop `vllm serve` processes that run the ECShare connector, on one host.
+
+Used by `ecshare demo --epd` and the end-to-end tests: the command line and
+environment of an encoder (ec_producer), a prefill/decode instance
+(ec_consumer) or a plain instance, each bound to its own CPU core; readiness;
+shutdown of the whole process group; and the connector's counters, read from
+the instance's Prometheus endpoint. It starts vLLM as a child process and
+imports neither vllm nor torch itself.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import random
+import re
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from ecshare.control import generate_keypair
+
+SERVED_MODEL_NAME = "tiny"
+METRIC_PREFIX = "vllm:ecshare_"
+_SAMPLE = re.compile(r"^([A-Za-z_:][\w:]*)(?:\{[^}]*\})?\s+(\S+)$")
+
+
+@dataclass(frozen=True)
+class Keys:
+    """CURVE key files for one producer and one consumer."""
+
+    producer_secret: Path
+    producer_public: Path
+    consumer_secret: Path
+    consumer_public: Path
+
+    @classmethod
+    def generate(cls, directory: Path) -> Keys:
+        producer = generate_keypair(directory, "producer")
+        consumer = generate_keypair(directory, "consumer")
+        return cls(
+            Path(producer.secret_path),
+            Path(producer.public_path),
+            Path(consumer.secret_path),
+            Path(consumer.public_path),
+        )
+
+    def producer_config(self) -> dict[str, Any]:
+        return {
+            "server_secret_key_file": str(self.producer_secret),
+            "authorized_keys_file": str(self.consumer_public),
+        }
+
+    def consumer_config(self) -> dict[str, Any]:
+        return {
+            "client_secret_key_file": str(self.consumer_secret),
+            "server_public_key_file": str(self.producer_public),
+        }
+
+
+@dataclass
+class ServerSpec:
+    """One `vllm serve` instance. `ec_role` None means a plain instance, no connector."""
+
+    model: Path
+    port: int
+    core: int
+    ec_role: str | None = None
+    extra_config: dict[str, Any] = field(default_factory=dict)
+    python: str = sys.executable
+    served_model_name: str = SERVED_MODEL_NAME
+
+    def command(self) -> list[str]:
+        cmd = [
+            self.python, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(self.model), "--served-model-name", self.served_model_name,
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--dtype", "float32", "--max-model-len", "1024",
+            "--max-num-seqs", "4", "--max-num-batched-tokens", "1024",
+            "--enforce-eager", "--limit-mm-per-prompt", '{"image": 2, "video": 0}',
+        ]  # fmt: skip
+        if self.ec_role is not None:
+            config = {
+                "ec_connector": "ECShareConnector",
+                "ec_connector_module_path": "ecshare.vllm",
+                "ec_role": self.ec_role,
+                "ec_connector_extra_config": self.extra_config,
+            }
+            cmd += ["--ec-transfer-config", json.dumps(config)]
+        return cmd
+
+    def env(self) -> dict[str, str]:
+        return {
+            **os.environ,
+            "VLLM_TARGET_DEVICE": "cpu",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": str(self.core),
+            "VLLM_NO_USAGE_STATS": "1",
+            "HF_HUB_OFFLINE": "1",
+            "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo"),
+        }
+
+
+class VllmServer:
+    """A running `vllm serve` process group; `stop()` ends all of it."""
+
+    def __init__(self, spec: ServerSpec, log_path: Path) -> None:
+        self.spec = spec
+        self.log_path = log_path
+        self.url = f"http://127.0.0.1:{spec.port}"
+        self._log: IO[bytes] | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> VllmServer:
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        # Its own session: the API server, engine core and worker are one process
+        # group that stop() can end together, even if the API server dies first.
+        self.proc = subprocess.Popen(
+            self.spec.command(),
+            env=self.spec.env(),
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        return self
+
+    def wait_ready(self, timeout_s: float = 240.0) -> None:
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"vllm on port {self.spec.port} exited with {self.proc.returncode}:\n"
+                    + self.log_tail()
+                )
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"vllm on port {self.spec.port} not ready:\n" + self.log_tail())
+
+    def metrics(self, prefix: str = METRIC_PREFIX) -> dict[str, float]:
+        """Counter, gauge and histogram sum/count samples whose name starts with `prefix`,
+        summed over their labels, keyed by the name without the prefix."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            match = _SAMPLE.match(line)
+            # Prometheus adds *_created timestamps and cumulative *_bucket samples per label.
+            if (
+                match
+                and match.group(1).startswith(prefix)
+                and not match.group(1).endswith(("_created", "_bucket"))
+            ):
+                name = match.group(1)[len(prefix) :]
+                out[name] = out.get(name, 0.0) + float(match.group(2))
+        return out
+
+    def log_tail(self, nbytes: int = 6000) -> str:
+        try:
+            return self.log_path.read_bytes()[-nbytes:].decode(errors="replace")
+        except OSError:
+            return ""
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            _signal_group(proc.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=timeout_s)
+            # The engine core and workers may outlive the API server.
+            _signal_group(proc.pid, signal.SIGKILL)
+            proc.wait()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def __enter__(self) -> VllmServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def ensure_tiny_model(directory: Path, python: str = sys.executable) -> Path:
+    """The tiny random Qwen2-VL in `directory`, built first (in a child process) if needed."""
+    from ecshare.vllm.tiny_model import is_built
+
+    directory = directory.absolute()
+    if not is_built(directory):
+        # A child process, so that this one never loads torch and transformers.
+        subprocess.run(
+            [python, "-m", "ecshare.vllm.tiny_model", str(directory)],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+    return directory
+
+
+def random_image_url(seed: int, width: int = 112, height: int = 84) -> str:
+    """A PNG of random pixels as a data URL (112x84 gives 12 image tokens on the tiny model).
+
+    A new seed is a new image, so that no instance's in-memory encoder cache
+    already holds it. Written by hand (RGB, 8 bits, no filter) to need no imaging library.
+    """
+    rng = random.Random(seed)
+    rows = b"".join(b"\x00" + rng.randbytes(width * 3) for _ in range(height))
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        crc = zlib.crc32(kind + data) & 0xFFFFFFFF
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", crc)
+
+    png = (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+        + chunk(b"IDAT", zlib.compress(rows))
+        + chunk(b"IEND", b"")
+    )
+    return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
+def chat_request(
+    image_urls: list[str], text: str = "Describe the image.", max_tokens: int = 16
+) -> dict[str, Any]:
+    """A greedy chat completion asking for the generated token ids as well."""
+    content: list[dict[str, Any]] = [
+        {"type": "image_url", "image_url": {"url": url}} for url in image_urls
+    ]
+    content.append({"type": "text", "text": text})
+    return {
+        "model": SERVED_MODEL_NAME,
+        "messages": [{"role": "user", "content": content}],
+        "temperature": 0,
+        "max_tokens": max_tokens,
+        "return_token_ids": True,
+    }

@@ -1,0 +1,101 @@
+"""A side channel for worker reports that vLLM drops on an encode-only instance.
+
+vLLM's V1 model runner (0.32 and 0.33 alike) runs an encode-only instance's
+step inside the EC connector context but returns
+`make_empty_encoder_model_runner_output(...)`, which has no
+`ec_connector_output`. The worker metadata built at the end of that step never
+reaches the scheduler, so `update_connector_output` would never learn which
+encoder outputs the workers copied into the region, and no entry would ever
+become READY. On such an instance the workers send their `StepReport` here
+instead.
+
+The scheduler side binds a PULL socket in Linux's abstract socket namespace
+(no file on disk, nothing left behind by a crash). Any local process could
+connect to it, so every message starts with a random token that travels only
+inside the step plan, on vLLM's own scheduler-to-worker channel; anything else
+is dropped and counted.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import secrets
+import time
+import uuid
+from typing import Any
+
+import msgspec
+import zmq
+
+from ecshare.vllm.ops import ReportRoute, StepReport
+
+log = logging.getLogger(__name__)
+
+_MAX_REPORT_BYTES = 1 << 20  # a step report names at most a few thousand items
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(StepReport)
+
+
+class ReportInbox:
+    """The scheduler's end: receives the workers' reports. Used by one thread only."""
+
+    def __init__(self) -> None:
+        self._context: zmq.Context[Any] = zmq.Context(io_threads=1)
+        self._socket = self._context.socket(zmq.PULL)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, _MAX_REPORT_BYTES)
+        address = f"ipc://@ecshare-reports-{uuid.uuid4().hex}"
+        self._socket.bind(address)
+        self.route = ReportRoute(address=address, token=secrets.token_bytes(16))
+        self.dropped = 0
+
+    def receive(self, timeout_s: float = 0.0) -> list[StepReport]:
+        """Every report waiting now; waits up to `timeout_s` for the first one."""
+        reports: list[StepReport] = []
+        deadline = time.monotonic() + timeout_s
+        while True:
+            wait_ms = 0 if reports else max(0, int((deadline - time.monotonic()) * 1000))
+            if not self._socket.poll(wait_ms, zmq.POLLIN):
+                return reports
+            frames = self._socket.recv_multipart(zmq.NOBLOCK)
+            report = self._decode(frames)
+            if report is not None:
+                reports.append(report)
+
+    def _decode(self, frames: list[bytes]) -> StepReport | None:
+        if len(frames) != 2 or not hmac.compare_digest(frames[0], self.route.token):
+            self.dropped += 1
+            return None
+        try:
+            return _decoder.decode(frames[1])
+        except msgspec.DecodeError:
+            self.dropped += 1
+            return None
+
+    def close(self) -> None:
+        self._socket.close(linger=0)
+        self._context.term()
+
+
+class ReportOutbox:
+    """A worker's end: sends reports to the scheduler side named by a `ReportRoute`."""
+
+    def __init__(self, route: ReportRoute) -> None:
+        self.route = route
+        self._context: zmq.Context[Any] = zmq.Context(io_threads=1)
+        self._socket = self._context.socket(zmq.PUSH)
+        # Reports in flight when the engine shuts down are of no use to anyone.
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.connect(route.address)
+
+    def send(self, report: StepReport) -> None:
+        try:
+            # Queued by ZMQ even before the connection completes; never blocks the step.
+            self._socket.send_multipart([self.route.token, _encoder.encode(report)], zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("ecshare: report queue full; a step's report is lost")
+
+    def close(self) -> None:
+        self._socket.close(linger=0)
+        self._context.term()

@@ -1,0 +1,40 @@
+"""`ecshare bench proxy --quick --json` runs end to end and prints one well-formed object.
+
+Only the shape is checked, never the speed: timings on a shared machine say nothing
+about correctness.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from typing import Any
+
+import msgspec
+
+
+def _positive(value: Any) -> bool:
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    return number and math.isfinite(value) and value > 0
+
+
+def test_bench_proxy_json_reports_overhead_for_each_scenario_and_concurrency() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "ecshare", "bench", "proxy", "--quick", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = msgspec.json.decode(proc.stdout)
+    assert report["target_p50_overhead_ms"] == 2.0 and report["target_concurrency"] == 64
+    assert isinstance(report["meets_target"], bool)
+    rows = {(r["scenario"], r["concurrency"]): r for r in report["rows"]}
+    assert set(rows) == {("text", 1), ("text", 64), ("image", 1), ("image", 64)}
+    for row in rows.values():
+        for side in ("direct", "proxy"):
+            assert all(_positive(row[side][k]) for k in ("p50_ms", "p99_ms", "rps"))
+        assert math.isclose(
+            row["overhead_p50_ms"], row["proxy"]["p50_ms"] - row["direct"]["p50_ms"], abs_tol=0.01
+        )

@@ -1,0 +1,78 @@
+"""The side channel that carries an encode-only instance's worker reports (`ecshare.vllm.reports`).
+
+vLLM's V1 runner drops the EC connector output of an encode-only step, so
+without this channel no encoder output would ever become READY.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import zmq
+
+from ecshare.vllm.ops import ReportRoute, StepReport
+from ecshare.vllm.reports import ReportInbox, ReportOutbox
+
+
+@pytest.fixture
+def inbox() -> Iterator[ReportInbox]:
+    box = ReportInbox()
+    try:
+        yield box
+    finally:
+        box.close()
+
+
+def report() -> StepReport:
+    return StepReport(
+        saved={"h1": ("float32", (12, 128))},
+        save_failed={"h2": "out of memory"},
+        loaded={"h3"},
+        counters={"save_seconds": 0.25},
+    )
+
+
+def test_worker_report_reaches_the_scheduler_side(inbox: ReportInbox) -> None:
+    outbox = ReportOutbox(inbox.route)
+    try:
+        outbox.send(report())
+        assert inbox.receive(timeout_s=5.0) == [report()]
+        assert inbox.receive() == []
+    finally:
+        outbox.close()
+
+
+def test_report_without_the_plans_token_is_dropped(inbox: ReportInbox) -> None:
+    forged = ReportOutbox(ReportRoute(inbox.route.address, b"\0" * 16))
+    honest = ReportOutbox(inbox.route)
+    try:
+        forged.send(report())
+        honest.send(StepReport(loaded={"ok"}))
+        received: list[StepReport] = []
+        for _ in range(50):
+            received += inbox.receive(timeout_s=0.1)
+            if received and inbox.dropped:
+                break
+        assert received == [StepReport(loaded={"ok"})]
+        assert inbox.dropped == 1
+    finally:
+        forged.close()
+        honest.close()
+
+
+def test_malformed_report_is_dropped(inbox: ReportInbox) -> None:
+    context = zmq.Context()
+    sock = context.socket(zmq.PUSH)
+    try:
+        sock.connect(inbox.route.address)
+        sock.send_multipart([inbox.route.token, b"\xc1 not msgpack"])
+        sock.send_multipart([b"one frame only"])
+        for _ in range(50):
+            assert inbox.receive(timeout_s=0.1) == []
+            if inbox.dropped == 2:
+                break
+        assert inbox.dropped == 2
+    finally:
+        sock.close(linger=0)
+        context.term()
