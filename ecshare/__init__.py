@@ -1,7 +1,43 @@
 """ecshare: peer-to-peer sharing of multimodal encoder outputs between LLM instances.
 
-The core imports with only pyzmq, msgspec and numpy installed; torch, nixl and
-vllm are optional and imported only by the parts that need them.
+The core imports with only its core dependencies (pyzmq, msgspec, numpy,
+sortedcontainers, xxhash); torch, nixl and vllm are optional and imported only
+by the parts that need them (`ecshare.transport.nixl`, `ecshare.vllm`).
 """
 
+from ecshare.config import Config, ConfigError, load_config
+from ecshare.peer import (
+    Consumer,
+    FailureReason,
+    FetchFailed,
+    FetchItem,
+    FetchResult,
+    Node,
+    Producer,
+    start_consumer,
+    start_producer,
+)
+from ecshare.protocol import PROTOCOL_VERSION, ProtocolError, fingerprint
+from ecshare.store import Region, Store
+
 __version__ = "0.1.0"
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "Config",
+    "ConfigError",
+    "Consumer",
+    "FailureReason",
+    "FetchFailed",
+    "FetchItem",
+    "FetchResult",
+    "Node",
+    "Producer",
+    "ProtocolError",
+    "Region",
+    "Store",
+    "fingerprint",
+    "load_config",
+    "start_consumer",
+    "start_producer",
+]
