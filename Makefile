@@ -31,8 +31,10 @@ $(STAMP): pyproject.toml Makefile $(TVHOOK)/_tv_cpu_compat.py $(TVHOOK)/_tv_cpu_
 
 venv: $(STAMP)
 
+# The main job: vLLM split into an encoder and a prefill/decode instance that
+# share encoder outputs through ecshare.
 demo: $(STAMP)
-	$(BIN)/python -m ecshare demo
+	$(BIN)/python -m ecshare demo --epd
 
 lint: $(STAMP)
 	$(BIN)/ruff check ecshare tests benchmarks
