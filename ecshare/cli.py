@@ -1,4 +1,4 @@
-"""The `ecshare` command: serve, fetch, keys, demo, proxy, bench."""
+"""The `ecshare` command: serve, fetch, keys, demo, proxy, launch, bench."""
 
 from __future__ import annotations
 
@@ -79,6 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
     proxy = sub.add_parser("proxy", help="the EPD HTTP proxy: encoders first, then prefill/decode")
     add_proxy_arguments(proxy)
 
+    from ecshare.launch import add_launch_arguments
+
+    launch = sub.add_parser(
+        "launch",
+        help="start N encoder and M prefill/decode vLLM instances and the proxy, on this host",
+    )
+    add_launch_arguments(launch)
+
     bench = sub.add_parser("bench", help="measure ecshare against baselines")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     store = bench_sub.add_parser("store", help="region put/get and allocator cost")
@@ -121,6 +129,15 @@ def _dispatch(args: argparse.Namespace) -> int:
         from ecshare.epd_demo import run_epd_demo
 
         return run_epd_demo()
+    if args.command == "launch":
+        from ecshare.launch import options_from_args, run_launch
+
+        try:
+            options = options_from_args(args)
+        except ValueError as exc:
+            print(f"ecshare launch: {exc}", file=sys.stderr)
+            return 2
+        return run_launch(options)
     if args.command == "demo":
         from ecshare.demo import run_demo
 

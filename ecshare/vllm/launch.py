@@ -80,6 +80,8 @@ class ServerSpec:
     extra_config: dict[str, Any] = field(default_factory=dict)
     python: str = sys.executable
     served_model_name: str = SERVED_MODEL_NAME
+    # Appended last, so that they override the defaults above (argparse keeps the last value).
+    extra_args: tuple[str, ...] = ()
 
     def command(self) -> list[str]:
         cmd = [
@@ -98,7 +100,7 @@ class ServerSpec:
                 "ec_connector_extra_config": self.extra_config,
             }
             cmd += ["--ec-transfer-config", json.dumps(config)]
-        return cmd
+        return cmd + list(self.extra_args)
 
     def env(self) -> dict[str, str]:
         return {
@@ -155,22 +157,8 @@ class VllmServer:
         raise TimeoutError(f"vllm on port {self.spec.port} not ready:\n" + self.log_tail())
 
     def metrics(self, prefix: str = METRIC_PREFIX) -> dict[str, float]:
-        """Counter, gauge and histogram sum/count samples whose name starts with `prefix`,
-        summed over their labels, keyed by the name without the prefix."""
-        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as resp:
-            text = resp.read().decode()
-        out: dict[str, float] = {}
-        for line in text.splitlines():
-            match = _SAMPLE.match(line)
-            # Prometheus adds *_created timestamps and cumulative *_bucket samples per label.
-            if (
-                match
-                and match.group(1).startswith(prefix)
-                and not match.group(1).endswith(("_created", "_bucket"))
-            ):
-                name = match.group(1)[len(prefix) :]
-                out[name] = out.get(name, 0.0) + float(match.group(2))
-        return out
+        """This instance's samples starting with `prefix` (see `read_metrics`)."""
+        return read_metrics(self.url, prefix)
 
     def log_tail(self, nbytes: int = 6000) -> str:
         try:
@@ -196,6 +184,50 @@ class VllmServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def read_metrics(base_url: str, prefix: str = METRIC_PREFIX) -> dict[str, float]:
+    """Counter, gauge and histogram sum/count samples whose name starts with `prefix`,
+    summed over their labels, keyed by the name without the prefix."""
+    with urllib.request.urlopen(base_url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        # Prometheus adds *_created timestamps and cumulative *_bucket samples per label.
+        if (
+            match
+            and match.group(1).startswith(prefix)
+            and not match.group(1).endswith(("_created", "_bucket"))
+        ):
+            name = match.group(1)[len(prefix) :]
+            out[name] = out.get(name, 0.0) + float(match.group(2))
+    return out
+
+
+def start_all(servers: list[VllmServer], timeout_s: float = 240.0) -> None:
+    """Start `servers` together and wait until all are ready; on any failure, stop them all."""
+    try:
+        for server in servers:
+            server.start()
+        for server in servers:
+            server.wait_ready(timeout_s)
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+
+
+def post_chat(base_url: str, body: dict[str, Any], timeout_s: float = 120.0) -> dict[str, Any]:
+    """POST a chat completion, the answer as JSON."""
+    request = urllib.request.Request(
+        base_url + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+        answer: dict[str, Any] = json.load(resp)
+        return answer
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:

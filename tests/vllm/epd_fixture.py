@@ -17,10 +17,8 @@ their tail.
 
 from __future__ import annotations
 
-import json
 import random
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +32,9 @@ from ecshare.vllm.launch import (
     VllmServer,
     chat_request,
     free_port,
+    post_chat,
     random_image_url,
+    start_all,
 )
 from ecshare.vllm.router import Route, route_chat_sync
 
@@ -54,17 +54,6 @@ def token_ids(answer: dict[str, Any]) -> list[int]:
     ids = answer["choices"][0]["token_ids"]
     assert isinstance(ids, list) and ids, answer
     return ids
-
-
-def post_chat(base_url: str, body: dict[str, Any]) -> dict[str, Any]:
-    request = urllib.request.Request(
-        base_url + "/v1/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=120) as resp:
-        answer: dict[str, Any] = json.load(resp)
-        return answer
 
 
 def wait_metric(
@@ -87,18 +76,6 @@ def delta(after: dict[str, float], before: dict[str, float], key: str) -> float:
     return after.get(key, 0.0) - before.get(key, 0.0)
 
 
-def _start(servers: list[VllmServer]) -> None:
-    try:
-        for server in servers:
-            server.start()
-        for server in servers:
-            server.wait_ready()
-    except BaseException:
-        for server in servers:
-            server.stop()
-        raise
-
-
 @pytest.fixture(scope="module")
 def epd_cases() -> dict[str, dict[str, Any]]:
     seed = random.SystemRandom().randrange(1 << 40)
@@ -118,7 +95,7 @@ def reference_tokens(
 ) -> dict[str, list[int]]:
     logs = tmp_path_factory.mktemp("reference")
     server = VllmServer(ServerSpec(tiny_model, free_port(), core=0), logs / "single.log")
-    _start([server])
+    start_all([server])
     try:
         return {name: token_ids(post_chat(server.url, body)) for name, body in epd_cases.items()}
     finally:
@@ -149,7 +126,7 @@ def epd(
         ),
         tmp / "prefill_decode.log",
     )  # fmt: skip
-    _start([encoder, prefill_decode])
+    start_all([encoder, prefill_decode])
     try:
         route = Route(encoders=[encoder.url], prefill_decode=prefill_decode.url, timeout_s=120)
         route_chat_sync(epd_cases["warm_up"], route)

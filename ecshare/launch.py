@@ -1,0 +1,242 @@
+"""`ecshare launch`: N encoders, M prefill/decode instances and the proxy, for one model.
+
+Everything runs on this host.
+
+It generates CURVE keys (one pair shared by the encoders, one by the prefill/decode
+instances), starts each `vllm serve` (through `ecshare.vllm.launch`) with its
+`--ec-transfer-config` on a free port and its own CPU core (round-robin over the cores
+this process may use), waits until every instance answers /health, then serves the EPD
+proxy in front of them and prints one ready line (`READY_PREFIX` and a JSON object with
+the proxy URL). SIGINT or SIGTERM, at any point, stops the proxy and every instance.
+
+The instances' logs and keys live in `--workdir` (a temporary directory, removed at exit,
+when none is given). Imports neither vllm nor torch: the instances are child processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import shlex
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import msgspec
+
+from ecshare.vllm.launch import Keys, ServerSpec, VllmServer, free_port
+
+READY_PREFIX = "ecshare-launch-ready "
+
+
+class LaunchReady(msgspec.Struct):
+    url: str
+    model: str
+    encoders: tuple[str, ...]
+    prefill_decode: tuple[str, ...]
+    workdir: str
+
+
+@dataclass
+class LaunchOptions:
+    model: str
+    encoders: int = 1
+    prefill_decode: int = 1
+    host: str = "127.0.0.1"
+    port: int = 8080
+    served_model_name: str | None = None
+    extra_vllm_args: tuple[str, ...] = ()
+    ec_extra_config: dict[str, Any] = field(default_factory=dict)
+    workdir: Path | None = None
+    ready_timeout_s: float = 600.0
+
+
+def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", required=True, help="model path or name, served by every instance"
+    )
+    parser.add_argument("--encoders", type=int, default=1, metavar="N", help="encoder instances")
+    parser.add_argument("--pd", type=int, default=1, metavar="M", help="prefill/decode instances")
+    parser.add_argument("--host", default="127.0.0.1", help="address the proxy listens on")
+    parser.add_argument("--port", type=int, default=8080, help="proxy port (0: a free one)")
+    parser.add_argument(
+        "--served-model-name", default=None, help="model name in the API (default: --model)"
+    )
+    parser.add_argument(
+        "--extra-vllm-args",
+        default="",
+        metavar="ARGS",
+        help="more `vllm serve` arguments for every instance, as one shell-quoted string; "
+        "they come last and override the defaults",
+    )
+    parser.add_argument(
+        "--ec-extra-config",
+        default="{}",
+        metavar="JSON",
+        help="ec_connector_extra_config entries for every instance, e.g. "
+        "'{\"region_bytes\": 67108864}'",
+    )
+    parser.add_argument("--workdir", default=None, help="keys and logs (default: a temp dir)")
+    parser.add_argument(
+        "--ready-timeout", type=float, default=600.0, help="seconds to wait for the instances"
+    )
+
+
+def options_from_args(args: argparse.Namespace) -> LaunchOptions:
+    if args.encoders < 1 or args.pd < 1:
+        raise ValueError("--encoders and --pd must be at least 1")
+    extra = json.loads(args.ec_extra_config)
+    if not isinstance(extra, dict):
+        raise ValueError("--ec-extra-config must be a JSON object")
+    return LaunchOptions(
+        model=args.model,
+        encoders=args.encoders,
+        prefill_decode=args.pd,
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name,
+        extra_vllm_args=tuple(shlex.split(args.extra_vllm_args)),
+        ec_extra_config=extra,
+        workdir=Path(args.workdir) if args.workdir else None,
+        ready_timeout_s=args.ready_timeout,
+    )
+
+
+def _cores() -> list[int]:
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def plan_servers(
+    options: LaunchOptions, workdir: Path
+) -> tuple[list[VllmServer], list[VllmServer]]:
+    """(encoders, prefill/decode instances), not started: keys in `workdir`, free ports,
+    cores round-robin, a log per instance."""
+    keys = Keys.generate(workdir)
+    cores = _cores()
+    name = options.served_model_name or options.model
+    model = Path(options.model)
+
+    def server(role: str, index: int, n: int, extra: dict[str, Any]) -> VllmServer:
+        spec = ServerSpec(
+            model,
+            free_port(),
+            core=cores[n % len(cores)],
+            ec_role=role,
+            extra_config={**extra, **options.ec_extra_config},
+            served_model_name=name,
+            extra_args=options.extra_vllm_args,
+        )
+        kind = "encoder" if role == "ec_producer" else "prefill_decode"
+        return VllmServer(spec, workdir / f"{kind}{index}.log")
+
+    encoders = [
+        server("ec_producer", i, i, keys.producer_config()) for i in range(options.encoders)
+    ]
+    pd = [
+        server("ec_consumer", i, options.encoders + i, keys.consumer_config())
+        for i in range(options.prefill_decode)
+    ]
+    return encoders, pd
+
+
+class _Stop(Exception):
+    """SIGTERM (or SIGINT) while the instances start."""
+
+
+def _raise_stop(signum: int, frame: FrameType | None) -> None:
+    raise _Stop(signal.Signals(signum).name)
+
+
+@contextlib.contextmanager
+def _workdir(given: Path | None) -> Iterator[Path]:
+    if given is not None:
+        given.mkdir(parents=True, exist_ok=True)
+        yield given
+        return
+    with tempfile.TemporaryDirectory(prefix="ecshare-launch-") as tmp:
+        yield Path(tmp)
+
+
+def run_launch(options: LaunchOptions) -> int:
+    """Start everything, serve until SIGINT/SIGTERM, stop everything; the exit status."""
+    from ecshare.proxy.config import ProxyConfig
+    from ecshare.proxy.server import start_proxy
+
+    previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    servers: list[VllmServer] = []
+    try:
+        with _workdir(options.workdir) as workdir:
+            try:
+                encoders, pd = plan_servers(options, workdir)
+                servers = [*encoders, *pd]
+                t0 = time.monotonic()
+                for server in servers:
+                    server.start()
+                    print(
+                        f"ecshare launch: {server.spec.ec_role} on {server.url} "
+                        f"(core {server.spec.core}, log {server.log_path})",
+                        flush=True,
+                    )
+                deadline = t0 + options.ready_timeout_s
+                for server in servers:
+                    server.wait_ready(max(1.0, deadline - time.monotonic()))
+                print(
+                    f"ecshare launch: instances ready in {time.monotonic() - t0:.0f} s", flush=True
+                )
+                config = ProxyConfig(
+                    encoders=tuple(s.url for s in encoders),
+                    prefill_decode=tuple(s.url for s in pd),
+                    host=options.host,
+                    port=options.port,
+                )
+
+                async def serve() -> None:
+                    running = await start_proxy(config)
+                    stop = asyncio.Event()
+                    loop = asyncio.get_running_loop()
+                    for sig in (signal.SIGINT, signal.SIGTERM):
+                        loop.add_signal_handler(sig, stop.set)
+                    ready = LaunchReady(
+                        url=running.url,
+                        model=options.served_model_name or options.model,
+                        encoders=config.encoders,
+                        prefill_decode=config.prefill_decode,
+                        workdir=str(workdir),
+                    )
+                    print(READY_PREFIX + msgspec.json.encode(ready).decode(), flush=True)
+                    try:
+                        await stop.wait()
+                    finally:
+                        await running.stop()
+
+                asyncio.run(serve())
+                print("ecshare launch: stopping", flush=True)
+                return 0
+            except _Stop as exc:
+                print(f"ecshare launch: {exc}, stopping", flush=True)
+                return 0
+            except (RuntimeError, TimeoutError, OSError) as exc:
+                print(f"ecshare launch: {exc}", file=sys.stderr, flush=True)
+                return 1
+            finally:
+                # No second signal may cut the teardown short and leave instances behind.
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    signal.signal(sig, signal.SIG_IGN)
+                for server in reversed(servers):
+                    server.stop()
+                if servers:
+                    print("ecshare launch: all instances stopped", flush=True)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
