@@ -29,6 +29,7 @@ from ecshare import protocol as p
 from ecshare.config import Config
 from ecshare.control import AuthenticationFailed, ClientPool, KeyPair, LinkSettings, Waker
 from ecshare.peer.link import PeerLink, PeerLinkState
+from ecshare.peer.thread import NetworkThread
 from ecshare.peer.transfer import (
     FailureReason,
     FetchFailed,
@@ -57,7 +58,7 @@ class FetchItem:
     peers: tuple[str, ...] = ()
 
 
-class Consumer:
+class Consumer(NetworkThread):
     def __init__(
         self,
         store: Store,
@@ -77,6 +78,7 @@ class Consumer:
         self._keys = keys
         self._server_key = server_public_key
         self._name = name
+        self._init_thread()
         self._lock = threading.Lock()
         self._incoming: collections.deque[Transfer] = collections.deque()
         self._inflight: dict[str, Transfer] = {}  # mm_hash -> transfer (single-flight)
@@ -84,12 +86,7 @@ class Consumer:
         self._links: dict[str, PeerLink] = {}
         self._orphans: list[tuple[object, Entry]] = []  # reads to finish before freeing
         self._request_ids = itertools.count(1)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._waker: Waker | None = None
         self._pool: ClientPool | None = None
-        self._ready = threading.Event()
-        self._startup_error: BaseException | None = None
         self.counters: Counter[str] = Counter()
         self._counters_lock = threading.Lock()
         self.latencies: collections.deque[float] = collections.deque(maxlen=_LATENCY_SAMPLES)
@@ -160,30 +157,6 @@ class Consumer:
 
     # -- lifecycle ---------------------------------------------------------------------------
 
-    def start(self) -> Consumer:
-        region = self._store.region
-        self._transport.register(region.address, region.size)
-        self._thread = threading.Thread(target=self._run, name=f"{self._name}-net", daemon=True)
-        self._thread.start()
-        self._ready.wait(timeout=30)
-        if self._startup_error is not None:
-            raise self._startup_error
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._waker is not None:
-            self._waker.wake()
-        if self._thread is not None:
-            self._thread.join(timeout=self._config.shutdown_timeout_s)
-            self._thread = None
-
-    def __enter__(self) -> Consumer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
     def pending(self) -> int:
         with self._lock:
             return len(self._inflight)
@@ -206,10 +179,9 @@ class Consumer:
                 ),
             )
         except BaseException as exc:
-            self._startup_error = exc
-            self._ready.set()
+            self._started(exc)
             return
-        self._ready.set()
+        self._started(None)
         try:
             while not self._stop.is_set():
                 self._step(self._wait())

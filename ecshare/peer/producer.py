@@ -25,6 +25,7 @@ import zmq
 from ecshare import protocol as p
 from ecshare.config import Config
 from ecshare.control import ControlServer, KeyPair, Waker
+from ecshare.peer.thread import NetworkThread
 from ecshare.store import EntryState, NotFound, NotReady, Store, StoreError
 from ecshare.transport.base import DataTransport, PeerInfo
 
@@ -53,7 +54,7 @@ class _Session:
     replies: OrderedDict[str, p.FetchReply] = field(default_factory=OrderedDict)
 
 
-class Producer:
+class Producer(NetworkThread):
     """Serves grants on `config.listen_host:listen_port` from its own thread."""
 
     def __init__(
@@ -75,14 +76,10 @@ class Producer:
         self._keys = keys
         self._authorized = authorized
         self._name = name
+        self._init_thread()
         self._sessions: dict[str, _Session] = {}
         self._grant_ids = itertools.count(1)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self._server: ControlServer | None = None
-        self._waker: Waker | None = None
-        self._ready = threading.Event()
-        self._startup_error: BaseException | None = None
         self._lock = threading.Lock()  # guards `counters` and the session snapshot
         self.counters: Counter[str] = Counter()
         self._counters_lock = threading.Lock()
@@ -90,32 +87,11 @@ class Producer:
 
     # -- lifecycle ---------------------------------------------------------------------------
 
-    def start(self) -> Producer:
-        region = self._store.region
-        self._transport.register(region.address, region.size)
-        self._thread = threading.Thread(target=self._run, name=f"{self._name}-net", daemon=True)
-        self._thread.start()
-        self._ready.wait(timeout=30)
-        if self._startup_error is not None:
-            raise self._startup_error
-        return self
-
     def stop(self) -> None:
-        self._stop.set()
-        if self._waker is not None:
-            self._waker.wake()
-        if self._thread is not None:
-            self._thread.join(timeout=self._config.shutdown_timeout_s)
-            self._thread = None
+        super().stop()
         # Every grant ends with the producer.
         for session in list(self._sessions.values()):
             self._end_session(session, "shutdown")
-
-    def __enter__(self) -> Producer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     @property
     def port(self) -> int:
@@ -159,10 +135,9 @@ class Producer:
             )
             self._waker = Waker()
         except BaseException as exc:  # reported to start()'s caller
-            self._startup_error = exc
-            self._ready.set()
+            self._started(exc)
             return
-        self._ready.set()
+        self._started(None)
         poller = zmq.Poller()
         for pollable in self._server.pollables:
             poller.register(pollable, zmq.POLLIN)
