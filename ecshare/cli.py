@@ -167,17 +167,12 @@ def _serve(args: argparse.Namespace) -> int:
 
     import numpy as np
 
-    from ecshare.bench.synthetic import parse_spec, synthetic_bytes, synthetic_hash
+    from ecshare.bench.synthetic import fill_synthetic
     from ecshare.peer import Node, start_producer
 
     config = load_config(cli=args)
     node = Node.create(config, "producer")
-    entries = []
-    for nbytes, count in parse_spec(args.synthetic) if args.synthetic else []:
-        for i in range(count):
-            h = synthetic_hash(nbytes, i)
-            node.store.put(h, synthetic_bytes(h, nbytes), checksum=args.entry_checksums)
-            entries.append({"mm_hash": h, "nbytes": nbytes})
+    entries = fill_synthetic(node.store, args.synthetic, checksum=args.entry_checksums)
     for path in args.load:
         array = np.load(path, allow_pickle=False)
         h = Path(path).stem

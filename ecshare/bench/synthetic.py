@@ -8,6 +8,8 @@ import re
 import numpy as np
 import numpy.typing as npt
 
+from ecshare.store import Store
+
 _UNITS = {
     "": 1,
     "b": 1,
@@ -45,3 +47,16 @@ def synthetic_bytes(mm_hash: str, nbytes: int) -> npt.NDArray[np.uint8]:
     """The content every process agrees belongs to `mm_hash`."""
     seed = int.from_bytes(hashlib.blake2b(mm_hash.encode(), digest_size=8).digest(), "little")
     return np.random.default_rng(seed).integers(0, 256, size=nbytes, dtype=np.uint8)
+
+
+def fill_synthetic(
+    store: Store, spec: str, *, checksum: bool = False
+) -> list[dict[str, int | str]]:
+    """Put the entries `spec` names into `store`; returns [{"mm_hash", "nbytes"}] in order."""
+    entries: list[dict[str, int | str]] = []
+    for nbytes, count in parse_spec(spec) if spec else []:
+        for i in range(count):
+            h = synthetic_hash(nbytes, i)
+            store.put(h, synthetic_bytes(h, nbytes), checksum=checksum)
+            entries.append({"mm_hash": h, "nbytes": nbytes})
+    return entries

@@ -23,7 +23,7 @@ import time
 
 import msgspec
 
-from ecshare.bench.synthetic import parse_spec, synthetic_bytes, synthetic_hash
+from ecshare.bench.synthetic import fill_synthetic
 from ecshare.cli import READY_PREFIX
 from ecshare.config import add_config_arguments, load_config
 from ecshare.peer import Node, Producer, start_producer
@@ -46,12 +46,7 @@ def main() -> int:
     args = parser.parse_args()
     config = load_config(cli=args)
     node = Node.create(config, "producer")
-    entries = []
-    for nbytes, count in parse_spec(args.synthetic) if args.synthetic else []:
-        for i in range(count):
-            h = synthetic_hash(nbytes, i)
-            node.store.put(h, synthetic_bytes(h, nbytes))
-            entries.append({"mm_hash": h, "nbytes": nbytes})
+    entries = fill_synthetic(node.store, args.synthetic)
     producer = start_producer(node, fingerprint=args.fingerprint)
     stall = threading.Event()
     stalling = threading.Event()
