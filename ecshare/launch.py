@@ -171,7 +171,7 @@ def _workdir(given: Path | None) -> Iterator[Path]:
 def run_launch(options: LaunchOptions) -> int:
     """Start everything, serve until SIGINT/SIGTERM, stop everything; the exit status."""
     from ecshare.proxy.config import ProxyConfig
-    from ecshare.proxy.server import start_proxy
+    from ecshare.proxy.server import RunningProxy, serve_until_signalled
 
     previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     servers: list[VllmServer] = []
@@ -201,12 +201,7 @@ def run_launch(options: LaunchOptions) -> int:
                     port=options.port,
                 )
 
-                async def serve() -> None:
-                    running = await start_proxy(config)
-                    stop = asyncio.Event()
-                    loop = asyncio.get_running_loop()
-                    for sig in (signal.SIGINT, signal.SIGTERM):
-                        loop.add_signal_handler(sig, stop.set)
+                def announce(running: RunningProxy) -> None:
                     ready = LaunchReady(
                         url=running.url,
                         model=options.served_model_name or options.model,
@@ -215,12 +210,8 @@ def run_launch(options: LaunchOptions) -> int:
                         workdir=str(workdir),
                     )
                     print(READY_PREFIX + msgspec.json.encode(ready).decode(), flush=True)
-                    try:
-                        await stop.wait()
-                    finally:
-                        await running.stop()
 
-                asyncio.run(serve())
+                asyncio.run(serve_until_signalled(config, announce))
                 print("ecshare launch: stopping", flush=True)
                 return 0
             except _Stop as exc:

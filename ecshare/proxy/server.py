@@ -13,6 +13,7 @@ import importlib
 import logging
 import signal
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -77,6 +78,22 @@ def use_uvloop() -> str:
     return "uvloop"
 
 
+async def serve_until_signalled(
+    config: ProxyConfig, announce: Callable[[RunningProxy], None]
+) -> None:
+    """Run the proxy, call `announce` once it listens, and stop it on SIGINT or SIGTERM."""
+    running = await start_proxy(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    announce(running)
+    try:
+        await stop.wait()
+    finally:
+        await running.stop()
+
+
 def run_proxy(config: ProxyConfig) -> int:
     """Serve until SIGINT or SIGTERM; the `ecshare proxy` command."""
     loop_name = use_uvloop()
@@ -85,12 +102,7 @@ def run_proxy(config: ProxyConfig) -> int:
             "serving on %s without an API key: anyone who can connect may use it", config.host
         )
 
-    async def serve() -> None:
-        running = await start_proxy(config)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+    def announce(running: RunningProxy) -> None:
         ready = ReadyLine(
             url=running.url,
             encoders=config.encoders,
@@ -99,13 +111,9 @@ def run_proxy(config: ProxyConfig) -> int:
             loop=loop_name,
         )
         print(READY_PREFIX + msgspec.json.encode(ready).decode(), flush=True)
-        try:
-            await stop.wait()
-        finally:
-            await running.stop()
 
     try:
-        asyncio.run(serve())
+        asyncio.run(serve_until_signalled(config, announce))
     except OSError as exc:  # the port is taken, the address is not ours
         print(
             f"ecshare proxy: cannot listen on {config.host}:{config.port}: {exc}", file=sys.stderr
