@@ -116,6 +116,17 @@ class Producer(NetworkThread):
         with self._lock:
             return sum(len(s.grants) for s in self._sessions.values())
 
+    def grants_by_session(self) -> dict[str, list[str]]:
+        """Each open session's outstanding grant ids, sorted: a copy, for any thread."""
+        with self._lock:
+            return {sid: sorted(s.grants) for sid, s in self._sessions.items()}
+
+    @property
+    def control_stats(self) -> dict[str, int]:
+        """The control server's counters (drops per reason, handshakes); empty before start."""
+        server = self._server
+        return server.stats if server is not None else {}
+
     # -- the network thread ------------------------------------------------------------------
 
     def _run(self) -> None:

@@ -3,7 +3,8 @@
 It starts exactly as `python -m ecshare serve` does (same flags, same ready line)
 and then reads one command per line from stdin:
 
-    stats              print one JSON line: counters, store stats, grants, sessions
+    stats              print one JSON line: counters, store stats, grants, sessions,
+                       each session's grant ids, the control server's counters
     stall SECONDS      block the producer's network thread for SECONDS (answers once
                        it is blocked)
     stall-on-grant SECONDS
@@ -35,6 +36,8 @@ def _stats(node: Node, producer: Producer) -> dict[str, object]:
         "store": msgspec.structs.asdict(node.store.stats()),
         "active_grants": producer.active_grants(),
         "sessions": producer.session_count(),
+        "grants": producer.grants_by_session(),
+        "control": producer.control_stats,
     }
 
 
