@@ -1,8 +1,8 @@
 """ecshare: peer-to-peer sharing of multimodal encoder outputs between LLM instances.
 
 The core imports with only its core dependencies (pyzmq, msgspec, numpy,
-sortedcontainers, xxhash); torch, nixl and vllm are optional and imported only
-by the parts that need them (`ecshare.transport.nixl`, `ecshare.vllm`).
+sortedcontainers, xxhash, prometheus_client); torch, nixl and vllm are optional
+and imported only by the parts that need them (`ecshare.transport.nixl`, `ecshare.vllm`).
 """
 
 from ecshare.config import Config, ConfigError, load_config

@@ -87,17 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_launch_arguments(launch)
 
-    bench = sub.add_parser("bench", help="measure ecshare against baselines")
-    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    store = bench_sub.add_parser("store", help="region put/get and allocator cost")
-    store.add_argument("--json", action="store_true", help="print one JSON object")
-    store.add_argument("--quick", action="store_true", help="fewer repetitions")
-    fetch_bench = bench_sub.add_parser("fetch", help="fetch throughput against raw NIXL")
-    fetch_bench.add_argument("--json", action="store_true", help="print one JSON object")
-    fetch_bench.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
-    proxy_bench = bench_sub.add_parser("proxy", help="the proxy's added latency over stub backends")
-    proxy_bench.add_argument("--json", action="store_true", help="print one JSON object")
-    proxy_bench.add_argument("--quick", action="store_true", help="fewer requests")
+    from ecshare.bench.commands import add_bench_arguments
+
+    bench = sub.add_parser("bench", help="measure ecshare against baselines; report, compare")
+    add_bench_arguments(bench)
     return parser
 
 
@@ -147,18 +140,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from ecshare.proxy.server import run_proxy
 
         return run_proxy(config_from_args(args))
-    if args.command == "bench" and args.bench_command == "proxy":
-        from ecshare.bench.proxy import run_proxy_bench
+    if args.command == "bench":
+        from ecshare.bench.commands import run_bench
 
-        return run_proxy_bench(json_output=args.json, quick=args.quick)
-    if args.command == "bench" and args.bench_command == "store":
-        from ecshare.bench.store import run_store_bench
-
-        return run_store_bench(json_output=args.json, quick=args.quick)
-    if args.command == "bench" and args.bench_command == "fetch":
-        from ecshare.bench.fetch import run_fetch_bench
-
-        return run_fetch_bench(json_output=args.json, quick=args.quick)
+        return run_bench(args)
     return 2
 
 
@@ -183,7 +168,8 @@ def _serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     # One JSON line tells a supervising process where we are and what we hold.
-    print(READY_PREFIX + json.dumps({"address": producer.address, "entries": entries}), flush=True)
+    ready = {"address": producer.address, "entries": entries, "metrics": producer.metrics_url}
+    print(READY_PREFIX + json.dumps(ready), flush=True)
     try:
         while not stop.wait(0.5):
             pass

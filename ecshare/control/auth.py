@@ -38,6 +38,12 @@ _CURVE_KEY_BYTES: Final = 32
 _WARN_EVERY_S: Final = 60.0
 _WARNED_KEYS_MAX: Final = 1024
 
+# Why a handshake was refused, as metrics label it.
+KEY_NOT_AUTHORIZED: Final = "key_not_authorized"  # a valid CURVE key not on the allow-list
+NOT_CURVE: Final = "not_curve"  # the client did not use CURVE (NULL or PLAIN)
+BAD_CREDENTIALS: Final = "bad_credentials"  # CURVE credentials of the wrong shape
+REFUSAL_REASONS: Final = (KEY_NOT_AUTHORIZED, NOT_CURVE, BAD_CREDENTIALS)
+
 
 class AllowList:
     """The client keys one server admits, with thread-safe handshake counters."""
@@ -48,6 +54,8 @@ class AllowList:
         self._lock = threading.Lock()
         self._accepted = 0
         self._rejected = 0
+        # Refusals by reason (REFUSAL_REASONS), for metrics; every key exists from the start.
+        self._refused = dict.fromkeys(REFUSAL_REASONS, 0)
         self._warned: dict[bytes, float] = {}
 
     @property
@@ -58,6 +66,11 @@ class AllowList:
     def rejected(self) -> int:
         return self._rejected
 
+    def refused_by_reason(self) -> dict[str, int]:
+        """Refused handshakes per reason (see REFUSAL_REASONS); a copy, for any thread."""
+        with self._lock:
+            return dict(self._refused)
+
     def admits(self, client_key: bytes, address: str) -> bool:
         """Whether `client_key` (Z85) may connect; counts and logs the decision."""
         admitted = client_key in self.keys
@@ -66,6 +79,7 @@ class AllowList:
                 self._accepted += 1
             else:
                 self._rejected += 1
+                self._refused[KEY_NOT_AUTHORIZED] += 1
                 loud = self._should_warn(client_key)
         if admitted:
             log.debug("%s: admitted CURVE client %s from %s", self.server, client_key, address)
@@ -81,11 +95,12 @@ class AllowList:
             )
         return admitted
 
-    def refuse(self, reason: str, address: str) -> None:
-        """Count a handshake refused before its key could be checked."""
+    def refuse(self, reason: str, detail: str, address: str) -> None:
+        """Count a handshake refused before its key could be checked (`reason`: REFUSAL_REASONS)."""
         with self._lock:
             self._rejected += 1
-        log.warning("%s: refused a client from %s: %s", self.server, address, reason)
+            self._refused[reason] += 1
+        log.warning("%s: refused a client from %s: %s", self.server, address, detail)
 
     def _should_warn(self, client_key: bytes) -> bool:
         now = time.monotonic()
@@ -211,10 +226,10 @@ class _ZapService(threading.Thread):
             log.warning("ZAP request for unknown domain %r from %s refused", domain, peer)
             return _reply(request_id, b"400", b"unknown ZAP domain")
         if mechanism != b"CURVE" or len(credentials) != 1:
-            allow_list.refuse(f"mechanism {mechanism!r}, CURVE required", peer)
+            allow_list.refuse(NOT_CURVE, f"mechanism {mechanism!r}, CURVE required", peer)
             return _reply(request_id, b"400", b"CURVE required")
         if len(credentials[0]) != _CURVE_KEY_BYTES:
-            allow_list.refuse("malformed CURVE credentials", peer)
+            allow_list.refuse(BAD_CREDENTIALS, "malformed CURVE credentials", peer)
             return _reply(request_id, b"400", b"malformed CURVE credentials")
         client_key = z85.encode(credentials[0])
         if allow_list.admits(client_key, peer):

@@ -193,11 +193,13 @@ class ControlServer:
     def stats(self) -> dict[str, int]:
         """Counters: messages, drops per reason, send failures, handshakes. Any thread."""
         allow_list = self._allow_list
+        refused = allow_list.refused_by_reason() if allow_list is not None else {}
         return {
             **self._stats,
             **self._events,
             "auth_accepted": allow_list.accepted if allow_list is not None else 0,
             "auth_rejected": allow_list.rejected if allow_list is not None else 0,
+            **{f"auth_refused.{reason}": n for reason, n in refused.items()},
         }
 
     def close(self) -> None:

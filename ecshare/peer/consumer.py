@@ -12,6 +12,7 @@ between peers, quarantine of failing peers, heartbeats and lease renewal.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import itertools
 import logging
@@ -31,6 +32,7 @@ from ecshare.control import AuthenticationFailed, ClientPool, KeyPair, LinkSetti
 from ecshare.peer.link import PeerLink, PeerLinkState
 from ecshare.peer.thread import NetworkThread
 from ecshare.peer.transfer import (
+    LATENCY_BUCKETS_S,
     FailureReason,
     FetchFailed,
     FetchResult,
@@ -46,6 +48,25 @@ log = logging.getLogger(__name__)
 # even if a wake-up were lost.
 _MAX_IDLE_S = 0.1
 _LATENCY_SAMPLES = 4096
+
+
+@dataclass(frozen=True)
+class PeerLiveness:
+    """One producer as this consumer sees it, for metrics."""
+
+    endpoint: str
+    up: bool  # a session is established
+    quarantined: bool
+    last_heard_age_s: float | None  # since the peer last said anything; None: never
+
+
+@dataclass(frozen=True)
+class LatencyHistogram:
+    """Fetch latencies since start: counts per bucket of LATENCY_BUCKETS_S (plus +Inf)."""
+
+    bounds: tuple[float, ...]
+    counts: tuple[int, ...]  # per bucket, not cumulative; one more than bounds
+    sum_s: float
 
 
 @dataclass(frozen=True)
@@ -90,6 +111,9 @@ class Consumer(NetworkThread):
         self.counters: Counter[str] = Counter()
         self._counters_lock = threading.Lock()
         self.latencies: collections.deque[float] = collections.deque(maxlen=_LATENCY_SAMPLES)
+        # Every latency ever, in buckets (under `_counters_lock`): the deque above forgets.
+        self._latency_counts = [0] * (len(LATENCY_BUCKETS_S) + 1)
+        self._latency_sum_s = 0.0
 
     # -- engine-facing -----------------------------------------------------------------------
 
@@ -160,6 +184,33 @@ class Consumer(NetworkThread):
     def pending(self) -> int:
         with self._lock:
             return len(self._inflight)
+
+    # -- for metrics (any thread) ------------------------------------------------------------
+
+    def counter_snapshot(self) -> dict[str, int]:
+        with self._counters_lock:
+            return dict(self.counters)
+
+    def latency_histogram(self) -> LatencyHistogram:
+        with self._counters_lock:
+            return LatencyHistogram(
+                LATENCY_BUCKETS_S, tuple(self._latency_counts), self._latency_sum_s
+            )
+
+    def peer_liveness(self) -> list[PeerLiveness]:
+        now = time.monotonic()
+        # The network thread owns the links; copying the values is one step under the
+        # GIL, and each field read is of a plain attribute, so a scrape never waits.
+        links = tuple(self._links.values())
+        return [
+            PeerLiveness(
+                endpoint=link.endpoint,
+                up=link.state is PeerLinkState.READY,
+                quarantined=link.state is PeerLinkState.QUARANTINED,
+                last_heard_age_s=now - link.last_heard if link.last_heard else None,
+            )
+            for link in links
+        ]
 
     # -- the network thread ------------------------------------------------------------------
 
@@ -424,7 +475,10 @@ class Consumer(NetworkThread):
         t.move(TransferState.DONE)
         latency = time.monotonic() - t.started
         self.latencies.append(latency)
-        self._count("fetched")
+        with self._counters_lock:
+            self.counters["fetched"] += 1
+            self._latency_counts[bisect.bisect_left(LATENCY_BUCKETS_S, latency)] += 1
+            self._latency_sum_s += latency
         self._finish(t)
         t.future.set_result(
             FetchResult(t.mm_hash, t.nbytes, t.dtype, t.shape, peer, latency, t.attempts)

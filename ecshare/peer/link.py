@@ -64,6 +64,8 @@ class PeerLink:
         self._ping_seq = 0
         self._quarantined_until = 0.0
         self._releases: list[str] = []
+        # When the peer last said anything (monotonic; 0: never), for liveness metrics.
+        self.last_heard = 0.0
 
     # -- the session -------------------------------------------------------------------------
 
@@ -213,6 +215,7 @@ class PeerLink:
 
     def heard(self, now: float) -> None:
         self._unanswered_since = 0.0
+        self.last_heard = now
 
     def answered(self, request_id: str) -> None:
         self._sent_at.pop(request_id, None)

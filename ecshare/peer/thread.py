@@ -2,18 +2,23 @@
 
 Producer and Consumer each run their network work on one thread. Start-up
 (binding sockets) happens on that thread, so `start()` waits until it is
-ready and re-raises whatever stopped it; `stop()` wakes and joins it.
+ready and re-raises whatever stopped it; `stop()` wakes and joins it. With
+`metrics_port` set, the peer (and its store) is served as Prometheus metrics
+from `start()` to `stop()` (see ecshare/metrics.py).
 """
 
 from __future__ import annotations
 
 import threading
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from ecshare.config import Config
 from ecshare.control import Waker
 from ecshare.store import Store
 from ecshare.transport.base import DataTransport
+
+if TYPE_CHECKING:
+    from ecshare.metrics import Exposure
 
 _T = TypeVar("_T", bound="NetworkThread")
 # Binding sockets and creating the first objects takes milliseconds; this only
@@ -33,6 +38,7 @@ class NetworkThread:
         self._waker: Waker | None = None
         self._ready = threading.Event()
         self._startup_error: BaseException | None = None
+        self._metrics: Exposure | None = None
 
     def _run(self) -> None:
         """The thread's body: set up, then `_started(None)` or `_started(exc)`, then serve."""
@@ -50,9 +56,26 @@ class NetworkThread:
         self._ready.wait(timeout=_START_TIMEOUT_S)
         if self._startup_error is not None:
             raise self._startup_error
+        if self._config.metrics_port is not None:
+            # Imported here: the metrics module reads peers, so it sits above them.
+            from ecshare.metrics import expose
+
+            try:
+                self._metrics = expose(self._config, self._store, self)
+            except BaseException:
+                self.stop()
+                raise
         return self
 
+    @property
+    def metrics_url(self) -> str | None:
+        """Where this peer's Prometheus metrics are served (metrics_port), or None."""
+        return self._metrics.url if self._metrics is not None else None
+
     def stop(self) -> None:
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
         self._stop.set()
         if self._waker is not None:
             self._waker.wake()

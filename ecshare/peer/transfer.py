@@ -89,6 +89,27 @@ class FetchResult:
     attempts: int
 
 
+# Upper bounds of the fetch latency histogram's buckets (seconds): from a small
+# item on one host (0.1 ms) to the longest deadline worth waiting for (10 s).
+LATENCY_BUCKETS_S: Final = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+
 # Transition counts across all transfers of the process, for metrics.
 TRANSITIONS: Counter[tuple[TransferState, TransferState]] = Counter()
 

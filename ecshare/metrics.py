@@ -1,0 +1,451 @@
+"""Prometheus metrics of producers, consumers and their stores, read at scrape time.
+
+Every metric is defined once, in `SPECS`. Nothing is counted twice: the Producer,
+Consumer, Store and control server keep their own counters, and `read_samples`
+turns them into one snapshot (`Samples`) when someone asks. Two exporters use it:
+
+- `ECShareCollector`, a prometheus_client collector on a registry of its own
+  (never the global default: several peers can share a process), served on
+  `config.metrics_port` by `expose` with prometheus_client's HTTP server;
+- the vLLM connector, which ships snapshots to vLLM's frontend process and
+  re-creates the same metrics there as `vllm:ecshare_*` (ecshare/vllm/metrics.py).
+
+Names are `ecshare_<spec>` (counters end in `_total` in the exposition), units
+are in the names, and labels are bounded: reasons, states, producer endpoints,
+never an mm_hash.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Final, TypeAlias, TypeVar
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from ecshare.config import Config, ConfigError
+from ecshare.peer.transfer import LATENCY_BUCKETS_S
+
+if TYPE_CHECKING:
+    from ecshare.peer.consumer import Consumer, LatencyHistogram
+    from ecshare.peer.producer import Producer
+    from ecshare.peer.thread import NetworkThread
+    from ecshare.store import Store
+
+    # What a collector holds: a store, a producer or a consumer.
+    Part: TypeAlias = Store | NetworkThread
+
+log = logging.getLogger(__name__)
+_P = TypeVar("_P")
+
+PREFIX: Final = "ecshare_"
+__all__ = [
+    "LATENCY_BUCKETS_S",
+    "SPECS",
+    "ECShareCollector",
+    "Exposure",
+    "Kind",
+    "Samples",
+    "Spec",
+    "expose",
+    "read_samples",
+]
+
+
+class Kind(enum.Enum):
+    COUNTER = "counter"
+    GAUGE = "gauge"
+
+
+@dataclass(frozen=True)
+class Spec:
+    name: str  # without PREFIX, and without `_total` for a counter
+    kind: Kind
+    doc: str
+    labels: tuple[str, ...] = ()
+
+
+_C, _G = Kind.COUNTER, Kind.GAUGE
+SPECS: Final[tuple[Spec, ...]] = (
+    # consumer
+    Spec("fetches_started", _C, "Fetches that went to the network (not local hits or joins)."),
+    Spec("fetched_items", _C, "Items fetched from a producer into the local region."),
+    Spec("fetched_bytes", _C, "Bytes fetched from producers over the data plane."),
+    Spec("local_hits", _C, "Fetches answered from the local region without the network."),
+    Spec(
+        "fetch_failures",
+        _C,
+        "Fetches that failed for good (the item is encoded locally instead), by reason.",
+        ("reason",),
+    ),
+    Spec(
+        "fetch_retries",
+        _C,
+        "Retryable refusals (not ready, overloaded) a fetch waited out, by reason.",
+        ("reason",),
+    ),
+    Spec("failovers", _C, "Times a fetch moved on to its next candidate producer."),
+    Spec("checksum_failures", _C, "Items read whose checksum differed from the producer's."),
+    Spec("bad_grants", _C, "Grants refused unread because their extents were invalid."),
+    Spec("peer_failures", _C, "Producers put in quarantine, by reason.", ("reason",)),
+    Spec("fetches_in_flight", _G, "Items being fetched now."),
+    Spec("peer_up", _G, "1 while a session with the producer is established.", ("peer",)),
+    Spec("peer_quarantined", _G, "1 while the producer is quarantined after a failure.", ("peer",)),
+    Spec(
+        "peer_last_heard_age_seconds",
+        _G,
+        "Seconds since the producer last answered (heartbeat or reply).",
+        ("peer",),
+    ),
+    # producer
+    Spec("grants", _C, "Items granted to consumers (each pins an entry until it ends)."),
+    Spec("granted_bytes", _C, "Bytes of the items granted."),
+    Spec("refusals", _C, "Requests and items refused, by reason.", ("reason",)),
+    Spec("fetch_requests", _C, "Fetch requests received (a batch counts once)."),
+    Spec("duplicate_requests", _C, "Fetch requests answered again from the reply cache."),
+    Spec("released_grants", _C, "Grants released by their reader."),
+    Spec("leases_expired", _C, "Grants ended because their lease ran out."),
+    Spec("bad_notifications", _C, "Data-plane notices dropped as malformed or forged."),
+    Spec("sessions_opened", _C, "Consumer sessions opened."),
+    Spec("sessions_closed", _C, "Consumer sessions closed (bye, silence or shutdown)."),
+    Spec("active_grants", _G, "Grants outstanding now."),
+    Spec("sessions", _G, "Consumer sessions open now."),
+    Spec(
+        "control_messages_dropped",
+        _C,
+        "Control-plane messages dropped unread, by reason.",
+        ("reason",),
+    ),
+    Spec("handshakes_accepted", _C, "CURVE handshakes admitted by the allow-list."),
+    Spec("auth_failures", _C, "Control-plane handshakes refused, by reason.", ("reason",)),
+    # store
+    Spec("region_size_bytes", _G, "Size of the region."),
+    Spec("region_used_bytes", _G, "Bytes of the region in blocks held by entries."),
+    Spec("region_payload_bytes", _G, "Bytes of entry data in the region (without block slack)."),
+    Spec("region_entries", _G, "Entries in the region, by state.", ("state",)),
+    Spec("region_pins", _G, "Pins held on entries now (grants being read, loads)."),
+    Spec("region_pinned_entries", _G, "Entries with at least one pin."),
+    Spec("region_evictions", _C, "Entries evicted to make room."),
+    Spec("region_reaped_pins", _C, "Pins released because their lease ran out."),
+)
+SPEC_BY_NAME: Final = {spec.name: spec for spec in SPECS}
+LATENCY_HISTOGRAM: Final = Spec(
+    "fetch_latency_seconds",
+    _G,  # unused: the histogram has its own family
+    "Time from a fetch's start to its item being READY in the local region.",
+)
+
+# Samples: spec name -> label values -> value. Label values are () without labels.
+Samples = dict[str, dict[tuple[str, ...], float]]
+
+# Consumer counter keys that are one metric each; "<prefix><reason>" keys by reason.
+_CONSUMER_COUNTERS: Final = {
+    "fetches": "fetches_started",
+    "fetched": "fetched_items",
+    "fetched_bytes": "fetched_bytes",
+    "local_hits": "local_hits",
+    "failovers": "failovers",
+    "checksum_failures": "checksum_failures",
+    "bad_grants": "bad_grants",
+}
+_CONSUMER_BY_REASON: Final = {
+    "failed.": "fetch_failures",
+    "retries.": "fetch_retries",
+    "peer_failures.": "peer_failures",
+}
+_PRODUCER_COUNTERS: Final = {
+    "granted": "grants",
+    "granted_bytes": "granted_bytes",
+    "fetch_requests": "fetch_requests",
+    "duplicate_requests": "duplicate_requests",
+    "released": "released_grants",
+    "leases_expired": "leases_expired",
+    "bad_notifications": "bad_notifications",
+    "sessions_opened": "sessions_opened",
+    "sessions_closed": "sessions_closed",
+}
+# Handshakes libzmq fails before the allow-list is asked (a client that has the
+# wrong server key fails here). A refusal by the allow-list also shows up as a
+# failed-auth event; it is counted once, by its reason, from the allow-list.
+_HANDSHAKE_FAILURES: Final = {
+    "handshake_failed_protocol": "handshake_protocol",
+    "handshake_failed_no_detail": "handshake_other",
+}
+
+
+def read_samples(
+    stores: Iterable[Store] = (),
+    producers: Iterable[Producer] = (),
+    consumers: Iterable[Consumer] = (),
+) -> Samples:
+    """One snapshot of every spec in SPECS, summed over the parts given."""
+    out: Samples = {spec.name: {} for spec in SPECS}
+    for store in stores:
+        _read_store(store, out)
+    for producer in producers:
+        _read_producer(producer, out)
+    for consumer in consumers:
+        _read_consumer(consumer, out)
+    return out
+
+
+def _add(out: Samples, name: str, value: float, labels: tuple[str, ...] = ()) -> None:
+    series = out[name]
+    series[labels] = series.get(labels, 0) + value
+
+
+def _read_store(store: Store, out: Samples) -> None:
+    s = store.stats()
+    _add(out, "region_size_bytes", s.total_blocks * s.block_size)
+    _add(out, "region_used_bytes", s.used_blocks * s.block_size)
+    _add(out, "region_payload_bytes", s.bytes_used)
+    for state, n in (("ready", s.ready), ("allocated", s.allocated), ("evicting", s.evicting)):
+        _add(out, "region_entries", n, (state,))
+    _add(out, "region_pins", s.pins)
+    _add(out, "region_pinned_entries", s.pinned_entries)
+    _add(out, "region_evictions", s.evictions)
+    _add(out, "region_reaped_pins", s.reaped_pins)
+
+
+def _read_producer(producer: Producer, out: Samples) -> None:
+    # The network thread writes the Counter under its own lock; copying a dict is
+    # one step under the GIL, so the copy is consistent without taking that lock.
+    counters = dict(producer.counters)
+    for key, name in _PRODUCER_COUNTERS.items():
+        _add(out, name, counters.get(key, 0))
+    for key, n in counters.items():
+        if key.startswith("refused_"):
+            _add(out, "refusals", n, (key.removeprefix("refused_"),))
+        elif key == "no_session":
+            _add(out, "refusals", n, ("no_session",))
+    _add(out, "active_grants", producer.active_grants())
+    _add(out, "sessions", producer.session_count())
+    control = producer.control_stats
+    for key, n in control.items():
+        if key.startswith("dropped_"):
+            _add(out, "control_messages_dropped", n, (key.removeprefix("dropped_"),))
+        elif key.startswith("auth_refused."):
+            _add(out, "auth_failures", n, (key.removeprefix("auth_refused."),))
+    for key, reason in _HANDSHAKE_FAILURES.items():
+        _add(out, "auth_failures", control.get(key, 0), (reason,))
+    _add(out, "handshakes_accepted", control.get("auth_accepted", 0))
+
+
+def _read_consumer(consumer: Consumer, out: Samples) -> None:
+    counters = consumer.counter_snapshot()
+    for key, name in _CONSUMER_COUNTERS.items():
+        _add(out, name, counters.get(key, 0))
+    for key, n in counters.items():
+        for prefix, name in _CONSUMER_BY_REASON.items():
+            if key.startswith(prefix):
+                _add(out, name, n, (key.removeprefix(prefix),))
+    _add(out, "fetches_in_flight", consumer.pending())
+    for peer in consumer.peer_liveness():
+        _add(out, "peer_up", float(peer.up), (peer.endpoint,))
+        _add(out, "peer_quarantined", float(peer.quarantined), (peer.endpoint,))
+        if peer.last_heard_age_s is not None:
+            _add(out, "peer_last_heard_age_seconds", peer.last_heard_age_s, (peer.endpoint,))
+
+
+def merged_latency(consumers: Iterable[Consumer]) -> LatencyHistogram | None:
+    """The consumers' latency histograms added up; None without consumers."""
+    total: LatencyHistogram | None = None
+    for consumer in consumers:
+        h = consumer.latency_histogram()
+        if total is None:
+            total = h
+        else:
+            counts = tuple(a + b for a, b in zip(total.counts, h.counts, strict=True))
+            total = type(h)(h.bounds, counts, total.sum_s + h.sum_s)
+    return total
+
+
+def latency_buckets(h: LatencyHistogram) -> list[tuple[str, float]]:
+    """Cumulative (le, count) pairs, +Inf last, as Prometheus histograms carry them."""
+    out = []
+    running = 0
+    for bound, n in zip((*h.bounds, float("inf")), h.counts, strict=True):
+        running += n
+        out.append(("+Inf" if bound == float("inf") else repr(bound), float(running)))
+    return out
+
+
+# -- the collector -------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class ECShareCollector(Collector):
+    """Every ecshare metric of the parts it holds, read when the registry is scraped.
+
+    Register it on a `CollectorRegistry` of your own; parts can be added and
+    removed while it is registered (any thread).
+    """
+
+    stores: list[Store] = field(default_factory=list)
+    producers: list[Producer] = field(default_factory=list)
+    consumers: list[Consumer] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def add(self, part: Part) -> None:
+        """Hold `part`; a part added twice (a store two peers share) is read once."""
+        with self._lock:
+            self._list_of(part).append(part)
+
+    def remove(self, part: Part) -> None:
+        """Undo one `add` of `part`."""
+        with self._lock:
+            target = self._list_of(part)
+            for i, held in enumerate(target):
+                if held is part:
+                    del target[i]
+                    return
+
+    def _list_of(self, part: object) -> list[object]:
+        from ecshare.peer.consumer import Consumer
+        from ecshare.peer.producer import Producer
+        from ecshare.store import Store
+
+        if isinstance(part, Producer):
+            return self.producers  # type: ignore[return-value]
+        if isinstance(part, Consumer):
+            return self.consumers  # type: ignore[return-value]
+        if isinstance(part, Store):
+            return self.stores  # type: ignore[return-value]
+        raise TypeError(f"no metrics for a {type(part).__name__}")
+
+    def describe(self) -> Iterable[Metric]:
+        # Names only, so that registering never reads the parts.
+        return list(_families({spec.name: {} for spec in SPECS}, None, with_histogram=True))
+
+    def collect(self) -> Iterable[Metric]:
+        with self._lock:
+            stores, producers, consumers = (
+                _distinct(self.stores),
+                _distinct(self.producers),
+                _distinct(self.consumers),
+            )
+        samples = read_samples(stores, producers, consumers)
+        return list(_families(samples, merged_latency(consumers), with_histogram=bool(consumers)))
+
+
+def _distinct(parts: list[_P]) -> list[_P]:
+    return list({id(part): part for part in parts}.values())
+
+
+def _families(
+    samples: Samples, latency: LatencyHistogram | None, *, with_histogram: bool
+) -> Iterator[Metric]:
+    for spec in SPECS:
+        family: CounterMetricFamily | GaugeMetricFamily
+        if spec.kind is Kind.COUNTER:
+            family = CounterMetricFamily(PREFIX + spec.name, spec.doc, labels=spec.labels)
+        else:
+            family = GaugeMetricFamily(PREFIX + spec.name, spec.doc, labels=spec.labels)
+        for labels, value in sorted(samples.get(spec.name, {}).items()):
+            family.add_metric(list(labels), value)
+        yield family
+    if with_histogram:
+        hist = HistogramMetricFamily(PREFIX + LATENCY_HISTOGRAM.name, LATENCY_HISTOGRAM.doc)
+        if latency is not None:
+            hist.add_metric([], latency_buckets(latency), sum_value=latency.sum_s)
+        yield hist
+
+
+# -- the HTTP endpoint ---------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Endpoint:
+    host: str
+    port: int
+    registry: CollectorRegistry
+    collector: ECShareCollector
+    server: WSGIServer
+    thread: threading.Thread
+    users: int = 0
+
+
+_endpoints: dict[tuple[str, int], _Endpoint] = {}
+_endpoints_lock = threading.Lock()
+
+
+class Exposure:
+    """One peer's place on a metrics endpoint; `close()` takes it off (idempotent)."""
+
+    def __init__(self, endpoint: _Endpoint, parts: Sequence[Part]) -> None:
+        self._endpoint: _Endpoint | None = endpoint
+        self._parts = tuple(parts)
+
+    @property
+    def url(self) -> str:
+        assert self._endpoint is not None, "closed"
+        host = self._endpoint.host
+        host = f"[{host}]" if ":" in host else host
+        return f"http://{host}:{self._endpoint.port}/metrics"
+
+    @property
+    def registry(self) -> CollectorRegistry:
+        assert self._endpoint is not None, "closed"
+        return self._endpoint.registry
+
+    def close(self) -> None:
+        with _endpoints_lock:
+            endpoint, self._endpoint = self._endpoint, None
+            if endpoint is None:
+                return
+            for part in self._parts:
+                endpoint.collector.remove(part)
+            endpoint.users -= 1
+            if endpoint.users:
+                return
+            del _endpoints[(endpoint.host, endpoint.port)]
+        endpoint.server.shutdown()
+        endpoint.server.server_close()
+        endpoint.thread.join(timeout=5.0)
+
+
+def expose(config: Config, *parts: Part) -> Exposure | None:
+    """Serve `parts` on http://listen_host:metrics_port/metrics; None when metrics_port is unset.
+
+    Peers of one process that are configured with the same port (a producer and a
+    consumer over one store) share one endpoint, which closes with the last of them.
+    A port another process holds is a `ConfigError` naming it.
+    """
+    port = config.metrics_port
+    if port is None:
+        return None
+    host = config.listen_host
+    with _endpoints_lock:
+        endpoint = _endpoints.get((host, port))
+        if endpoint is None:
+            registry = CollectorRegistry(auto_describe=True)
+            collector = ECShareCollector()
+            registry.register(collector)
+            try:
+                server, thread = start_http_server(port, addr=host, registry=registry)
+            except OSError as exc:
+                raise ConfigError(
+                    "metrics_port",
+                    f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}",
+                ) from None
+            thread.name = f"ecshare-metrics-{port}"
+            endpoint = _Endpoint(host, port, registry, collector, server, thread)
+            _endpoints[(host, port)] = endpoint
+            log.info("serving ecshare metrics on http://%s:%d/metrics", host, port)
+        for part in parts:
+            endpoint.collector.add(part)
+        endpoint.users += 1
+        return Exposure(endpoint, parts)
