@@ -156,7 +156,7 @@ class Proxy:
         started = time.perf_counter()
         endpoint = _ENDPOINTS.get(request.path, "other")
         status = 500
-        self.metrics.in_flight += 1
+        self.metrics.started()
         try:
             if endpoint in _AUTHENTICATED:
                 self._authenticate(request)
@@ -177,7 +177,6 @@ class Proxy:
             log.exception("request to %s failed inside the proxy", request.path)
             return error_response(500, "internal proxy error; the proxy's log has the details")
         finally:
-            self.metrics.in_flight -= 1
             self.metrics.answered(endpoint, status, time.perf_counter() - started)
 
     def _authenticate(self, request: web.Request) -> None:

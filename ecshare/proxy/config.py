@@ -25,6 +25,7 @@ from ecshare.config import ConfigError
 
 API_KEY_ENV = "ECSHARE_PROXY_API_KEY"
 MiB = 1 << 20
+MAX_WORKERS = 256
 
 
 class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -50,6 +51,8 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     # check; a refused connection ejects at once.
     eject_after_failures: int = 3
     access_log: bool = False
+    # Proxy processes sharing the port (SO_REUSEPORT), each with its own event loop.
+    workers: int = 1
 
     def __post_init__(self) -> None:
         if not self.prefill_decode:
@@ -71,6 +74,8 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ConfigError("--encoder-batch", f"got {self.encoder_batch_size}, expected >= 1")
         if self.eject_after_failures < 1:
             raise ConfigError("--eject-after", f"got {self.eject_after_failures}, expected >= 1")
+        if not 1 <= self.workers <= MAX_WORKERS:
+            raise ConfigError("--workers", f"got {self.workers}, expected 1..{MAX_WORKERS}")
         for flag, value in (
             ("--encoder-timeout", self.encoder_timeout_s),
             ("--pd-timeout", self.pd_timeout_s),
@@ -149,6 +154,12 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.eject_after_failures,
         help="consecutive failed calls that eject a backend until it is healthy again (3)",
     )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=d.workers,
+        help="proxy processes sharing the port, one event loop and core each (1)",
+    )
     parser.add_argument("--access-log", action="store_true", help="log every request")
 
 
@@ -172,6 +183,7 @@ def config_from_args(
         "health_timeout_s": args.health_timeout,
         "eject_after_failures": args.eject_after,
         "access_log": args.access_log,
+        "workers": args.workers,
     }
     return ProxyConfig(**values)
 

@@ -2,10 +2,18 @@
 
 A registry per proxy, not the process-global one, so that several proxies in one process
 (tests, the benchmark) never collide, and an embedding application's metrics stay its own.
+
+Under `ecshare proxy --workers N` every worker process is started with
+`PROMETHEUS_MULTIPROC_DIR` set (prometheus_client then keeps each value in a file of that
+directory), and a worker's `/metrics` reads the files of all of them: the totals of the
+whole proxy, whichever worker the scrape reaches. Gauges say how they combine: requests in
+flight are summed over the live workers; a backend is up only while every live worker has
+it in rotation; `worker_up` has one sample per live worker, labelled with its pid.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from prometheus_client import (
@@ -16,6 +24,9 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.multiprocess import MultiProcessCollector
+
+MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 PREFIX = "ecshare_proxy_"
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -33,7 +44,12 @@ class ProxyMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
+        shared_dir = os.environ.get(MULTIPROC_DIR_ENV)
+        self.multiprocess = bool(shared_dir)
+        # Shared: the metrics write their files and the registry reads every worker's.
+        r = None if self.multiprocess else self.registry
+        if shared_dir:
+            MultiProcessCollector(self.registry, path=shared_dir)
         self.requests = Counter(
             PREFIX + "requests",
             "Requests answered, by endpoint and status code.",
@@ -87,11 +103,29 @@ class ProxyMetrics:
             "1 while a backend is in rotation, 0 while it is ejected.",
             ["role", "url"],
             registry=r,
+            multiprocess_mode="livemin",
         )
-        # A plain int read at scrape time: cheaper per request than a locked gauge.
+        # A plain int read at scrape time: cheaper per request than a locked gauge. Across
+        # workers there is no scrape-time callback, so the shared gauge is kept instead.
         self.in_flight = 0
-        in_flight = Gauge(PREFIX + "in_flight", "Requests being answered now.", registry=r)
-        in_flight.set_function(lambda: self.in_flight)
+        self._shared_in_flight: Gauge | None = None
+        in_flight = Gauge(
+            PREFIX + "in_flight",
+            "Requests being answered now.",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        if self.multiprocess:
+            self._shared_in_flight = in_flight
+            worker_up = Gauge(
+                PREFIX + "worker_up",
+                "1 for each live proxy worker process (label pid).",
+                registry=r,
+                multiprocess_mode="liveall",
+            )
+            worker_up.set(1)
+        else:
+            in_flight.set_function(lambda: self.in_flight)
         self._request_children: dict[tuple[str, int], tuple[Any, Any]] = {}
         for reason in FALLBACK_REASONS:
             self.encoder_fallbacks.labels(reason)
@@ -100,8 +134,17 @@ class ProxyMetrics:
         for outcome in ("ok", "fallback"):
             self.encoder_items.labels(outcome)
 
+    def started(self) -> None:
+        """A request arrived; `answered` ends it."""
+        self.in_flight += 1
+        if self._shared_in_flight is not None:
+            self._shared_in_flight.inc()
+
     def answered(self, endpoint: str, status: int, seconds: float) -> None:
         """Count one answered request; the labelled children are looked up once per pair."""
+        self.in_flight -= 1
+        if self._shared_in_flight is not None:
+            self._shared_in_flight.dec()
         children = self._request_children.get((endpoint, status))
         if children is None:
             children = (

@@ -1,5 +1,8 @@
 """Running the proxy: in a caller's event loop (`start_proxy`) or as `ecshare proxy` (`run_proxy`).
 
+With `workers` > 1, `run_proxy` hands over to `ecshare.proxy.workers`, which runs that
+many proxy processes on one port; each of them serves through `serve_worker` here.
+
 Handler cancellation is on: when a client disconnects, its handler is cancelled at once,
 which closes the upstream connection, even while the proxy waits on a silent backend.
 `run_proxy` uses uvloop when it is installed, prints one ready line (`READY_PREFIX` and a
@@ -11,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable
@@ -34,6 +38,7 @@ class ReadyLine(msgspec.Struct):
     prefill_decode: tuple[str, ...]
     api_key: bool
     loop: str
+    pids: tuple[int, ...]  # the processes that serve requests: one per worker
 
 
 @dataclass
@@ -48,8 +53,14 @@ class RunningProxy:
         await self.runner.cleanup()
 
 
-async def start_proxy(config: ProxyConfig, metrics: ProxyMetrics | None = None) -> RunningProxy:
-    """Serve a proxy for `config` in the running loop until `stop()` is awaited."""
+async def start_proxy(
+    config: ProxyConfig, metrics: ProxyMetrics | None = None, *, reuse_port: bool = False
+) -> RunningProxy:
+    """Serve a proxy for `config` in the running loop until `stop()` is awaited.
+
+    `reuse_port` lets other sockets with it set listen on the same port (the workers of
+    `ecshare proxy --workers N`); the kernel spreads connections across them.
+    """
     app = build_app(config, metrics)
     runner = web.AppRunner(
         app,
@@ -57,7 +68,7 @@ async def start_proxy(config: ProxyConfig, metrics: ProxyMetrics | None = None) 
         access_log=logging.getLogger("ecshare.proxy.access") if config.access_log else None,
     )
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port, backlog=1024)
+    site = web.TCPSite(runner, config.host, config.port, backlog=1024, reuse_port=reuse_port)
     try:
         await site.start()
     except BaseException:
@@ -79,10 +90,10 @@ def use_uvloop() -> str:
 
 
 async def serve_until_signalled(
-    config: ProxyConfig, announce: Callable[[RunningProxy], None]
+    config: ProxyConfig, announce: Callable[[RunningProxy], None], *, reuse_port: bool = False
 ) -> None:
     """Run the proxy, call `announce` once it listens, and stop it on SIGINT or SIGTERM."""
-    running = await start_proxy(config)
+    running = await start_proxy(config, reuse_port=reuse_port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -96,27 +107,45 @@ async def serve_until_signalled(
 
 def run_proxy(config: ProxyConfig) -> int:
     """Serve until SIGINT or SIGTERM; the `ecshare proxy` command."""
-    loop_name = use_uvloop()
     if config.api_key is None and config.host not in ("127.0.0.1", "::1", "localhost"):
         log.warning(
             "serving on %s without an API key: anyone who can connect may use it", config.host
         )
+    if config.workers > 1:
+        from ecshare.proxy.workers import supervise
+
+        return supervise(config)
+    return serve_worker(config, reuse_port=False)
+
+
+def serve_worker(config: ProxyConfig, *, reuse_port: bool) -> int:
+    """Serve one proxy process until SIGINT or SIGTERM, printing its ready line."""
+    loop_name = use_uvloop()
 
     def announce(running: RunningProxy) -> None:
-        ready = ReadyLine(
-            url=running.url,
-            encoders=config.encoders,
-            prefill_decode=config.prefill_decode,
-            api_key=config.api_key is not None,
-            loop=loop_name,
-        )
-        print(READY_PREFIX + msgspec.json.encode(ready).decode(), flush=True)
+        print(READY_PREFIX + ready_line(config, running.url, loop_name, (os.getpid(),)), flush=True)
 
     try:
-        asyncio.run(serve_until_signalled(config, announce))
+        asyncio.run(serve_until_signalled(config, announce, reuse_port=reuse_port))
     except OSError as exc:  # the port is taken, the address is not ours
-        print(
-            f"ecshare proxy: cannot listen on {config.host}:{config.port}: {exc}", file=sys.stderr
-        )
-        return 1
+        return cannot_listen(config, exc)
     return 0
+
+
+def cannot_listen(config: ProxyConfig, exc: OSError) -> int:
+    """Say why the proxy cannot listen where it was told to; the exit status."""
+    print(f"ecshare proxy: cannot listen on {config.host}:{config.port}: {exc}", file=sys.stderr)
+    return 1
+
+
+def ready_line(config: ProxyConfig, url: str, loop: str, pids: tuple[int, ...]) -> str:
+    """The JSON object of the ready line (after `READY_PREFIX`)."""
+    ready = ReadyLine(
+        url=url,
+        encoders=config.encoders,
+        prefill_decode=config.prefill_decode,
+        api_key=config.api_key is not None,
+        loop=loop,
+        pids=pids,
+    )
+    return msgspec.json.encode(ready).decode()

@@ -51,6 +51,8 @@ def test_flags_decode_into_the_config() -> None:
         (["--pd", "http://a:1", "--encoder-batch", "0"], "--encoder-batch"),
         (["--pd", "http://a:1", "--max-body-mb", "0"], "--max-body-mb"),
         (["--pd", "http://a:1", "--api-key-file", "/nonexistent/key"], "--api-key-file"),
+        (["--pd", "http://a:1", "--workers", "0"], "--workers"),
+        (["--pd", "http://a:1", "--workers", "100000"], "--workers"),
     ],
 )
 def test_bad_flags_are_one_clear_config_error(flags: list[str], blamed: str) -> None:
