@@ -43,7 +43,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import platform
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -56,6 +55,9 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from ecshare.bench.progress import BenchProgress
+from ecshare.bench.schema import ReportHeader, load_average, machine_info, utc_now
+from ecshare.bench.synthetic import format_size
 from ecshare.config import Config
 from ecshare.control import generate_keypair
 from ecshare.peer import Consumer, Node, start_consumer, start_producer
@@ -109,12 +111,24 @@ class Row(msgspec.Struct, frozen=True):
     memcpy_ms: float
 
 
-class FetchBenchResult(msgspec.Struct, frozen=True):
+class FetchParameters(msgspec.Struct, frozen=True):
+    sizes: list[int]
+    batch_items: list[int]  # items per batch-mode sample, per size
+    single_samples: list[int]  # per size
+    batch_samples: list[int]  # per size
+    warmup: int
+    block_bytes: int
+    quick: bool
+
+
+class FetchBenchResult(ReportHeader, tag_field="bench", tag="fetch"):
+    parameters: FetchParameters
     rows: list[Row]
-    latency_64k_p50_ms: float
-    latency_64k_p99_ms: float
+    # Sequential single 64 KiB fetches; None when 64 KiB is not among the sizes.
+    latency_64k_p50_ms: float | None
+    latency_64k_p99_ms: float | None
     latency_64k_samples: int
-    raw_nixl_64k_p50_ms: float
+    raw_nixl_64k_p50_ms: float | None
     targets: dict[str, Any]
     meets_targets: bool
     environment: dict[str, Any]
@@ -278,11 +292,13 @@ def _measure(
     samples: int,
     fns: tuple[Callable[[int], float], Callable[[int], float], Callable[[int], float]],
     items: int,
+    bar: BenchProgress,
 ) -> Row:
     """Run ecshare, raw NIXL and memcpy back to back per sample, after a warm-up."""
     times: list[tuple[float, float, float]] = []
     for i in range(WARMUP + samples):
         sample = (fns[0](i), fns[1](i), fns[2](i))
+        bar.advance()
         if i >= WARMUP:
             times.append(sample)
     eco_s, raw_s, mem_s = (_median(col) for col in zip(*times, strict=True))
@@ -305,14 +321,32 @@ def _measure(
     )
 
 
-def _bench_size(
-    b: _Bench, size: int, batch: int, quick: bool, memcpy_dst: Bytes
-) -> tuple[list[Row], list[float], list[float]]:
-    entries: list[tuple[str, Extents]] = b.producer.call(("fill", (size, batch)))
-    hashes = [h for h, _ in entries]
-    singles, batches = SAMPLES[size]
+def _samples_for(size: int, quick: bool) -> tuple[int, int]:
+    """(single, batch) samples for `size`: those of the nearest listed size at or above it."""
+    listed = [s for s in sorted(SAMPLES) if s >= size] or [max(SAMPLES)]
+    singles, batches = SAMPLES[listed[0]]
     if quick:
         singles, batches = max(5, singles // 3), max(3, batches // 3)
+    return singles, batches
+
+
+def _latency_samples(size: int, quick: bool) -> int:
+    return LATENCY_SAMPLES[1 if quick else 0] if size == 64 * KiB else 0
+
+
+def _steps(size: int, quick: bool) -> int:
+    """Progress steps of one size: the check, every sample, every latency fetch."""
+    singles, batches = _samples_for(size, quick)
+    return 1 + 2 * WARMUP + singles + batches + _latency_samples(size, quick)
+
+
+def _bench_size(
+    b: _Bench, size: int, batch: int, quick: bool, memcpy_dst: Bytes, bar: BenchProgress
+) -> tuple[list[Row], list[float], list[float]]:
+    bar.advance(0, step=f"{_size_label(size)}, filling")
+    entries: list[tuple[str, Extents]] = b.producer.call(("fill", (size, batch)))
+    hashes = [h for h, _ in entries]
+    singles, batches = _samples_for(size, quick)
     # Raw reads go to distinct local slots, as the batch's fetches go to distinct blocks.
     raw_reads = [_segments(i * size, ext) for i, (_, ext) in enumerate(entries)]
     raw_src = [b.raw_buf[i * size : (i + 1) * size] for i in range(batch)]
@@ -325,6 +359,7 @@ def _bench_size(
     b.raw_read([raw_reads[1]])
     if not np.all(b.raw_buf[size : 2 * size] == _item_value(1)):
         raise RuntimeError(f"raw NIXL read of {hashes[1]} returned other bytes")
+    bar.advance(step=f"{_size_label(size)}, single")
 
     single = _measure(
         size,
@@ -336,7 +371,9 @@ def _bench_size(
             lambda i: b.memcpy([mem_pairs[i % batch]]),
         ),
         1,
+        bar,
     )
+    bar.advance(0, step=f"{_size_label(size)}, batch of {batch}")
     many = _measure(
         size,
         "batch",
@@ -347,22 +384,18 @@ def _bench_size(
             lambda i: b.memcpy(mem_pairs),
         ),
         batch,
+        bar,
     )
     latencies: list[float] = []
     raw_latencies: list[float] = []
-    if size == 64 * KiB:
-        n = LATENCY_SAMPLES[1 if quick else 0]
-        for i in range(n):
-            latencies.append(b.fetch([hashes[i % batch]]))
-            raw_latencies.append(b.raw_read([raw_reads[i % batch]]))
+    n = _latency_samples(size, quick)
+    if n:
+        bar.advance(0, step=f"{_size_label(size)}, latency")
+    for i in range(n):
+        latencies.append(b.fetch([hashes[i % batch]]))
+        raw_latencies.append(b.raw_read([raw_reads[i % batch]]))
+        bar.advance()
     return [single, many], latencies, raw_latencies
-
-
-def _load() -> float:
-    try:
-        return round(os.getloadavg()[0], 2)
-    except OSError:
-        return -1.0
 
 
 def _environment() -> dict[str, Any]:
@@ -385,31 +418,36 @@ def _environment() -> dict[str, Any]:
     }
 
 
-def _targets(rows: list[Row], p50_ms: float) -> tuple[dict[str, Any], bool]:
+def _targets(rows: list[Row], p50_ms: float | None) -> tuple[dict[str, Any], bool]:
+    """Each target judged on what was measured; one with no rows is None (not judged).
+
+    The run meets its targets when every judged one is met and at least one was judged.
+    """
     singles = [
         r.ratio_vs_raw_nixl
         for r in rows
         if r.mode == "single" and r.size_bytes >= TARGET_SINGLE_MIN_BYTES
     ]
     batches = [r.ratio_vs_raw_nixl for r in rows if r.mode == "batch"]
-    single_ok = min(singles) >= TARGET_SINGLE_RATIO
-    batch_ok = min(batches) >= TARGET_BATCH_RATIO
-    p50_ok = p50_ms <= TARGET_P50_MS
+    single_ok = min(singles) >= TARGET_SINGLE_RATIO if singles else None
+    batch_ok = min(batches) >= TARGET_BATCH_RATIO if batches else None
+    p50_ok = p50_ms <= TARGET_P50_MS if p50_ms is not None else None
     targets = {
-        "single_ge_4mib_min_ratio": min(singles),
+        "single_ge_4mib_min_ratio": min(singles) if singles else None,
         "single_ge_4mib_target": TARGET_SINGLE_RATIO,
         "single_ge_4mib_met": single_ok,
-        "batch_min_ratio": min(batches),
+        "batch_min_ratio": min(batches) if batches else None,
         "batch_target": TARGET_BATCH_RATIO,
         "batch_met": batch_ok,
         "latency_64k_p50_target_ms": TARGET_P50_MS,
         "latency_64k_p50_met": p50_ok,
     }
-    return targets, single_ok and batch_ok and p50_ok
+    judged = [ok for ok in (single_ok, batch_ok, p50_ok) if ok is not None]
+    return targets, bool(judged) and all(judged)
 
 
 def _size_label(n: int) -> str:
-    return f"{n // MiB} MiB" if n >= MiB else f"{n // KiB} KiB"
+    return format_size(n)
 
 
 def _print_table(result: FetchBenchResult) -> None:
@@ -427,11 +465,12 @@ def _print_table(result: FetchBenchResult) -> None:
             f"{r.raw_nixl_gbps:9.2f} {r.memcpy_gbps:9.2f} {r.ratio_vs_raw_nixl:8.2f}x "
             f"{r.ratio_paired:8.2f}x {r.ecshare_ms:9.3f} {r.raw_nixl_ms:9.3f}"
         )
-    print(
-        f"64 KiB fetch latency over {result.latency_64k_samples} sequential fetches: "
-        f"p50 {result.latency_64k_p50_ms:.3f} ms, p99 {result.latency_64k_p99_ms:.3f} ms "
-        f"(raw NIXL read p50 {result.raw_nixl_64k_p50_ms:.3f} ms)"
-    )
+    if result.latency_64k_p50_ms is not None:
+        print(
+            f"64 KiB fetch latency over {result.latency_64k_samples} sequential fetches: "
+            f"p50 {result.latency_64k_p50_ms:.3f} ms, p99 {result.latency_64k_p99_ms:.3f} ms "
+            f"(raw NIXL read p50 {result.raw_nixl_64k_p50_ms:.3f} ms)"
+        )
     load = env["load_average_1m"]
     if max(load["start"], load["end"]) > 0.5 * (env["cpus"] or 1):
         print(
@@ -440,13 +479,16 @@ def _print_table(result: FetchBenchResult) -> None:
         )
     t = result.targets
 
-    def verdict(ok: bool) -> str:
-        return "met" if ok else "MISSED"
+    def verdict(ok: bool | None) -> str:
+        return "not measured" if ok is None else "met" if ok else "MISSED"
+
+    def worst(ratio: float | None) -> str:
+        return "-" if ratio is None else f"{ratio:.2f}x"
 
     print(
         f"targets: single >= 4 MiB >= {t['single_ge_4mib_target']}x raw NIXL "
-        f"(worst {t['single_ge_4mib_min_ratio']:.2f}x): {verdict(t['single_ge_4mib_met'])}; "
-        f"batch >= {t['batch_target']}x (worst {t['batch_min_ratio']:.2f}x): "
+        f"(worst {worst(t['single_ge_4mib_min_ratio'])}): {verdict(t['single_ge_4mib_met'])}; "
+        f"batch >= {t['batch_target']}x (worst {worst(t['batch_min_ratio'])}): "
         f"{verdict(t['batch_met'])}; 64 KiB p50 <= {t['latency_64k_p50_target_ms']} ms: "
         f"{verdict(t['latency_64k_p50_met'])}"
     )
@@ -456,11 +498,27 @@ def _batch_for(size: int, quick: bool) -> int:
     return QUICK_BATCH_64MIB if quick and size >= 64 * MiB else BATCH
 
 
-def run_fetch_bench(json_output: bool = False, quick: bool = False) -> int:
+def _blocks_bytes(size: int) -> int:
+    """Bytes of the whole blocks an entry of `size` bytes occupies."""
+    return -(-size // BLOCK_BYTES) * BLOCK_BYTES
+
+
+def run_fetch_bench(
+    json_output: bool = False,
+    quick: bool = False,
+    sizes: Sequence[int] | None = None,
+    out_dir: Path | None = None,
+    quiet: bool = False,
+) -> int:
+    """Run the bench over `sizes` (default `SIZES`); print it, and write files to `out_dir`."""
+    from ecshare.bench.report import emit
+
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
-    load_start = _load()
-    step_bytes = max(size * _batch_for(size, quick) for size in SIZES)
+    load_start = load_average()
+    sizes = sorted(set(sizes or SIZES))
+    step_bytes = max(_blocks_bytes(size) * _batch_for(size, quick) for size in sizes)
     region_bytes = step_bytes + 64 * MiB
+    bar = BenchProgress(sum(_steps(size, quick) for size in sizes), "fetch", quiet=quiet)
     with tempfile.TemporaryDirectory(prefix="ecshare-bench-fetch-") as tmp:
         workdir = Path(tmp)
         keys = {r: generate_keypair(workdir, r) for r in ("producer", "consumer")}
@@ -495,16 +553,19 @@ def run_fetch_bench(json_output: bool = False, quick: bool = False) -> int:
             rows: list[Row] = []
             latencies: list[float] = []
             raw_latencies: list[float] = []
-            for size in SIZES:
-                batch = _batch_for(size, quick)
-                memcpy_dst = np.ones(size * batch, dtype=np.uint8)
-                size_rows, lat, raw_lat = _bench_size(bench, size, batch, quick, memcpy_dst)
-                del memcpy_dst
-                rows.extend(size_rows)
-                latencies.extend(lat)
-                raw_latencies.extend(raw_lat)
+            with bar:
+                for size in sizes:
+                    batch = _batch_for(size, quick)
+                    memcpy_dst = np.ones(size * batch, dtype=np.uint8)
+                    size_rows, lat, raw_lat = _bench_size(
+                        bench, size, batch, quick, memcpy_dst, bar
+                    )
+                    del memcpy_dst
+                    rows.extend(size_rows)
+                    latencies.extend(lat)
+                    raw_latencies.extend(raw_lat)
             environment = _environment()
-            environment["load_average_1m"] = {"start": load_start, "end": _load()}
+            environment["load_average_1m"] = {"start": load_start, "end": load_average()}
             environment["consumer_counters"] = dict(consumer.counters)
             environment["producer_counters"] = producer.call(("counters", None))
         finally:
@@ -517,22 +578,33 @@ def run_fetch_bench(json_output: bool = False, quick: bool = False) -> int:
             if node is not None:
                 node.close()
             producer.stop()
-    p50 = float(np.percentile(latencies, 50)) * 1000
-    p99 = float(np.percentile(latencies, 99)) * 1000
+
+    def ms(samples: list[float], q: int) -> float | None:
+        return float(np.percentile(samples, q)) * 1000 if samples else None
+
+    p50 = ms(latencies, 50)
     targets, meets = _targets(rows, p50)
+    samples = [_samples_for(size, quick) for size in sizes]
     result = FetchBenchResult(
+        created_at=utc_now(),
+        machine=machine_info(load_start),
+        parameters=FetchParameters(
+            sizes=sizes,
+            batch_items=[_batch_for(size, quick) for size in sizes],
+            single_samples=[single for single, _ in samples],
+            batch_samples=[batch for _, batch in samples],
+            warmup=WARMUP,
+            block_bytes=BLOCK_BYTES,
+            quick=quick,
+        ),
         rows=rows,
         latency_64k_p50_ms=p50,
-        latency_64k_p99_ms=p99,
+        latency_64k_p99_ms=ms(latencies, 99),
         latency_64k_samples=len(latencies),
-        raw_nixl_64k_p50_ms=float(np.percentile(raw_latencies, 50)) * 1000,
+        raw_nixl_64k_p50_ms=ms(raw_latencies, 50),
         targets=targets,
         meets_targets=meets,
         environment=environment,
         quick=quick,
     )
-    if json_output:
-        sys.stdout.write(msgspec.json.encode(result).decode() + "\n")
-    else:
-        _print_table(result)
-    return 0
+    return emit(result, json_output=json_output, out_dir=out_dir, quiet=quiet, text=_print_table)

@@ -14,14 +14,17 @@ background load hits all three alike. Figures are medians after a warm-up.
 from __future__ import annotations
 
 import random
-import sys
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import msgspec
 import numpy as np
 
+from ecshare.bench.progress import BenchProgress
+from ecshare.bench.schema import ReportHeader, load_average, machine_info, utc_now
+from ecshare.bench.synthetic import format_size
 from ecshare.store import EntryMeta, EntryTable, Region, Store
 
 __all__ = ["run_store_bench"]
@@ -52,7 +55,17 @@ class TableResult(msgspec.Struct, frozen=True):
     pin_unpin_us: float
 
 
-class StoreBenchResult(msgspec.Struct, frozen=True):
+class StoreParameters(msgspec.Struct, frozen=True):
+    sizes: list[int]
+    samples: int
+    table_samples: int
+    batch_bytes: int
+    live_entries: int
+    quick: bool
+
+
+class StoreBenchResult(ReportHeader, tag_field="bench", tag="store"):
+    parameters: StoreParameters
     block_size: int
     samples: int
     copies: list[CopyResult]
@@ -66,7 +79,7 @@ def _timed(fn: Callable[[], None]) -> float:
     return time.perf_counter() - t0
 
 
-def _bench_copies(store: Store, size: int, samples: int) -> CopyResult:
+def _bench_copies(store: Store, size: int, samples: int, bar: BenchProgress) -> CopyResult:
     batch = max(1, BATCH_BYTES // size)
     # Every buffer is written before timing starts, so that no page faults are timed.
     src = np.random.default_rng(size).integers(0, 256, batch * size, dtype=np.uint8)
@@ -94,6 +107,7 @@ def _bench_copies(store: Store, size: int, samples: int) -> CopyResult:
         for h in hashes:
             store.remove(h)
         sample = (_timed(put_batch), _timed(memcpy_batch), _timed(get_batch))
+        bar.advance()
         if i:  # the first round is the warm-up
             times.append(sample)
     if not np.array_equal(out, src):
@@ -106,13 +120,18 @@ def _bench_copies(store: Store, size: int, samples: int) -> CopyResult:
     return CopyResult(size, put, get, memcpy, put / memcpy, get / memcpy)
 
 
-def _median_seconds(fn: Callable[[], None], samples: int) -> float:
+def _median_seconds(fn: Callable[[], None], samples: int, bar: BenchProgress) -> float:
     """Median wall time of ``fn`` over ``samples`` runs, after one warm-up run."""
     fn()
-    return float(np.median([_timed(fn) for _ in range(samples)]))
+    bar.advance()
+    times = []
+    for _ in range(samples):
+        times.append(_timed(fn))
+        bar.advance()
+    return float(np.median(times))
 
 
-def _bench_table(live: int, samples: int) -> TableResult:
+def _bench_table(live: int, samples: int, bar: BenchProgress) -> TableResult:
     """Entry lifetime cost (allocate + commit + remove) with ``live`` entries resident."""
     rng = random.Random(7)
     block = 4 * KiB
@@ -136,6 +155,7 @@ def _bench_table(live: int, samples: int) -> TableResult:
         table.commit(h)
         resident.append(h)
     queue = deque(resident)
+    bar.advance()
 
     ops = 2000
     # Names and sizes are made up front, so that only the table is timed.
@@ -157,8 +177,8 @@ def _bench_table(live: int, samples: int) -> TableResult:
             table.pin(h, "bench", h, 30.0)
             table.unpin("bench", h)
 
-    churn_s = _median_seconds(churn, samples)
-    pin_s = _median_seconds(pins, samples)
+    churn_s = _median_seconds(churn, samples, bar)
+    pin_s = _median_seconds(pins, samples, bar)
     table.check_invariants()
     return TableResult(live, churn_s / ops * 1e6, pin_s / ops * 1e6)
 
@@ -171,7 +191,7 @@ def _print_table(result: StoreBenchResult) -> None:
     heads = ("put GB/s", "get GB/s", "memcpy", "put/mcpy", "get/mcpy")
     print(f"{'entry':>8} " + " ".join(f"{h:>9}" for h in heads))
     for c in result.copies:
-        size = f"{c.size_bytes // MiB} MiB" if c.size_bytes >= MiB else f"{c.size_bytes // KiB} KiB"
+        size = format_size(c.size_bytes)
         print(
             f"{size:>8} {c.put_gbps:9.2f} {c.get_gbps:9.2f} {c.memcpy_gbps:9.2f} "
             f"{c.put_ratio:8.2f}x {c.get_ratio:8.2f}x"
@@ -189,20 +209,53 @@ def _print_table(result: StoreBenchResult) -> None:
     )
 
 
-def run_store_bench(json_output: bool = False, quick: bool = False) -> int:
+def run_store_bench(
+    json_output: bool = False,
+    quick: bool = False,
+    sizes: Sequence[int] | None = None,
+    out_dir: Path | None = None,
+    quiet: bool = False,
+) -> int:
+    """Run the bench over `sizes` (default `SIZES`); print it, and write files to `out_dir`."""
+    from ecshare.bench.report import emit
+
+    load_start = load_average()
+    sizes = sorted(set(sizes or SIZES))
     samples = 5 if quick else 15
-    region_size = BATCH_BYTES + 16 * MiB
-    with Region.create(region_size, name="ecshare-bench") as region:
-        store = Store(region, BLOCK_SIZE)
-        copies = [_bench_copies(store, size, samples) for size in SIZES]
-        del store
-    table = _bench_table(LIVE_ENTRIES, 3 if quick else 7)
+    table_samples = 3 if quick else 7
+    # The largest entry must fit in a region sized for one batch, whatever its size.
+    region_size = max(BATCH_BYTES, *(-(-s // BLOCK_SIZE) * BLOCK_SIZE for s in sizes))
+    region_size += 16 * MiB
+    # One step per copy sample, one for filling the table, one per table sample.
+    steps = len(sizes) * (samples + 1) + 1 + 2 * (table_samples + 1)
+    with BenchProgress(steps, "store", quiet=quiet) as bar:
+        with Region.create(region_size, name="ecshare-bench") as region:
+            store = Store(region, BLOCK_SIZE)
+            copies = []
+            for size in sizes:
+                bar.advance(0, step=f"{format_size(size)} entries")
+                copies.append(_bench_copies(store, size, samples, bar))
+            del store
+        bar.advance(0, step=f"entry table, {LIVE_ENTRIES} live entries")
+        table = _bench_table(LIVE_ENTRIES, table_samples, bar)
     meets = table.alloc_commit_free_us <= TARGET_ALLOC_FREE_US and all(
         min(c.put_ratio, c.get_ratio) >= TARGET_COPY_RATIO for c in copies if c.size_bytes >= MiB
     )
-    result = StoreBenchResult(BLOCK_SIZE, samples, copies, table, meets)
-    if json_output:
-        sys.stdout.write(msgspec.json.encode(result).decode() + "\n")
-    else:
-        _print_table(result)
-    return 0
+    result = StoreBenchResult(
+        created_at=utc_now(),
+        machine=machine_info(load_start),
+        parameters=StoreParameters(
+            sizes=sizes,
+            samples=samples,
+            table_samples=table_samples,
+            batch_bytes=BATCH_BYTES,
+            live_entries=LIVE_ENTRIES,
+            quick=quick,
+        ),
+        block_size=BLOCK_SIZE,
+        samples=samples,
+        copies=copies,
+        table=table,
+        meets_targets=meets,
+    )
+    return emit(result, json_output=json_output, out_dir=out_dir, quiet=quiet, text=_print_table)

@@ -30,6 +30,14 @@ def parse_size(text: str) -> int:
     return int(match.group(1)) * _UNITS[match.group(2).lower()]
 
 
+def format_size(nbytes: int) -> str:
+    """65536 -> '64 KiB', 1572864 -> '1.5 MiB': the largest unit that keeps it at least 1."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.4g} {unit}"
+    return f"{nbytes} B"
+
+
 def parse_spec(spec: str) -> list[tuple[int, int]]:
     """'64KiB:4,1MiB:2' -> [(65536, 4), (1048576, 2)]."""
     out = []

@@ -15,6 +15,10 @@ from typing import Any
 
 import pytest
 
+from ecshare.bench.fetch import FetchBenchResult
+from ecshare.bench.report import decode_report
+from ecshare.bench.schema import SCHEMA_VERSION
+
 pytest.importorskip("nixl._api")
 
 SIZES = {64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20}
@@ -71,6 +75,12 @@ def test_latency_figures(report: dict[str, Any]) -> None:
     p50, p99 = report["latency_64k_p50_ms"], report["latency_64k_p99_ms"]
     assert _positive(p50) and _positive(p99)
     assert p99 >= p50
+
+
+def test_result_is_a_versioned_fetch_result(report: dict[str, Any]) -> None:
+    assert report["bench"] == "fetch"
+    assert report["schema_version"] == SCHEMA_VERSION
+    assert isinstance(decode_report(json.dumps(report).encode()), FetchBenchResult)
 
 
 def test_extras(report: dict[str, Any]) -> None:

@@ -1,0 +1,259 @@
+"""`ecshare bench ... --out DIR` writes a result file, a Markdown table and a plot that hold.
+
+Each bench runs for real, briefly (tiny sizes, --quick): the store bench in this machine's
+memory, the fetch bench between a producer process and this one over NIXL + CURVE, the
+proxy bench against stub backends through a real proxy process. Only the files are
+checked, never the speed. `compare` is checked on real result files, one of them with a
+planted regression.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from ecshare.bench.fetch import FetchBenchResult
+from ecshare.bench.proxy import ProxyBenchResult
+from ecshare.bench.report import ReportError, decode_report, json_schema, read_report
+from ecshare.bench.schema import SCHEMA_VERSION
+from ecshare.bench.store import StoreBenchResult
+from ecshare.bench.synthetic import format_size
+
+SIZES = (64 << 10, 256 << 10)
+SIZES_ARG = "64KiB,256KiB"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _ecshare(*args: str, timeout: float = 240, **kw: Any) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo")}
+    return subprocess.run(
+        [sys.executable, "-m", "ecshare", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        **kw,
+    )
+
+
+def _run(out: Path, bench: str, *extra: str) -> Path:
+    proc = _ecshare("bench", bench, "--quick", "--quiet", "--json", "--out", str(out), *extra)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    # stdout is the one JSON object, the same as the file; nothing else goes there.
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stdout[-2000:]
+    path = out / f"{bench}.json"
+    assert json.loads(lines[0]) == json.loads(path.read_text())
+    return out
+
+
+@pytest.fixture(scope="module")
+def store_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _run(tmp_path_factory.mktemp("store"), "store", "--sizes", SIZES_ARG)
+
+
+@pytest.fixture(scope="module")
+def fetch_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("nixl._api", reason="the fetch bench reads over NIXL")
+    return _run(tmp_path_factory.mktemp("fetch"), "fetch", "--sizes", SIZES_ARG)
+
+
+@pytest.fixture(scope="module")
+def proxy_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _run(tmp_path_factory.mktemp("proxy"), "proxy")
+
+
+def _table_rows(markdown: str) -> list[list[str]]:
+    """Body rows of the Markdown table in `markdown`, as lists of cells."""
+    rows = [line for line in markdown.splitlines() if line.startswith("|")]
+    assert len(rows) >= 3, markdown
+    assert set(rows[1].replace("|", "").split()) <= {"---:", "---"}, rows[1]
+    return [[c.strip() for c in row.strip("|").split("|")] for row in rows[2:]]
+
+
+def _check_png(path: Path) -> None:
+    data = path.read_bytes()
+    assert data.startswith(PNG_MAGIC)
+    assert len(data) > 10_000, f"{path} is {len(data)} bytes: an empty figure?"
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.image
+
+    pixels = matplotlib.image.imread(path)
+    height, width = pixels.shape[:2]
+    assert height >= 300 and width >= 500
+    assert pixels.std() > 0.05, "the plot is one flat colour"
+
+
+def test_store_bench_files_hold_a_row_per_size(store_dir: Path) -> None:
+    result = read_report(store_dir / "store.json")
+    assert isinstance(result, StoreBenchResult)
+    assert result.schema_version == SCHEMA_VERSION
+    assert result.machine.cpus == os.cpu_count()
+    assert result.parameters.sizes == list(SIZES) and result.parameters.quick
+    assert [c.size_bytes for c in result.copies] == list(SIZES)
+    for c in result.copies:
+        assert c.put_gbps > 0 and c.memcpy_gbps > 0
+        assert c.put_ratio == pytest.approx(c.put_gbps / c.memcpy_gbps)
+    rows = _table_rows((store_dir / "store.md").read_text())
+    assert [r[0] for r in rows] == [format_size(s) for s in SIZES]
+    _check_png(store_dir / "store.png")
+
+
+def test_fetch_bench_files_hold_ecshare_raw_nixl_and_memcpy_per_size(fetch_dir: Path) -> None:
+    result = read_report(fetch_dir / "fetch.json")
+    assert isinstance(result, FetchBenchResult)
+    assert result.parameters.sizes == list(SIZES)
+    assert {(r.size_bytes, r.mode) for r in result.rows} == {
+        (s, m) for s in SIZES for m in ("single", "batch")
+    }
+    for r in result.rows:
+        assert min(r.ecshare_gbps, r.raw_nixl_gbps, r.memcpy_gbps) > 0
+    rows = _table_rows((fetch_dir / "fetch.md").read_text())
+    assert sorted((r[0], r[1]) for r in rows) == sorted(
+        (format_size(s), m) for s in SIZES for m in ("single", "batch")
+    )
+    _check_png(fetch_dir / "fetch.png")
+
+
+def test_proxy_bench_files_hold_a_row_per_scenario(proxy_dir: Path) -> None:
+    result = read_report(proxy_dir / "proxy.json")
+    assert isinstance(result, ProxyBenchResult)
+    rows = _table_rows((proxy_dir / "proxy.md").read_text())
+    assert len(rows) == len(result.rows)
+    assert {(r[0], r[1]) for r in rows} == {(r.scenario, str(r.concurrency)) for r in result.rows}
+    _check_png(proxy_dir / "proxy.png")
+
+
+def test_report_merges_results_onto_one_plot(
+    store_dir: Path, fetch_dir: Path, tmp_path: Path
+) -> None:
+    proc = _ecshare(
+        "bench", "report", str(store_dir / "store.json"), str(fetch_dir / "fetch.json"),
+        "--out", str(tmp_path), "--name", "both",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == [str(tmp_path / "both.md"), str(tmp_path / "both.png")]
+    markdown = (tmp_path / "both.md").read_text()
+    assert "## ecshare bench store" in markdown and "## ecshare bench fetch" in markdown
+    _check_png(tmp_path / "both.png")
+
+
+def _planted(fetch_dir: Path, tmp_path: Path, factor: float) -> Path:
+    """A copy of the fetch result whose 256 KiB single fetch ran at `factor` the speed."""
+    data = json.loads((fetch_dir / "fetch.json").read_text())
+    for row in data["rows"]:
+        if (row["size_bytes"], row["mode"]) == (256 << 10, "single"):
+            row["ecshare_gbps"] *= factor
+            row["ratio_vs_raw_nixl"] *= factor
+    path = tmp_path / f"after-{factor}.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_compare_passes_identical_files(fetch_dir: Path) -> None:
+    before = str(fetch_dir / "fetch.json")
+    proc = _ecshare("bench", "compare", before, before, "--fail-on-regression", "0")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "0 regression(s)" in proc.stdout
+    assert "REGRESSION" not in proc.stdout
+    rows = _table_rows(proc.stdout)
+    assert len(rows) == 2 * len(SIZES) + 1  # every row, and the 64 KiB latency
+    assert all(r[4] == "1.000x" for r in rows)
+
+
+@pytest.mark.parametrize("by", ["ecshare", "ratio"])
+def test_compare_flags_a_planted_regression(fetch_dir: Path, tmp_path: Path, by: str) -> None:
+    before, after = str(fetch_dir / "fetch.json"), str(_planted(fetch_dir, tmp_path, 0.5))
+    proc = _ecshare("bench", "compare", before, after, "--by", by)
+    assert proc.returncode == 0, proc.stderr  # flagged, but not asked to fail
+    flagged = [r for r in _table_rows(proc.stdout) if "**REGRESSION**" in r[-1]]
+    assert [(r[0], r[4], r[5]) for r in flagged] == [("256 KiB single", "0.500x", "-50.0% (worse)")]
+    proc = _ecshare("bench", "compare", before, after, "--by", by, "--fail-on-regression", "20")
+    assert proc.returncode == 1
+    assert "256 KiB single" in proc.stderr and "50.0% worse" in proc.stderr
+    # A 10% slowdown fails a 5% gate and passes a 20% one.
+    after = str(_planted(fetch_dir, tmp_path, 0.9))
+    assert _ecshare("bench", "compare", before, after, "--fail-on-regression", "5").returncode == 1
+    assert _ecshare("bench", "compare", before, after, "--fail-on-regression", "20").returncode == 0
+
+
+def test_compare_counts_a_faster_run_as_no_regression(fetch_dir: Path, tmp_path: Path) -> None:
+    before, after = str(fetch_dir / "fetch.json"), str(_planted(fetch_dir, tmp_path, 2.0))
+    proc = _ecshare("bench", "compare", before, after, "--fail-on-regression", "0")
+    assert proc.returncode == 0, proc.stderr
+    assert "+100.0% (better)" in proc.stdout
+
+
+def test_compare_refuses_bad_files_with_a_clear_error(
+    store_dir: Path, fetch_dir: Path, tmp_path: Path
+) -> None:
+    fetch, store = str(fetch_dir / "fetch.json"), str(store_dir / "store.json")
+    cases = {
+        "mixed": (store, "cannot compare a store bench result with a fetch bench result"),
+        "missing": (str(tmp_path / "nope.json"), "cannot read"),
+    }
+    garbage = tmp_path / "garbage.json"
+    garbage.write_text("{not json")
+    cases["garbage"] = (str(garbage), "not a bench result file")
+    for name, (before, message) in cases.items():
+        proc = _ecshare("bench", "compare", before, fetch)
+        assert proc.returncode == 2, name
+        assert message in proc.stderr, (name, proc.stderr)
+        assert "Traceback" not in proc.stderr
+
+
+def test_decode_refuses_old_newer_and_malformed_results(fetch_dir: Path) -> None:
+    data = json.loads((fetch_dir / "fetch.json").read_text())
+    assert isinstance(decode_report(json.dumps(data).encode()), FetchBenchResult)
+    with pytest.raises(ReportError, match="newer than this ecshare reads"):
+        decode_report(json.dumps({**data, "schema_version": SCHEMA_VERSION + 1}).encode())
+    legacy = {k: v for k, v in data.items() if k not in ("schema_version", "bench")}
+    with pytest.raises(ReportError, match="no schema_version"):
+        decode_report(json.dumps(legacy).encode())
+    broken = {**data, "rows": [{**data["rows"][0], "ecshare_gbps": "fast"}]}
+    with pytest.raises(ReportError, match=r"ecshare_gbps"):
+        decode_report(json.dumps(broken).encode())
+
+
+def test_schema_command_prints_the_json_schema_of_every_bench() -> None:
+    proc = _ecshare("bench", "schema", timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    schema = json.loads(proc.stdout)
+    assert schema == msgspec.json.decode(msgspec.json.encode(json_schema()))
+    names = set(schema["$defs"])
+    assert {"StoreBenchResult", "FetchBenchResult", "ProxyBenchResult", "Machine"} <= names
+
+
+def test_progress_bar_goes_to_a_terminal_stderr_only(tmp_path: Path) -> None:
+    """On a terminal the bar shows on stderr; with --quiet, or piped, there is none."""
+    for quiet in (False, True):
+        leader, follower = pty.openpty()
+        args = ["bench", "store", "--quick", "--sizes", "64KiB", "--json"]
+        proc = subprocess.run(
+            [sys.executable, "-m", "ecshare", *args, *(["--quiet"] if quiet else [])],
+            stdout=subprocess.PIPE,
+            stderr=follower,
+            text=True,
+            timeout=120,
+        )
+        os.close(follower)
+        shown = b""
+        try:
+            while chunk := os.read(leader, 65536):
+                shown += chunk
+        except OSError:  # EIO: the terminal's other end is closed
+            pass
+        os.close(leader)
+        assert proc.returncode == 0
+        json.loads(proc.stdout)  # stdout holds the result alone, bar or not
+        assert (b"store" in shown) is not quiet, shown[-500:]
