@@ -100,9 +100,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    from ecshare.control import ControlConfigError
+
     try:
         return _dispatch(args)
-    except ConfigError as exc:
+    except (ConfigError, ControlConfigError) as exc:  # a key file is configuration too
         print(f"ecshare: configuration error: {exc}", file=sys.stderr)
         return 2
 
