@@ -87,10 +87,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_launch_arguments(launch)
 
+    from ecshare.ops.doctor import add_doctor_arguments
+    from ecshare.ops.status import add_status_arguments
+
+    doctor = sub.add_parser("doctor", help="check this machine and config; say how to fix them")
+    add_doctor_arguments(doctor)
+    status = sub.add_parser("status", help="ask a running producer (as an admin key) what it holds")
+    add_status_arguments(status)
+
     from ecshare.bench.commands import add_bench_arguments
 
     bench = sub.add_parser("bench", help="measure ecshare against baselines; report, compare")
     add_bench_arguments(bench)
+
+    from ecshare.chaos.command import add_chaos_arguments
+
+    chaos = sub.add_parser(
+        "chaos",
+        help="fetches between producer and consumer processes under injected faults "
+        "(or --soak SECONDS), then check nothing was lost, leaked or hung",
+    )
+    add_chaos_arguments(chaos)
     return parser
 
 
@@ -137,11 +154,23 @@ def _dispatch(args: argparse.Namespace) -> int:
         from ecshare.demo import run_demo
 
         return run_demo()
+    if args.command == "doctor":
+        from ecshare.ops.doctor import run_doctor
+
+        return run_doctor(args)
+    if args.command == "status":
+        from ecshare.ops.status import run_status
+
+        return run_status(args)
     if args.command == "proxy":
         from ecshare.proxy.config import config_from_args
         from ecshare.proxy.server import run_proxy
 
         return run_proxy(config_from_args(args))
+    if args.command == "chaos":
+        from ecshare.chaos.command import run_chaos_command
+
+        return run_chaos_command(args)
     if args.command == "bench":
         from ecshare.bench.commands import run_bench
 

@@ -1,0 +1,95 @@
+"""What the harness and its child processes say to each other over their pipes.
+
+Each child (a producer or a consumer node) gets one spec at start, takes
+commands and answers with events. All of them are msgspec Structs, pickled
+over a `multiprocessing` pipe; the harness is one trusted program, so this is
+not a wire protocol and never crosses a host.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from ecshare.store import StoreStats
+
+
+class ProducerSpec(msgspec.Struct, frozen=True):
+    config: dict[str, Any]
+    fingerprint: str
+    # Entries the producer "encodes", as SIZE:COUNT pairs: the working set. When it
+    # is larger than the region, putting them evicts others (eviction pressure).
+    working_set: str
+    churn_per_s: float  # puts per second of a random working-set entry it lacks
+    seed: int
+
+
+class ConsumerSpec(msgspec.Struct, frozen=True):
+    config: dict[str, Any]
+    fingerprint: str
+
+
+class Fetch(msgspec.Struct, frozen=True):
+    """Fetch `items` ((fetch id, mm_hash, nbytes)) from `peers`, in preference order."""
+
+    items: list[tuple[int, str, int]]
+    peers: list[str]
+
+
+class Quiesce(msgspec.Struct, frozen=True):
+    """Stop creating new work (a producer stops its churn)."""
+
+
+class Stats(msgspec.Struct, frozen=True):
+    """Ask for a `NodeStats`; `verify` also checks every READY entry's bytes."""
+
+    verify: bool = False
+
+
+class Stop(msgspec.Struct, frozen=True):
+    """Stop cleanly and exit."""
+
+
+Command = Fetch | Quiesce | Stats | Stop
+
+
+class Ready(msgspec.Struct, frozen=True):
+    pid: int
+    address: str = ""  # a producer's control endpoint
+    port: int = 0
+
+
+class Outcome(msgspec.Struct, frozen=True):
+    """How one fetch ended, as the consumer process saw it."""
+
+    fetch_id: int
+    mm_hash: str
+    # delivered (right bytes), corrupted (READY with wrong bytes or size),
+    # vanished (delivered, then gone before it could be checked), failed (typed).
+    status: str
+    settle_s: float  # from the fetch() call to the future settling
+    reason: str = ""
+    detail: str = ""
+
+
+class NodeStats(msgspec.Struct, frozen=True):
+    pid: int
+    store: StoreStats
+    counters: dict[str, int]
+    invariant_error: str  # "" when the entry table's invariants hold
+    used_by_ready: int  # blocks held by READY entries
+    verified: int = 0  # READY entries whose bytes were checked (Stats(verify=True))
+    wrong: list[str] = msgspec.field(default_factory=list)  # READY entries with wrong bytes
+    active_grants: int = 0
+    sessions: int = 0
+    ready_keys: list[tuple[str, int]] = msgspec.field(default_factory=list)  # a few READY ones
+
+
+class Failed(msgspec.Struct, frozen=True):
+    """The child could not start or serve; it exits after sending this."""
+
+    error: str
+
+
+Event = Ready | Outcome | NodeStats | Failed

@@ -1,0 +1,449 @@
+"""The harness's child processes, and the parent's handle on each one.
+
+A producer child is a real `Producer` (CURVE, NIXL) over a region filled with
+synthetic entries (`fill_synthetic`), and it keeps "encoding" entries of its
+working set that it lacks, so that a region smaller than the working set
+evicts while consumers ask. A consumer child is a real `Consumer`; it fetches
+what the parent asks for and checks every delivered entry against the bytes
+its key names (`synthetic_bytes`) before it reports the outcome.
+
+Children start with `multiprocessing`'s spawn method (NIXL and ZMQ state must
+not be forked). The parent may SIGKILL, SIGSTOP or
+SIGCONT them at any moment; every wait on a child is bounded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing as mp
+import os
+import queue
+import random
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from functools import partial
+from multiprocessing.connection import Connection
+from typing import Any
+
+import xxhash
+
+from ecshare.bench.synthetic import fill_synthetic, parse_spec, synthetic_bytes, synthetic_hash
+from ecshare.chaos.messages import (
+    Command,
+    ConsumerSpec,
+    Event,
+    Failed,
+    Fetch,
+    NodeStats,
+    Outcome,
+    ProducerSpec,
+    Quiesce,
+    Ready,
+    Stats,
+    Stop,
+)
+from ecshare.config import Config
+from ecshare.peer import FetchFailed, FetchItem, FetchResult, Node, start_consumer, start_producer
+from ecshare.store import EntryState, Store, StoreError, StoreFull
+
+# Owner name of the consumer's own check pins, so a check never races an eviction.
+_CHECK_OWNER = "chaos-check"
+_CHECK_LEASE_S = 600.0
+
+
+class ChildGone(Exception):
+    """The child died, or did not answer within its bound."""
+
+
+# -- in the child ----------------------------------------------------------------------------
+
+
+class _Pipe:
+    """The child's end: sends from several threads, one at a time."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._lock = threading.Lock()
+
+    def send(self, event: Event) -> None:
+        with self._lock, contextlib.suppress(OSError, ValueError):
+            self._conn.send(event)  # the parent may be gone; nothing to tell then
+
+    def commands(self) -> Iterable[Command]:
+        while True:
+            try:
+                yield self._conn.recv()
+            except (EOFError, OSError):
+                return  # the parent is gone: stop
+
+
+class _Checker:
+    """Expected content per key, as an xxh3-64 digest computed once."""
+
+    def __init__(self) -> None:
+        self._digests: dict[tuple[str, int], int] = {}
+
+    def expected(self, mm_hash: str, nbytes: int) -> int:
+        key = (mm_hash, nbytes)
+        digest = self._digests.get(key)
+        if digest is None:
+            digest = xxhash.xxh3_64_intdigest(synthetic_bytes(mm_hash, nbytes).data)
+            self._digests[key] = digest
+        return digest
+
+    def check(self, store: Store, mm_hash: str, nbytes: int, tag: str) -> bool | None:
+        """True/False: the READY entry's bytes are/are not right; None: it is not READY."""
+        try:
+            store.table.pin(mm_hash, _CHECK_OWNER, tag, _CHECK_LEASE_S)
+        except StoreError:
+            return None
+        try:
+            entry = store.table.pinned_entry(_CHECK_OWNER, tag)
+            assert entry is not None
+            if entry.nbytes != nbytes:
+                return False
+            return store.checksum(entry) == self.expected(mm_hash, nbytes)
+        finally:
+            store.table.unpin(_CHECK_OWNER, tag)
+
+
+def _stats(
+    node: Node,
+    counters: dict[str, int],
+    keys: Iterable[tuple[str, int]],
+    checker: _Checker,
+    verify: bool,
+    **extra: int,
+) -> NodeStats:
+    store = node.store
+    try:
+        store.table.check_invariants()
+        invariant_error = ""
+    except AssertionError as exc:
+        invariant_error = str(exc) or "entry table invariant broken"
+    used_by_ready = 0
+    verified = 0
+    wrong = []
+    ready_keys: list[tuple[str, int]] = []
+    for h, n in keys:
+        entry = store.get(h)
+        if entry is None or entry.state is not EntryState.READY:
+            continue
+        used_by_ready += entry.nblocks
+        if len(ready_keys) < 16:
+            ready_keys.append((h, n))
+        if verify:
+            ok = checker.check(store, h, n, f"stats-{h}")
+            verified += ok is not None
+            if ok is False:
+                wrong.append(h)
+    return NodeStats(
+        pid=os.getpid(),
+        store=store.stats(),
+        counters=counters,
+        invariant_error=invariant_error,
+        used_by_ready=used_by_ready,
+        verified=verified,
+        wrong=wrong,
+        ready_keys=ready_keys,
+        **extra,
+    )
+
+
+def producer_main(conn: Connection, spec: ProducerSpec) -> None:
+    pipe = _Pipe(conn)
+    try:
+        config = Config.from_dict(spec.config)
+        node = Node.create(config, "producer")
+    except Exception as exc:
+        pipe.send(Failed(f"producer did not start: {exc!r}"))
+        return
+    try:
+        entries = fill_synthetic(node.store, spec.working_set)
+        keys = [(str(e["mm_hash"]), int(e["nbytes"])) for e in entries]
+        producer = start_producer(node, fingerprint=spec.fingerprint)
+    except Exception as exc:  # a port still held by a dying predecessor, say
+        pipe.send(Failed(f"producer did not start: {exc!r}"))
+        node.close()
+        return
+    churn_stop = threading.Event()
+    churn_counts: dict[str, int] = {"churn_puts": 0, "churn_store_full": 0}
+
+    def churn() -> None:
+        rng = random.Random(spec.seed)
+        while not churn_stop.wait(1.0 / spec.churn_per_s):
+            h, n = rng.choice(keys)
+            if node.store.get(h) is not None:
+                continue
+            try:
+                node.store.put(h, synthetic_bytes(h, n))  # evicts LRU unpinned entries
+                churn_counts["churn_puts"] += 1
+            except StoreFull:  # everything left is pinned: a busy producer, not an error
+                churn_counts["churn_store_full"] += 1
+
+    churner = threading.Thread(target=churn, name="chaos-churn", daemon=True)
+    if spec.churn_per_s > 0:
+        churner.start()
+    pipe.send(Ready(os.getpid(), producer.address, producer.port))
+    checker = _Checker()
+    try:
+        for cmd in pipe.commands():
+            if isinstance(cmd, Quiesce):
+                churn_stop.set()
+                if churner.is_alive():
+                    churner.join()
+                pipe.send(Ready(os.getpid(), producer.address, producer.port))
+            elif isinstance(cmd, Stats):
+                counters = {**producer.counters, **churn_counts}
+                pipe.send(
+                    _stats(
+                        node,
+                        counters,
+                        keys,
+                        checker,
+                        cmd.verify,
+                        active_grants=producer.active_grants(),
+                        sessions=producer.session_count(),
+                    )
+                )
+            elif isinstance(cmd, Stop):
+                break
+    finally:
+        churn_stop.set()
+        if churner.is_alive():
+            churner.join()
+        producer.stop()
+        node.close()
+
+
+def consumer_main(conn: Connection, spec: ConsumerSpec) -> None:
+    pipe = _Pipe(conn)
+    try:
+        config = Config.from_dict(spec.config)
+        node = Node.create(config, "consumer")
+    except Exception as exc:
+        pipe.send(Failed(f"consumer did not start: {exc!r}"))
+        return
+    try:
+        consumer = start_consumer(node, fingerprint=spec.fingerprint)
+    except Exception as exc:
+        pipe.send(Failed(f"consumer did not start: {exc!r}"))
+        node.close()
+        return
+    checker = _Checker()
+    fetched: dict[str, int] = {}  # every key ever asked for, for the final sweep
+    settled: queue.Queue[tuple[int, str, int, float, Future[FetchResult]] | None] = queue.Queue()
+
+    def on_settled(fetch_id: int, h: str, n: int, t0: float, future: Future[FetchResult]) -> None:
+        # Runs on the consumer's network thread: note the time, check elsewhere.
+        settled.put((fetch_id, h, n, time.monotonic() - t0, future))
+
+    def check_loop() -> None:
+        while (item := settled.get()) is not None:
+            pipe.send(_outcome(node.store, checker, *item))
+
+    checker_thread = threading.Thread(target=check_loop, name="chaos-check", daemon=True)
+    checker_thread.start()
+    pipe.send(Ready(os.getpid()))
+    try:
+        for cmd in pipe.commands():
+            if isinstance(cmd, Fetch):
+                t0 = time.monotonic()
+                items = [FetchItem(h, n) for _, h, n in cmd.items]
+                for (fetch_id, h, n), future in zip(
+                    cmd.items, consumer.fetch(items, cmd.peers), strict=True
+                ):
+                    fetched[h] = n
+                    future.add_done_callback(partial(on_settled, fetch_id, h, n, t0))
+            elif isinstance(cmd, Stats):
+                pipe.send(
+                    _stats(node, dict(consumer.counters), fetched.items(), checker, cmd.verify)
+                )
+            elif isinstance(cmd, Stop):
+                break
+    finally:
+        consumer.stop()
+        settled.put(None)
+        checker_thread.join(timeout=30)
+        node.close()
+
+
+def _outcome(
+    store: Store,
+    checker: _Checker,
+    fetch_id: int,
+    h: str,
+    n: int,
+    settle_s: float,
+    future: Future[FetchResult],
+) -> Outcome:
+    error = future.exception()
+    if isinstance(error, FetchFailed):
+        return Outcome(fetch_id, h, "failed", settle_s, error.reason.value, error.detail[:300])
+    if error is not None:  # anything but a typed failure breaks the contract
+        return Outcome(fetch_id, h, "untyped", settle_s, type(error).__name__, str(error)[:300])
+    result = future.result()
+    ok = checker.check(store, h, n, f"fetch-{fetch_id}") if result.nbytes == n else False
+    if ok is None:
+        return Outcome(fetch_id, h, "vanished", settle_s)
+    # The copy is dropped once checked, so the next fetch of the key crosses the
+    # network again (and a wrong copy is counted once, not served locally later).
+    with contextlib.suppress(StoreError):
+        store.remove(h)
+    return Outcome(fetch_id, h, "delivered" if ok else "corrupted", settle_s, detail=result.peer)
+
+
+def working_set_keys(spec: str) -> list[tuple[str, int]]:
+    """The (mm_hash, nbytes) of every entry a producer's working set names."""
+    return [(synthetic_hash(n, i), n) for n, count in parse_spec(spec) for i in range(count)]
+
+
+# -- in the parent ---------------------------------------------------------------------------
+
+
+class Child:
+    """One child process: commands in, events out (a reader thread sorts them)."""
+
+    def __init__(
+        self,
+        role: str,
+        index: int,
+        target: Callable[[Connection, Any], None],
+        spec: ProducerSpec | ConsumerSpec,
+        on_outcome: Callable[[Child, Outcome], None],
+        *,
+        start_timeout_s: float,
+        verbose: bool = False,
+    ) -> None:
+        self.role = role
+        self.index = index
+        self.paused = False
+        self.killed = False
+        self._on_outcome = on_outcome
+        self._replies: queue.Queue[Event | None] = queue.Queue()
+        ctx = mp.get_context("spawn")
+        self._conn, child_conn = ctx.Pipe()
+        self.process = ctx.Process(
+            target=_child_entry,
+            args=(target, child_conn, spec, verbose),
+            name=f"ecshare-chaos-{role}-{index}",
+            daemon=True,
+        )
+        self.process.start()
+        child_conn.close()
+        self._reader = threading.Thread(target=self._read, name=f"{self.process.name}-reader")
+        self._reader.daemon = True
+        self._reader.start()
+        ready = self._reply(start_timeout_s, "start")
+        if not isinstance(ready, Ready):
+            self.kill()
+            raise ChildGone(f"{self.name} did not start: {ready}")
+        self.ready = ready
+
+    @property
+    def name(self) -> str:
+        return f"{self.role} {self.index} (pid {self.process.pid})"
+
+    @property
+    def pid(self) -> int:
+        assert self.process.pid is not None
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return not self.killed and self.process.is_alive()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                event = self._conn.recv()
+            except (EOFError, OSError):
+                self._replies.put(None)
+                return
+            if isinstance(event, Outcome):
+                self._on_outcome(self, event)
+            else:
+                self._replies.put(event)
+
+    def _reply(self, timeout_s: float, what: str) -> Event:
+        try:
+            event = self._replies.get(timeout=timeout_s)
+        except queue.Empty:
+            raise ChildGone(f"{self.name}: no answer to {what} within {timeout_s} s") from None
+        if event is None:
+            raise ChildGone(f"{self.name} exited (code {self.process.exitcode})")
+        return event
+
+    def send(self, cmd: Command) -> None:
+        try:
+            self._conn.send(cmd)
+        except (OSError, ValueError) as exc:
+            raise ChildGone(f"{self.name}: cannot send {type(cmd).__name__}: {exc}") from exc
+
+    def call(self, cmd: Command, timeout_s: float) -> Event:
+        self.send(cmd)
+        return self._reply(timeout_s, type(cmd).__name__)
+
+    def stats(self, timeout_s: float, *, verify: bool = False) -> NodeStats:
+        reply = self.call(Stats(verify=verify), timeout_s)
+        if not isinstance(reply, NodeStats):
+            raise ChildGone(f"{self.name}: answered Stats with {reply}")
+        return reply
+
+    def signal(self, sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would; reaped within a bound."""
+        self.killed = True
+        self.signal(signal.SIGKILL)
+        self.process.join(timeout=10)
+        self._conn.close()
+
+    def pause(self) -> None:
+        self.signal(signal.SIGSTOP)
+        self.paused = True
+
+    def resume(self) -> None:
+        self.signal(signal.SIGCONT)
+        self.paused = False
+
+    def stop(self, timeout_s: float) -> bool:
+        """Ask the child to stop; False (and SIGKILL) if it does not exit within `timeout_s`."""
+        if self.paused:
+            self.resume()
+        if not self.process.is_alive():
+            self.process.join(timeout=1)
+            return True
+        with contextlib.suppress(ChildGone):
+            self.send(Stop())
+        self.process.join(timeout=timeout_s)
+        if self.process.is_alive():
+            self.kill()
+            return False
+        self._conn.close()
+        return True
+
+
+def _child_entry(
+    target: Callable[[Connection, Any], None],
+    conn: Connection,
+    spec: ProducerSpec | ConsumerSpec,
+    verbose: bool,
+) -> None:
+    # The harness's terminal may send SIGINT to the whole group; the parent decides
+    # when its children stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Under injected faults, peer failures and refused connections are the point;
+    # the report counts them, so only errors are logged unless asked.
+    logging.basicConfig(
+        level=logging.WARNING if verbose else logging.ERROR,
+        format=f"%(asctime)s {os.getpid()} %(levelname)s %(name)s: %(message)s",
+    )
+    if not verbose:
+        os.environ.setdefault("UCX_LOG_LEVEL", "fatal")
+    target(conn, spec)

@@ -1,0 +1,153 @@
+"""What a chaos or soak run found: the figures, the invariants, and how to print them."""
+
+from __future__ import annotations
+
+import sys
+from typing import TextIO
+
+import msgspec
+
+
+class RegionCheck(msgspec.Struct, frozen=True):
+    """One surviving region once the run is quiet."""
+
+    node: str
+    total_blocks: int
+    free_blocks: int
+    used_blocks: int
+    ready_blocks: int  # held by READY entries
+    pins: int
+    allocated: int  # entries still being written
+    evicting: int
+    verified_entries: int  # READY entries whose bytes were checked
+    leaked_blocks: int  # used, yet held by no READY entry, or unaccounted for
+    invariant_error: str
+
+
+class ProcessMemory(msgspec.Struct, frozen=True):
+    """RSS over a soak, in MiB; the slope is fitted after the warm-up."""
+
+    process: str
+    samples: int
+    start_mib: float
+    warm_mib: float  # at the end of the warm-up: the baseline drift is measured from
+    end_mib: float
+    max_mib: float
+    slope_mib_per_min: float
+    anon_warm_mib: float  # RSS less shared pages (the region is shared memory)
+    anon_end_mib: float
+    anon_slope_mib_per_min: float
+
+
+class RegionUsage(msgspec.Struct, frozen=True):
+    node: str
+    samples: int
+    mean_used_fraction: float
+    max_used_fraction: float
+    end_used_fraction: float
+    end_pins: int
+
+
+class Soak(msgspec.Struct, frozen=True):
+    seconds: float
+    warmup_s: float
+    sample_interval_s: float
+    fetch_rate_per_s: float
+    delivered_mib: float
+    memory: list[ProcessMemory]
+    regions: list[RegionUsage]
+
+
+class ChaosReport(msgspec.Struct, frozen=True):
+    seed: int
+    duration_s: float
+    producers: int
+    consumers: int
+    fetches_attempted: int
+    delivered: int
+    failed: dict[str, int]  # by FailureReason value
+    lost_with_consumer: int  # in flight in a consumer that was SIGKILLed: no outcome owed
+    faults: dict[str, int]  # injected, by kind
+    corrupted: int  # READY with wrong bytes (delivered or found in the final sweep)
+    untyped_failures: int  # a future that ended with anything but FetchFailed
+    vanished: int  # delivered, then gone before the check
+    late: int  # settled after deadline + grace
+    max_overrun_s: float  # worst settle time past deadline (negative: all in time)
+    hung_fetches: int  # never settled in a live consumer
+    hangs: int  # processes that did not answer or exit within their bound
+    recovered_pairs: int  # (consumer, producer) pairs that fetched again after the faults
+    unrecovered_pairs: int
+    leaked_blocks: int
+    leaked_pins: int
+    settle_p50_ms: float
+    settle_p99_ms: float
+    settle_max_ms: float
+    regions: list[RegionCheck]
+    violations: list[str]
+    ok: bool
+    netem: str = ""
+    soak: Soak | None = None
+
+
+def print_report(report: ChaosReport, out: TextIO = sys.stdout) -> None:
+    w = out.write
+    kind = "soak" if report.soak else "chaos"
+    w(
+        f"ecshare {kind}: seed {report.seed}, {report.producers} producers, "
+        f"{report.consumers} consumers, {report.duration_s:.1f} s"
+        + (f", netem '{report.netem}'" if report.netem else "")
+        + "\n"
+    )
+    w(f"  fetches attempted     {report.fetches_attempted}\n")
+    w(f"  delivered (verified)  {report.delivered}\n")
+    failed = sum(report.failed.values())
+    reasons = ", ".join(f"{k} {v}" for k, v in sorted(report.failed.items())) or "-"
+    w(f"  failed (typed)        {failed}: {reasons}\n")
+    w(f"  lost with a consumer  {report.lost_with_consumer}\n")
+    w(
+        f"  settle time           p50 {report.settle_p50_ms:.1f} ms, "
+        f"p99 {report.settle_p99_ms:.1f} ms, max {report.settle_max_ms:.1f} ms\n"
+    )
+    faults = ", ".join(f"{k} {v}" for k, v in sorted(report.faults.items()) if v) or "none"
+    w(f"  faults injected       {faults}\n")
+    for label, value in (
+        ("corrupted entries", report.corrupted),
+        ("untyped failures", report.untyped_failures),
+        ("vanished entries", report.vanished),
+        ("late settles", report.late),
+        ("hung fetches", report.hung_fetches),
+        ("leaked blocks", report.leaked_blocks),
+        ("leaked pins", report.leaked_pins),
+        ("hangs", report.hangs),
+        ("unrecovered pairs", report.unrecovered_pairs),
+    ):
+        w(f"  {label:<21} {value}{'' if value == 0 else '   <-- must be 0'}\n")
+    w(f"  recovered pairs       {report.recovered_pairs} (consumer, producer) fetch again\n")
+    w(f"  worst overrun         {report.max_overrun_s:+.3f} s past the deadline\n")
+    for r in report.regions:
+        w(
+            f"  region {r.node:<14} {r.used_blocks}/{r.total_blocks} blocks used, "
+            f"{r.ready_blocks} READY, {r.free_blocks} free, {r.pins} pins, "
+            f"{r.verified_entries} entries verified\n"
+        )
+    if report.soak is not None:
+        s = report.soak
+        w(
+            f"  soak                  {s.seconds:.0f} s, {s.fetch_rate_per_s:.0f} fetches/s, "
+            f"{s.delivered_mib:.0f} MiB delivered, warm-up {s.warmup_s:.0f} s\n"
+        )
+        for m in s.memory:
+            w(
+                f"  rss {m.process:<16} start {m.start_mib:.0f} warm {m.warm_mib:.0f} "
+                f"end {m.end_mib:.0f} max {m.max_mib:.0f} MiB, drift "
+                f"{m.slope_mib_per_min:+.2f} MiB/min (anon {m.anon_slope_mib_per_min:+.2f})\n"
+            )
+        for u in s.regions:
+            w(
+                f"  usage {u.node:<14} mean {u.mean_used_fraction:.0%} max "
+                f"{u.max_used_fraction:.0%} end {u.end_used_fraction:.0%}, "
+                f"{u.end_pins} pins at the end\n"
+            )
+    for v in report.violations:
+        w(f"  VIOLATION: {v}\n")
+    w(f"  result                {'OK' if report.ok else 'FAILED'}\n")
