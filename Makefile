@@ -50,6 +50,7 @@ test: lint typecheck unit
 
 config-doc: $(STAMP)
 	$(BIN)/python -m ecshare.config --write-readme README.md
+	$(BIN)/python -m ecshare.config --write-doc docs/CONFIG.md
 
 clean:
 	rm -rf $(VENV) .work .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -27,6 +27,7 @@ from ecshare.config import (
     render_reference_markdown,
     update_readme_text,
 )
+from ecshare.config.reference import render_config_doc
 
 GiB = 1 << 30
 REPO = Path(__file__).parents[2]
@@ -473,6 +474,28 @@ def test_readme_config_reference_is_current() -> None:
         "README.md config reference is stale: run `python -m ecshare.config --write-readme "
         "README.md`"
     )
+
+
+def test_config_doc_is_current() -> None:
+    doc = REPO / "docs" / "CONFIG.md"
+    assert doc.read_text(encoding="utf-8") == render_config_doc(), (
+        "docs/CONFIG.md is stale: run `make config-doc` "
+        "(python -m ecshare.config --write-doc docs/CONFIG.md)"
+    )
+    assert main(["--check-doc", str(doc)]) == 0
+
+
+def test_write_doc_writes_the_whole_reference_page(tmp_path: Path) -> None:
+    doc = tmp_path / "docs" / "CONFIG.md"
+    assert main(["--check-doc", str(doc)]) == 1
+    assert main(["--write-doc", str(doc)]) == 0
+    text = doc.read_text(encoding="utf-8")
+    assert text.startswith("# ecshare configuration reference\n")
+    for field in describe_fields():
+        assert f"| `{field.name}` | `{field.env_var}` |" in text
+    assert main(["--check-doc", str(doc)]) == 0
+    doc.write_text(text.replace("region_bytes", "region_size"), encoding="utf-8")
+    assert main(["--check-doc", str(doc)]) == 1
 
 
 def test_write_readme_keeps_text_outside_the_markers(tmp_path: Path) -> None:
