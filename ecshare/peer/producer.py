@@ -300,9 +300,10 @@ class Producer(NetworkThread):
         if cached is not None:
             # The same attempt again: same grants, leases renewed, nothing pinned twice.
             self._count("duplicate_requests")
-            for item in cached.items:
-                if item.grant_id:
-                    self._table.renew(session.session_id, item.grant_id, cfg.lease_s)
+            replayed = [self._replayed(session, item) for item in cached.items]
+            if replayed != cached.items:
+                cached = p.FetchReply(request_id=msg.request_id, items=replayed)
+                session.replies[msg.request_id] = cached
             return cached
         if len(msg.items) > cfg.max_batch_items:
             self._count("refused_batch")
@@ -376,13 +377,37 @@ class Producer(NetworkThread):
 
     def _on_renew(self, session: _Session, msg: p.Renew) -> p.Message:
         lease_s = self._config.lease_s
-        renewed = [
-            g
-            for g in msg.grant_ids
-            if g in session.grants and self._table.renew(session.session_id, g, lease_s)
-        ]
+        renewed = [g for g in msg.grant_ids if self._renew(session, g)]
         self._add("renewed", len(renewed))
         return p.Renewed(renewed=renewed, lease_ms=int(lease_s * 1000))
+
+    def _renew(self, session: _Session, grant_id: str) -> bool:
+        """Extend one of the session's grants; False if it is not (or no longer) live."""
+        if grant_id not in session.grants:
+            return False
+        if self._table.renew(session.session_id, grant_id, self._config.lease_s):
+            return True
+        # The lease ran out before the reaper saw it, and the table has just let the
+        # pin go: forget the grant too, or it would count against the session's
+        # limits (and keep the loop polling) until the session ends.
+        with self._lock:
+            session.grants.pop(grant_id, None)
+        self._count("leases_expired")
+        return False
+
+    def _replayed(self, session: _Session, item: p.ItemReply) -> p.ItemReply:
+        """A cached answer, again: never a grant whose pin has ended."""
+        if not item.grant_id or self._renew(session, item.grant_id):
+            return item
+        # Released or expired: its blocks may hold another entry by now, so the
+        # extents must not go out again, and pinning anew would pin twice for
+        # one request.
+        self._count("replayed_ended_grants")
+        return p.ItemReply(
+            mm_hash=item.mm_hash,
+            status=p.ItemStatus.MISSING,
+            detail=f"grant {item.grant_id} of this request has ended; send a new request",
+        )
 
     def _release(self, session: _Session, grant_ids: list[str]) -> list[str]:
         released = []
