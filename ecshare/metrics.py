@@ -56,6 +56,7 @@ __all__ = [
     "ECShareCollector",
     "Exposure",
     "Kind",
+    "SampleChanges",
     "Samples",
     "Spec",
     "expose",
@@ -279,6 +280,63 @@ def latency_buckets(h: LatencyHistogram) -> list[tuple[str, float]]:
         running += n
         out.append(("+Inf" if bound == float("inf") else repr(bound), float(running)))
     return out
+
+
+# -- shipping samples to another process ---------------------------------------------------------
+
+# A shipped sample's key: "<c|g>:<spec name>[|label value...]".
+_KEY_SEP: Final = "|"
+
+
+def sample_key(spec: Spec, labels: tuple[str, ...] = ()) -> str:
+    kind = "c" if spec.kind is Kind.COUNTER else "g"
+    return _KEY_SEP.join((f"{kind}:{spec.name}", *labels))
+
+
+def parse_sample_key(key: str) -> tuple[Spec, tuple[str, ...]] | None:
+    """The spec and label values of a shipped key; None for a key that is not one
+    (another version's metric, or not a sample at all)."""
+    kind, _, rest = key.partition(":")
+    name, *labels = rest.split(_KEY_SEP)
+    spec = SPEC_BY_NAME.get(name)
+    if spec is None or kind != ("c" if spec.kind is Kind.COUNTER else "g"):
+        return None
+    if len(labels) != len(spec.labels):
+        return None
+    return spec, tuple(labels)
+
+
+class SampleChanges:
+    """What changed since the last call, for an exporter in another process.
+
+    Counters become increments, gauges their new value; unchanged samples are
+    left out, so that an idle instance ships nothing. `names` limits what is shipped.
+    """
+
+    def __init__(self, names: Iterable[str]) -> None:
+        self._specs = [SPEC_BY_NAME[name] for name in names]
+        self._last: dict[str, float] = {}
+
+    def take(self, samples: Samples) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for spec in self._specs:
+            for labels, now in samples.get(spec.name, {}).items():
+                key = sample_key(spec, labels)
+                last = self._last.get(key)
+                if now == last:
+                    continue
+                self._last[key] = now
+                if spec.kind is Kind.GAUGE:
+                    out[key] = now
+                elif last is None or now > last:
+                    # Shipped once at zero too, so that the far side shows the series.
+                    # A counter that went back (a restarted part) ships no negative step.
+                    out[key] = now - (last or 0.0)
+        return out
+
+
+def is_gauge_key(key: str) -> bool:
+    return key.startswith("g:")
 
 
 # -- the collector -------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from vllm.distributed.ec_transfer.ec_connector.metrics import (
 )
 
 from ecshare.config import ConfigError, load_config
+from ecshare.metrics import is_gauge_key, parse_sample_key
 from ecshare.vllm.ops import StepPlan, StepReport
 
 if TYPE_CHECKING:
@@ -57,7 +58,8 @@ class ECShareWorkerMetadata(ECConnectorWorkerMetadata):
 
 @dataclass
 class ECShareStats(ECConnectorStats):
-    """Counters (summed) and fetch latencies (a list) over one logging interval."""
+    """Counters (summed), fetch latencies (a list) and core gauges (the latest value) over
+    one logging interval; core samples are keyed as `ecshare.metrics.sample_key` makes them."""
 
     data: dict[str, Any] = field(default_factory=dict)
 
@@ -68,6 +70,8 @@ class ECShareStats(ECConnectorStats):
         for key, value in other.data.items():
             if isinstance(value, list):
                 self.data.setdefault(key, []).extend(value)
+            elif is_gauge_key(key):
+                self.data[key] = value  # a level, not a count: the latest holds
             else:
                 self.data[key] = self.data.get(key, 0) + value
         return self
@@ -83,6 +87,10 @@ class ECShareStats(ECConnectorStats):
                     out[f"{name}_p50_ms"] = round(ordered[len(ordered) // 2] * 1000, 3)
                     out[f"{name}_max_ms"] = round(ordered[-1] * 1000, 3)
             else:
+                parsed = parse_sample_key(key)
+                if parsed is not None:  # a core sample: "refusals[missing]"
+                    spec, labels = parsed
+                    key = spec.name + (f"[{','.join(labels)}]" if labels else "")
                 out[key] = value
         return out
 

@@ -3,6 +3,12 @@
 vLLM passes each step's `ECShareStats` data to `observe()` in its frontend
 process. The names start with `vllm:` so that vLLM's registry clean-up
 (`unregister_vllm_metrics`) treats them as its own.
+
+Two kinds of data arrive: the connector's own counters (`COUNTERS`, the
+fetch latency samples), and the core metrics of its Producer, Consumer and
+store (`CORE_METRICS`, defined once in `ecshare.metrics`), which the
+scheduler side reads in the engine process and ships as changes
+(`SampleChanges`). Both appear as `vllm:ecshare_<name>`.
 """
 
 from __future__ import annotations
@@ -10,6 +16,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorPromMetrics
+
+from ecshare.metrics import LATENCY_BUCKETS_S, SPEC_BY_NAME, Kind, parse_sample_key
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -37,7 +45,26 @@ HISTOGRAMS = {
         "Time from a fetch's start to its item being READY in the local region.",
     ),
 }
-_LATENCY_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10]
+# Core metrics shown on vLLM's endpoint too; those the connector counts itself
+# (fetched items and bytes, the latency histogram) are in COUNTERS and HISTOGRAMS.
+CORE_METRICS = (
+    "refusals",
+    "grants",
+    "granted_bytes",
+    "active_grants",
+    "sessions",
+    "auth_failures",
+    "checksum_failures",
+    "peer_failures",
+    "peer_up",
+    "peer_quarantined",
+    "region_size_bytes",
+    "region_used_bytes",
+    "region_payload_bytes",
+    "region_entries",
+    "region_pins",
+    "region_evictions",
+)
 
 
 class ECSharePromMetrics(ECConnectorPromMetrics):
@@ -60,16 +87,45 @@ class ECSharePromMetrics(ECConnectorPromMetrics):
                 name=PREFIX + name,
                 documentation=doc,
                 labelnames=labelnames,
-                buckets=_LATENCY_BUCKETS,
+                buckets=list(LATENCY_BUCKETS_S),
             )
             self._histograms[key] = self._per_engine(histogram)
+        # Labelled per sample (reason, peer, state), so kept whole, not per engine.
+        self._core: dict[str, Any] = {}
+        for name in CORE_METRICS:
+            spec = SPEC_BY_NAME[name]
+            labels = [*labelnames, *spec.labels]
+            if spec.kind is Kind.COUNTER:
+                metric = self._counter_cls(
+                    name=PREFIX + name, documentation=spec.doc, labelnames=labels
+                )
+            else:
+                gauge_cls: Any = self._gauge_cls
+                metric = gauge_cls(
+                    name=PREFIX + name,
+                    documentation=spec.doc,
+                    labelnames=labels,
+                    multiprocess_mode="mostrecent",
+                )
+            self._core[name] = metric
 
     def _per_engine(self, metric: Any) -> dict[int, Any]:
         return {idx: metric.labels(*values) for idx, values in self.per_engine_labelvalues.items()}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        engine = self.per_engine_labelvalues.get(engine_idx)
         for key, value in transfer_stats_data.items():
-            if key in self._histograms:
+            parsed = parse_sample_key(key)
+            if parsed is not None:
+                spec, labels = parsed
+                metric = self._core.get(spec.name)
+                if metric is not None and engine is not None:
+                    child = metric.labels(*engine, *labels)
+                    if spec.kind is Kind.COUNTER:
+                        child.inc(value)
+                    else:
+                        child.set(value)
+            elif key in self._histograms:
                 histogram = self._histograms[key].get(engine_idx)
                 if histogram is not None:
                     for sample in value:

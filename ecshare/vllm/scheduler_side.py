@@ -28,6 +28,7 @@ import msgspec
 
 from ecshare import protocol as p
 from ecshare.config import Config
+from ecshare.metrics import SampleChanges, read_samples
 from ecshare.peer import (
     Consumer,
     FetchFailed,
@@ -47,6 +48,7 @@ from ecshare.store import (
     Store,
     StoreFull,
 )
+from ecshare.vllm.metrics import CORE_METRICS
 from ecshare.vllm.ops import LoadOp, SaveOp, StepPlan, StepReport, TransferParam, decode_param
 from ecshare.vllm.reports import ReportInbox
 
@@ -64,6 +66,9 @@ _TORCH_ITEMSIZE = {
     "float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float64": 8,
     "int8": 1, "uint8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
 }  # fmt: skip
+# The core metrics (region, grants, refusals, ...) are read at most this often: the
+# stats are taken every engine step, and vLLM shows them on a scrape interval.
+_CORE_STATS_INTERVAL_S = 1.0
 
 
 def torch_dtype_name(dtype: object) -> str:
@@ -127,6 +132,8 @@ class SchedulerSide:
         self._grant_ids = itertools.count(1)
         self.counters: Counter[str] = Counter()
         self.fetch_latencies: list[float] = []
+        self._core_changes = SampleChanges(CORE_METRICS)
+        self._core_due = 0.0
 
     @property
     def store(self) -> Store:
@@ -383,6 +390,15 @@ class SchedulerSide:
         if self.fetch_latencies:
             data["fetch_latency_s"] = list(self.fetch_latencies)
             self.fetch_latencies = []
+        now = time.monotonic()
+        if now >= self._core_due:
+            self._core_due = now + _CORE_STATS_INTERVAL_S
+            samples = read_samples(
+                [self._store],
+                [self.producer] if self.producer is not None else [],
+                [self.consumer] if self.consumer is not None else [],
+            )
+            data.update(self._core_changes.take(samples))
         return data
 
     def shutdown(self) -> None:
