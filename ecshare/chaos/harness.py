@@ -181,6 +181,7 @@ class ChaosRun:
         self.budget = options.fetches  # grows while some fault kind has not run yet
         self.probes: dict[int, Outcome | None] = {}  # fetch id -> outcome, after the faults
         self.recovery_pairs = 0
+        self.load_started = 0.0
         self._consumer_ids = 0
         self._seed_ids = 0
         self.rss: dict[str, list[tuple[float, float, float]]] = {}  # name -> (t, rss, anon)
@@ -474,7 +475,9 @@ class ChaosRun:
                 )
             for _ in range(o.consumers):
                 self.start_consumer()
-            self._drive(started)
+            # The clock of the load (soak length, samples) starts once every process is up.
+            self.load_started = time.monotonic()
+            self._drive(self.load_started)
             return self._finish(started)
         finally:
             self._teardown()
@@ -565,7 +568,7 @@ class ChaosRun:
                     f"{c.name}: producer entries corrupted: {stats.wrong[:5]}"
                 )
         if o.soak_s:
-            self.sample(time.monotonic() - started)
+            self.sample(time.monotonic() - self.load_started)
         # (d) Every process exits when told.
         for c in [*live, *self.retired]:
             if not c.stop(cfg.shutdown_timeout_s + 10.0):

@@ -1,0 +1,176 @@
+"""The fault-injection harness, bounded for CI: real producer and consumer processes
+(CURVE control plane, NIXL data plane) on 127.0.0.1 under every fault kind.
+
+Each run draws a fresh seed, printed on failure; `ecshare chaos --seed N` replays
+its fault schedule.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+pytest.importorskip("nixl._api")
+
+from ecshare.bench.synthetic import synthetic_bytes
+from ecshare.chaos import FAULT_KINDS, ChaosOptions, run_chaos
+from ecshare.chaos.faultproxy import FaultProxy, Faults
+from ecshare.chaos.harness import _region_check
+from ecshare.chaos.messages import NodeStats
+from ecshare.chaos.netns import netem_unavailable
+from ecshare.chaos.nodes import _Checker
+from ecshare.peer import FailureReason
+from ecshare.store import Region, Store
+
+MiB = 1 << 20
+TYPED = {r.value for r in FailureReason}
+
+
+@pytest.mark.timeout(240)
+def test_every_fault_kind_leaves_no_corruption_leak_hang_or_untyped_end() -> None:
+    options = ChaosOptions(fetches=300, producers=2, consumers=2, fault_interval_s=0.8)
+    report = run_chaos(options)
+    where = f"seed {report.seed}: {report.violations}"
+
+    assert report.ok, where
+    # (a) content, (b) regions, (c) typed ends within the deadline, (d) no hangs
+    assert report.corrupted == 0 and report.vanished == 0, where
+    assert report.leaked_blocks == 0 and report.leaked_pins == 0, where
+    assert report.untyped_failures == 0 and report.late == 0, where
+    assert report.hung_fetches == 0 and report.hangs == 0, where
+    assert set(report.failed) <= TYPED, report.failed
+    assert report.fetches_attempted >= options.fetches
+    accounted = report.delivered + sum(report.failed.values()) + report.lost_with_consumer
+    assert accounted == report.fetches_attempted, report
+    assert report.delivered > 0, report
+
+    # Every fault kind ran, and left its mark.
+    for kind in FAULT_KINDS:
+        assert report.faults[kind] >= 1, (kind, report.faults, where)
+    assert report.lost_with_consumer >= 1  # only busy consumers are killed
+    assert report.faults["restarts_same_key_and_port"] == (
+        report.faults["kill_producer"] + report.faults["restart_producer"]
+    ), report.faults
+    assert report.faults["control_delayed_chunks"] >= 1, report.faults
+    # Eviction pressure: producers evicted under load, and consumers asked for
+    # entries no producer held any more.
+    assert report.faults["evictions_under_load"] >= 1, report.faults
+    assert report.failed.get("missing", 0) >= 1, report.failed
+
+    # After the faults, every consumer fetches from every (restarted) producer again.
+    assert report.unrecovered_pairs == 0, where
+    assert report.recovered_pairs == options.consumers * options.producers
+    nodes = sorted(r.node.split("-")[0] for r in report.regions)
+    assert nodes == ["consumer"] * options.consumers + ["producer"] * options.producers
+    for region in report.regions:
+        assert region.free_blocks + region.used_blocks == region.total_blocks, region
+        assert region.used_blocks == region.ready_blocks and region.pins == 0, region
+        if region.node.startswith("producer"):
+            assert region.verified_entries > 0, region  # producer bytes checked too
+
+
+def test_content_check_catches_wrong_bytes_and_missing_entries() -> None:
+    with Region.create(4 * MiB, name="ecshare-chaos-test", prefault=False) as region:
+        store = Store(region, 64 * 1024)
+        good, bad, size = "syn-100000-0", "syn-100000-1", 100000
+        store.put(good, synthetic_bytes(good, size))
+        wrong = synthetic_bytes(bad, size).copy()
+        wrong[size // 2] ^= 0xFF  # one flipped byte
+        store.put(bad, wrong)
+        checker = _Checker()
+
+        assert checker.check(store, good, size, "t1") is True
+        assert checker.check(store, bad, size, "t2") is False
+        assert checker.check(store, good, size - 1, "t3") is False  # wrong size
+        assert checker.check(store, "syn-100000-9", size, "t4") is None
+        assert store.stats().pins == 0  # the check's own pins are gone
+
+
+def test_region_check_counts_blocks_no_ready_entry_holds() -> None:
+    with Region.create(4 * MiB, name="ecshare-chaos-test", prefault=False) as region:
+        store = Store(region, 64 * 1024)
+        store.put("syn-65536-0", np.zeros(65536, dtype=np.uint8))
+        store.allocate("half-written", 3 * 65536)  # never committed: a leak once quiet
+        stats = NodeStats(
+            pid=0, store=store.stats(), counters={}, invariant_error="", used_by_ready=1
+        )
+        check = _region_check("consumer-1", stats)
+        assert check.leaked_blocks == 3 and check.allocated == 1, check
+
+
+@pytest.fixture
+def echo_server() -> Iterator[int]:
+    server = socket.create_server(("127.0.0.1", 0))
+    done = threading.Event()
+
+    def serve() -> None:
+        server.settimeout(0.2)
+        while not done.is_set():
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                while data := conn.recv(65536):
+                    conn.sendall(data)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield server.getsockname()[1]
+    done.set()
+    thread.join(timeout=5)
+    server.close()
+
+
+def test_fault_proxy_delays_in_order_and_cuts_connections(echo_server: int) -> None:
+    proxy = FaultProxy("127.0.0.1", echo_server, faults=Faults(), seed=1)
+    try:
+        with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as client:
+            proxy.delay_burst(30.0, 0.05)
+            got = b""
+            for i in range(5):
+                client.sendall(f"<{i}>".encode())
+                while not got.endswith(f"<{i}>".encode()):
+                    got += client.recv(65536)
+            assert got == b"<0><1><2><3><4>"  # delayed, never reordered
+            assert proxy.counters["delayed_chunks"] >= 5
+
+            proxy.cut_all()
+            with pytest.raises((ConnectionError, OSError)):
+                client.sendall(b"x")
+                if not client.recv(65536):
+                    raise ConnectionResetError("closed by the proxy")
+
+        proxy.calm()
+        proxy.faults = Faults(cut_prob=1.0)  # every chunk ends its connection
+        with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as client:
+            client.sendall(b"lost")
+            with pytest.raises((ConnectionError, OSError)):
+                if not client.recv(65536):
+                    raise ConnectionResetError("closed by the proxy")
+        assert proxy.counters["random_cuts"] >= 1
+    finally:
+        proxy.close()
+
+
+@pytest.mark.timeout(240)
+def test_fetches_survive_netem_loss_and_delay_in_a_namespace() -> None:
+    why = netem_unavailable("delay 5ms 2ms loss 2%")
+    if why is not None:
+        pytest.skip(f"tc netem cannot run here: {why}")
+    done = subprocess.run(
+        [sys.executable, "-m", "ecshare", "chaos", "--fetches", "150", "--consumers", "2",
+         "--netem", "delay 5ms 2ms loss 2%", "--json"],
+        capture_output=True, text=True, timeout=220,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["netem"] == "delay 5ms 2ms loss 2%"
+    assert report["ok"] and report["corrupted"] == 0 and report["leaked_pins"] == 0, report
