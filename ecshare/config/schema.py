@@ -120,6 +120,15 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
             "refused until some end.",
         ),
     ] = 4096
+    max_pinned_bytes_per_session: Annotated[
+        Annotated[int, Meta(ge=4 * KiB, le=TiB)] | None,
+        Meta(
+            description="Most bytes of entries one session may hold pinned at once; an item "
+            "that would go over is refused as overloaded (retry once grants end), one larger "
+            "than the limit as too large. Unset: no limit but the region, so one peer's "
+            "outstanding grants can keep the whole region from being evicted.",
+        ),
+    ] = None
 
     # --- security -----------------------------------------------------------------------------
     insecure: Annotated[

@@ -50,8 +50,17 @@ class _Session:
     agent_name: str
     version: int
     last_seen: float
-    grants: dict[str, str] = field(default_factory=dict)  # grant id -> mm_hash
+    grants: dict[str, int] = field(default_factory=dict)  # grant id -> bytes it pins
+    pinned_bytes: int = 0  # the sum of `grants`, kept as they come and go
     replies: OrderedDict[str, p.FetchReply] = field(default_factory=OrderedDict)
+
+    def forget(self, grant_id: str) -> bool:
+        """Drop a grant from the books (the caller holds the producer's lock)."""
+        nbytes = self.grants.pop(grant_id, None)
+        if nbytes is None:
+            return False
+        self.pinned_bytes -= nbytes
+        return True
 
 
 class Producer(NetworkThread):
@@ -347,6 +356,22 @@ class Producer(NetworkThread):
                 status=p.ItemStatus.OVERLOADED,
                 retry_after_ms=int(cfg.retry_max_backoff_s * 1000),
             )
+        cap = cfg.max_pinned_bytes_per_session
+        if cap is not None and session.pinned_bytes + entry.nbytes > cap:
+            self._count("refused_pinned_bytes")
+            if entry.nbytes > cap:  # never grantable to anyone: not worth a retry
+                return p.ItemReply(
+                    mm_hash=req.mm_hash,
+                    status=p.ItemStatus.TOO_LARGE,
+                    nbytes=entry.nbytes,
+                    detail=f"{entry.nbytes} bytes > max_pinned_bytes_per_session {cap}",
+                )
+            return p.ItemReply(
+                mm_hash=req.mm_hash,
+                status=p.ItemStatus.OVERLOADED,
+                retry_after_ms=int(cfg.retry_max_backoff_s * 1000),
+                detail=f"session holds {session.pinned_bytes} pinned bytes, limit {cap}",
+            )
         grant_id = f"g{next(self._grant_ids)}"
         try:
             self._table.pin(req.mm_hash, session.session_id, grant_id, cfg.lease_s)
@@ -360,7 +385,8 @@ class Producer(NetworkThread):
         pinned = self._table.pinned_entry(session.session_id, grant_id)
         assert pinned is not None
         with self._lock:
-            session.grants[grant_id] = req.mm_hash
+            session.grants[grant_id] = pinned.nbytes
+            session.pinned_bytes += pinned.nbytes
         self._count("granted")
         self._add("granted_bytes", pinned.nbytes)
         return p.ItemReply(
@@ -391,7 +417,7 @@ class Producer(NetworkThread):
         # pin go: forget the grant too, or it would count against the session's
         # limits (and keep the loop polling) until the session ends.
         with self._lock:
-            session.grants.pop(grant_id, None)
+            session.forget(grant_id)
         self._count("leases_expired")
         return False
 
@@ -412,10 +438,9 @@ class Producer(NetworkThread):
     def _release(self, session: _Session, grant_ids: list[str]) -> list[str]:
         released = []
         for grant_id in grant_ids:
-            if grant_id not in session.grants:
-                continue  # another session's grant, or already released: no effect
             with self._lock:
-                del session.grants[grant_id]
+                if not session.forget(grant_id):
+                    continue  # another session's grant, or already released: no effect
             if self._table.unpin(session.session_id, grant_id):
                 released.append(grant_id)
         self._add("released", len(released))
@@ -442,7 +467,7 @@ class Producer(NetworkThread):
             session = self._sessions.get(owner)
             if session is not None:
                 with self._lock:
-                    session.grants.pop(grant_id, None)
+                    session.forget(grant_id)
             self._count("leases_expired")
         dead_after = self._config.heartbeat_timeout_s
         for session in list(self._sessions.values()):
@@ -454,6 +479,7 @@ class Producer(NetworkThread):
         with self._lock:
             self._sessions.pop(session.session_id, None)
             session.grants.clear()
+            session.pinned_bytes = 0
         self._count("sessions_closed")
         if released:
             log.info(
