@@ -21,7 +21,7 @@ def _positive(value: Any) -> bool:
 
 def test_bench_proxy_json_reports_overhead_for_each_scenario_and_concurrency() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "ecshare", "bench", "proxy", "--quick", "--json"],
+        [sys.executable, "-m", "ecshare", "bench", "proxy", "--quick", "--json", "--workers", "2"],
         capture_output=True,
         text=True,
         timeout=240,
@@ -30,8 +30,18 @@ def test_bench_proxy_json_reports_overhead_for_each_scenario_and_concurrency() -
     report = msgspec.json.decode(proc.stdout)
     assert report["target_p50_overhead_ms"] == 2.0 and report["target_concurrency"] == 64
     assert isinstance(report["meets_target"], bool)
-    rows = {(r["scenario"], r["concurrency"]): r for r in report["rows"]}
-    assert set(rows) == {("text", 1), ("text", 64), ("image", 1), ("image", 64)}
+    assert report["parameters"]["workers"] == 2
+    rows = {(r["scenario"], r["concurrency"], r["mode"]): r for r in report["rows"]}
+    assert set(rows) == {
+        (scenario, clients, mode)
+        for scenario in ("text", "image")
+        for clients, mode in ((1, "closed"), (64, "closed"), (64, "paced"))
+    }
+    for scenario in ("text", "image"):
+        paced, closed = rows[(scenario, 64, "paced")], rows[(scenario, 64, "closed")]
+        # Paced at half of what the proxy carried closed-loop in the same run.
+        assert math.isclose(paced["offered_rps"], 0.5 * closed["proxy"]["rps"], rel_tol=0.01)
+        assert closed["offered_rps"] is None
     for row in rows.values():
         for side in ("direct", "proxy"):
             assert all(_positive(row[side][k]) for k in ("p50_ms", "p99_ms", "rps"))
