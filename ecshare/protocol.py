@@ -34,7 +34,11 @@ MAX_NDIM: Final = 8
 CAP_CHECKSUM_XXH3_64: Final = "checksum.xxh3_64"
 CAP_RENEW: Final = "lease.renew"
 CAP_BATCH: Final = "fetch.batch"
-LOCAL_CAPABILITIES: Final = (CAP_CHECKSUM_XXH3_64, CAP_RENEW, CAP_BATCH)
+# The producer answers `StatusRequest` from the keys it lists as admins.
+CAP_STATUS: Final = "ops.status"
+LOCAL_CAPABILITIES: Final = (CAP_CHECKSUM_XXH3_64, CAP_RENEW, CAP_BATCH, CAP_STATUS)
+# Most sessions listed one by one in a `StatusReply`; the counts cover them all.
+MAX_STATUS_SESSIONS: Final = 4096
 
 
 class ProtocolError(ValueError):
@@ -77,6 +81,7 @@ class ErrorCode(enum.Enum):
     OVERLOADED = "overloaded"
     SHUTTING_DOWN = "shutting_down"
     INTERNAL = "internal"
+    FORBIDDEN = "forbidden"  # authenticated, but this key may not do that
 
 
 class Extent(msgspec.Struct, frozen=True, array_like=True):
@@ -205,6 +210,51 @@ class Error(_Message, frozen=True, kw_only=True, tag="error"):
     request_id: Annotated[str, msgspec.Meta(max_length=128)] = ""
 
 
+class StatusRequest(_Message, frozen=True, kw_only=True, tag="status"):
+    """Admin -> producer: what do you hold and serve? Needs no session."""
+
+    request_id: Token
+
+
+class SessionStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """One consumer session, as a status reply shows it: never its key, only a digest."""
+
+    key_fingerprint: Annotated[str, msgspec.Meta(max_length=64)]
+    client_name: Name
+    version: Annotated[int, msgspec.Meta(ge=1)]
+    grants: NonNeg
+    pinned_bytes: Size
+    idle_ms: NonNeg
+
+
+class StatusReply(_Message, frozen=True, kw_only=True, tag="status_reply"):
+    """Producer -> admin: entries, region use, grants and sessions, at one moment."""
+
+    request_id: Token
+    server_name: Name
+    protocol_version: Annotated[int, msgspec.Meta(ge=1)]
+    fingerprint: Token
+    uptime_ms: NonNeg
+    entries: NonNeg
+    # Entries per state name (allocated, ready, evicting).
+    entries_by_state: Annotated[dict[Token, NonNeg], msgspec.Meta(max_length=16)]
+    region_bytes: Size
+    block_bytes: Size
+    blocks_total: NonNeg
+    blocks_used: NonNeg
+    blocks_free: NonNeg
+    used_bytes: Size  # bytes of whole blocks held by entries
+    payload_bytes: Size  # bytes of the entries themselves
+    free_bytes: Size
+    grants_active: NonNeg
+    pinned_entries: NonNeg
+    pinned_bytes: Size
+    sessions_total: NonNeg
+    peers: NonNeg  # distinct authenticated keys with a session
+    sessions: Annotated[list[SessionStatus], msgspec.Meta(max_length=MAX_STATUS_SESSIONS)] = []
+    counters: Annotated[dict[Token, NonNeg], msgspec.Meta(max_length=256)] = {}
+
+
 Message = Union[  # noqa: UP007 - msgspec needs a runtime Union of tagged structs
     Hello,
     Welcome,
@@ -218,6 +268,8 @@ Message = Union[  # noqa: UP007 - msgspec needs a runtime Union of tagged struct
     HeartbeatAck,
     Bye,
     Error,
+    StatusRequest,
+    StatusReply,
 ]
 MESSAGE_TYPES: Final = Message.__args__  # type: ignore[attr-defined]
 

@@ -179,6 +179,22 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
             "authorized_keys_file.",
         ),
     ] = ()
+    admin_keys_file: Annotated[
+        Annotated[str, Meta(min_length=1)] | None,
+        Meta(
+            description="Public keys (same formats as authorized_keys_file) that may query "
+            "a producer's status (`ecshare status`), which lists every session. The "
+            "producer's own key may always; admin keys open no fetch sessions unless "
+            "also authorized.",
+        ),
+    ] = None
+    admin_keys: Annotated[
+        tuple[Z85Key, ...],
+        Meta(
+            max_length=65536,
+            description="Admin public keys inline, in addition to admin_keys_file.",
+        ),
+    ] = ()
 
     # --- timeouts (seconds) -------------------------------------------------------------------
     handshake_timeout_s: Annotated[

@@ -39,6 +39,20 @@ def producer_keys(config: Config) -> tuple[KeyPair | None, frozenset[bytes]]:
     return keys, authorized
 
 
+def producer_admins(config: Config, keys: KeyPair | None) -> frozenset[bytes]:
+    """Keys that may query the producer's status: its own, plus the configured admins.
+
+    Whoever holds the producer's secret key already controls the producer, so its
+    own key adds no reach; any other key must be listed on purpose.
+    """
+    if keys is None:
+        return frozenset()
+    listed: frozenset[bytes] = frozenset()
+    if config.admin_keys_file or config.admin_keys:
+        listed = load_authorized_keys(config.admin_keys_file, config.admin_keys)
+    return listed | {keys.public}
+
+
 def consumer_keys(config: Config) -> tuple[KeyPair | None, bytes | None]:
     """The client key pair and the producers' public key, or (None, None) when insecure."""
     if config.insecure:
@@ -118,6 +132,7 @@ def start_producer(node: Node, *, fingerprint: str, name: str = "") -> Producer:
         transport=node.transport,
         keys=keys,
         authorized=authorized,
+        admins=producer_admins(node.config, keys),
         name=name or node_name(node.config, "producer"),
     ).start()
 

@@ -25,6 +25,7 @@ import zmq
 from ecshare import protocol as p
 from ecshare.config import Config
 from ecshare.control import ControlServer, KeyPair, Waker
+from ecshare.peer.status import SessionView, status_reply
 from ecshare.peer.thread import NetworkThread
 from ecshare.store import EntryState, NotFound, NotReady, Store, StoreError
 from ecshare.transport.base import DataTransport, PeerInfo
@@ -75,6 +76,7 @@ class Producer(NetworkThread):
         transport: DataTransport,
         keys: KeyPair | None,
         authorized: frozenset[bytes],
+        admins: frozenset[bytes] = frozenset(),
         name: str = "ecshare-producer",
     ) -> None:
         self._store = store
@@ -84,6 +86,8 @@ class Producer(NetworkThread):
         self._transport = transport
         self._keys = keys
         self._authorized = authorized
+        # May query status (see peer/status.py); not a licence to open sessions.
+        self._admins = admins
         self._name = name
         self._init_thread()
         self._sessions: dict[str, _Session] = {}
@@ -145,7 +149,7 @@ class Producer(NetworkThread):
                 host=cfg.listen_host,
                 port=cfg.listen_port,
                 keys=self._keys,
-                authorized=self._authorized,
+                authorized=self._authorized | self._admins,
                 insecure=cfg.insecure,
                 max_frame_bytes=cfg.max_frame_bytes,
                 heartbeat_ivl_s=cfg.heartbeat_interval_s,
@@ -217,6 +221,8 @@ class Producer(NetworkThread):
     def _handle(self, route: bytes, user: str, msg: p.Message) -> p.Message | None:
         if isinstance(msg, p.Hello):
             return self._on_hello(route, user, msg)
+        if isinstance(msg, p.StatusRequest):
+            return self._on_status(user, msg)
         session_id = getattr(msg, "session_id", None)
         session = self._sessions.get(session_id) if session_id else None
         # A session belongs to the key that opened it: another authenticated
@@ -242,6 +248,13 @@ class Producer(NetworkThread):
 
     def _on_hello(self, route: bytes, user: str, msg: p.Hello) -> p.Message:
         cfg = self._config
+        if self._keys is not None and user.encode("ascii") not in self._authorized:
+            # Admitted by CURVE as an admin only: it may ask for status, not fetch.
+            self._count("refused_not_authorized")
+            return p.Error(
+                code=p.ErrorCode.FORBIDDEN,
+                message="this key is an admin key, not an authorized consumer key",
+            )
         version = p.negotiate_version(msg.versions)
         if version is None:
             self._count("refused_version")
@@ -300,6 +313,44 @@ class Producer(NetworkThread):
                 region_address=info.region_address,
                 region_size=info.region_size,
             ),
+        )
+
+    def _on_status(self, user: str, msg: p.StatusRequest) -> p.Message:
+        # Insecure mode authenticates nobody, so there is no one to refuse.
+        if self._keys is not None and user.encode("ascii") not in self._admins:
+            self._count("refused_status")
+            return p.Error(
+                code=p.ErrorCode.FORBIDDEN,
+                message="status is only answered to admin keys (admin_keys, admin_keys_file)",
+                request_id=msg.request_id,
+            )
+        self._count("status_requests")
+        now = time.monotonic()
+        sessions = []
+        for s in self._sessions.values():
+            pinned = (self._table.pinned_entry(s.session_id, g) for g in s.grants)
+            sessions.append(
+                SessionView(
+                    user=s.user,
+                    client_name=s.client_name,
+                    version=s.version,
+                    grants=len(s.grants),
+                    pinned_bytes=sum(e.nbytes for e in pinned if e is not None),
+                    idle_s=now - s.last_seen,
+                )
+            )
+        assert self._server is not None
+        with self._counters_lock:
+            counters = dict(self.counters)
+        return status_reply(
+            request_id=msg.request_id,
+            server_name=self._name,
+            fingerprint=self._fingerprint,
+            uptime_s=time.time() - self.started_at,
+            store=self._store,
+            sessions=sessions,
+            counters={**self._server.stats, **counters},
+            max_frame_bytes=self._config.max_frame_bytes,
         )
 
     def _on_fetch(self, session: _Session, msg: p.FetchRequest) -> p.Message:

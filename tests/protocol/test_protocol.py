@@ -66,6 +66,40 @@ EXAMPLES: list[p.Message] = [
     p.HeartbeatAck(seq=7),
     p.Bye(session_id="s1"),
     p.Error(code=p.ErrorCode.FINGERPRINT_MISMATCH, message="model differs", request_id="r-1"),
+    p.StatusRequest(request_id="st-1"),
+    p.StatusReply(
+        request_id="st-1",
+        server_name="producer-a",
+        protocol_version=1,
+        fingerprint="f" * 32,
+        uptime_ms=12_345,
+        entries=3,
+        entries_by_state={"allocated": 1, "ready": 2, "evicting": 0},
+        region_bytes=1 << 30,
+        block_bytes=65536,
+        blocks_total=16384,
+        blocks_used=70,
+        blocks_free=16314,
+        used_bytes=70 * 65536,
+        payload_bytes=4_500_000,
+        free_bytes=16314 * 65536,
+        grants_active=1,
+        pinned_entries=1,
+        pinned_bytes=4_194_304,
+        sessions_total=1,
+        peers=1,
+        sessions=[
+            p.SessionStatus(
+                key_fingerprint="sha256:0123456789abcdef",
+                client_name="consumer-a",
+                version=1,
+                grants=1,
+                pinned_bytes=4_194_304,
+                idle_ms=20,
+            )
+        ],
+        counters={"granted": 7},
+    ),
 ]
 
 
