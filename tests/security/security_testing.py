@@ -100,11 +100,11 @@ class WireRecorder:
     """A TCP relay in front of a producer that keeps every byte the producer sent back.
 
     A client connects to `address` instead of the producer's; what the producer wrote
-    to it is in `from_server`, byte for byte, whatever the client library did with it.
+    on each connection is kept, byte for byte, whatever the client library did with it.
     """
 
     target: tuple[str, int]
-    from_server: bytearray = field(default_factory=bytearray)
+    from_server: list[bytearray] = field(default_factory=list)
     _listener: socket.socket = field(init=False)
     _threads: list[threading.Thread] = field(default_factory=list)
     _sockets: list[socket.socket] = field(default_factory=list)
@@ -119,9 +119,10 @@ class WireRecorder:
     def address(self) -> str:
         return f"tcp://127.0.0.1:{self._listener.getsockname()[1]}"
 
-    def recorded(self) -> bytes:
+    def recorded(self) -> list[bytes]:
+        """What the producer sent, one item per connection."""
         with self._lock:
-            return bytes(self.from_server)
+            return [bytes(b) for b in self.from_server]
 
     def close(self) -> None:
         self._listener.close()
@@ -142,17 +143,20 @@ class WireRecorder:
             server = socket.create_connection(self.target, timeout=5)
             server.settimeout(None)
             self._sockets += [client, server]
-            for src, dst, record in ((client, server, False), (server, client, True)):
-                thread = threading.Thread(target=self._pump, args=(src, dst, record), daemon=True)
+            record = bytearray()
+            with self._lock:
+                self.from_server.append(record)
+            for src, dst, into in ((client, server, None), (server, client, record)):
+                thread = threading.Thread(target=self._pump, args=(src, dst, into), daemon=True)
                 thread.start()
                 self._threads.append(thread)
 
-    def _pump(self, src: socket.socket, dst: socket.socket, record: bool) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, into: bytearray | None) -> None:
         try:
             while data := src.recv(65536):
-                if record:
+                if into is not None:
                     with self._lock:
-                        self.from_server += data
+                        into += data
                 dst.sendall(data)
         except OSError:
             pass
@@ -183,40 +187,29 @@ class ZmtpStream:
     trailing: int  # bytes of an incomplete last frame
 
 
-def parse_zmtp(data: bytes) -> list[ZmtpStream]:
-    """Split recorded server bytes into connections (each starts with a greeting)."""
-    streams: list[ZmtpStream] = []
-    pos = 0
+def parse_zmtp(data: bytes) -> ZmtpStream:
+    """What one connection's server sent: its greeting, then commands and messages."""
+    if data:
+        assert data[:1] == _SIGNATURE_HEAD, f"not a ZMTP greeting: {data!r}"
+    greeting = data[:GREETING_BYTES]
+    if len(greeting) < GREETING_BYTES:
+        assert greeting[9:10] in (b"", _SIGNATURE_TAIL), greeting
+        return ZmtpStream(b"", [], 0, len(greeting))
+    assert greeting[9:10] == _SIGNATURE_TAIL, greeting
+    mechanism = greeting[12:32].rstrip(b"\x00")
+    pos = GREETING_BYTES
+    commands: list[bytes] = []
+    messages = 0
     while pos < len(data):
-        assert data[pos : pos + 1] == _SIGNATURE_HEAD, f"not a ZMTP greeting at {pos}: {data!r}"
-        greeting = data[pos : pos + GREETING_BYTES]
-        if len(greeting) < GREETING_BYTES:
-            assert greeting[9:10] in (b"", _SIGNATURE_TAIL), greeting
-            streams.append(ZmtpStream(b"", [], 0, len(greeting)))
-            break
-        assert greeting[9:10] == _SIGNATURE_TAIL, greeting
-        mechanism = greeting[12:32].rstrip(b"\x00")
-        pos += GREETING_BYTES
-        commands: list[bytes] = []
-        messages = trailing = 0
-        while pos < len(data) and data[pos : pos + 1] != _SIGNATURE_HEAD:
-            flags = data[pos]
-            long = bool(flags & 0x02)
-            head = 9 if long else 2
-            if pos + head > len(data):
-                trailing = len(data) - pos
-                pos = len(data)
-                break
-            size = int.from_bytes(data[pos + 1 : pos + head], "big")
-            body = data[pos + head : pos + head + size]
-            if len(body) < size:
-                trailing = len(data) - pos
-                pos = len(data)
-                break
-            if flags & 0x04:
-                commands.append(body[1 : 1 + body[0]])
-            else:
-                messages += 1
-            pos += head + size
-        streams.append(ZmtpStream(mechanism, commands, messages, trailing))
-    return streams
+        flags = data[pos]
+        head = 9 if flags & 0x02 else 2  # long frames have an 8-byte size
+        size = int.from_bytes(data[pos + 1 : pos + head], "big")
+        body = data[pos + head : pos + head + size]
+        if pos + head > len(data) or len(body) < size:
+            return ZmtpStream(mechanism, commands, messages, len(data) - pos)
+        if flags & 0x04:
+            commands.append(body[1 : 1 + body[0]])
+        else:
+            messages += 1
+        pos += head + size
+    return ZmtpStream(mechanism, commands, messages, 0)
