@@ -124,7 +124,10 @@ def query_status(
         try:
             ready = client.wait_ready(_ms_left(deadline))
         except AuthenticationFailed as exc:
-            raise StatusFailed(f"{endpoint} refused the connection: {exc.reason}") from None
+            raise StatusFailed(
+                f"{endpoint} refused the connection: {exc.reason}. To query status, list this "
+                "key's public key in the producer's admin_keys_file (or admin_keys)"
+            ) from None
         if not ready:
             raise StatusFailed(
                 f"no connection to {endpoint} within {timeout_s:g} s: is a producer listening "
