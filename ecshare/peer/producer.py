@@ -33,8 +33,12 @@ from ecshare.transport.base import DataTransport, PeerInfo
 log = logging.getLogger(__name__)
 
 # Cached replies per session, so that a duplicate FetchRequest (a retry after a
-# lost reply) returns the same grants instead of pinning again.
+# lost reply) returns the same grants instead of pinning again. Only replies that
+# granted something are kept: a refusal pins nothing, so a repeat is answered
+# afresh. A session's cache is bounded in replies and in items (at least one full
+# batch), so that no peer makes the producer hold more than that for it.
 _REPLY_CACHE_PER_SESSION = 256
+_REPLY_CACHE_ITEMS_PER_SESSION = 1024
 # While grants are outstanding the data plane may need target-side progress
 # (UCX over TCP does), so the loop drives it at least this often; between
 # grants the thread sleeps in poll. The wait between progress calls ends early
@@ -54,6 +58,15 @@ class _Session:
     grants: dict[str, int] = field(default_factory=dict)  # grant id -> bytes it pins
     pinned_bytes: int = 0  # the sum of `grants`, kept as they come and go
     replies: OrderedDict[str, p.FetchReply] = field(default_factory=OrderedDict)
+    cached_items: int = 0  # items in `replies`
+
+    def cache(self, reply: p.FetchReply, max_items: int) -> None:
+        """Keep `reply` for repeats of its request, dropping the oldest past the bounds."""
+        self.replies[reply.request_id] = reply
+        self.cached_items += len(reply.items)
+        while len(self.replies) > _REPLY_CACHE_PER_SESSION or self.cached_items > max_items:
+            _, old = self.replies.popitem(last=False)
+            self.cached_items -= len(old.items)
 
     def forget(self, grant_id: str) -> bool:
         """Drop a grant from the books (the caller holds the producer's lock)."""
@@ -133,6 +146,11 @@ class Producer(NetworkThread):
         """Each open session's outstanding grant ids, sorted: a copy, for any thread."""
         with self._lock:
             return {sid: sorted(s.grants) for sid, s in self._sessions.items()}
+
+    def cached_replies(self) -> dict[str, tuple[int, int]]:
+        """Each open session's cached replies and the items in them, for any thread."""
+        with self._lock:
+            return {sid: (len(s.replies), s.cached_items) for sid, s in self._sessions.items()}
 
     @property
     def control_stats(self) -> dict[str, int]:
@@ -374,9 +392,9 @@ class Producer(NetworkThread):
             )
         items = [self._grant_one(session, req) for req in msg.items]
         reply = p.FetchReply(request_id=msg.request_id, items=items)
-        session.replies[msg.request_id] = reply
-        while len(session.replies) > _REPLY_CACHE_PER_SESSION:
-            session.replies.popitem(last=False)
+        if any(item.status is p.ItemStatus.GRANTED for item in items):
+            with self._lock:
+                session.cache(reply, max(_REPLY_CACHE_ITEMS_PER_SESSION, cfg.max_batch_items))
         return reply
 
     def _grant_one(self, session: _Session, req: p.ItemRequest) -> p.ItemReply:

@@ -214,3 +214,36 @@ def test_request_flood_leaves_no_pins(
     assert node.store.stats().pins == 16 and producer.active_grants() == 16
     assert producer.counters["refused_missing"] == 7 * count
     assert producer.counters["refused_overloaded"] == count - 16
+
+
+def test_reply_cache_is_bounded_and_keeps_only_replies_that_granted(
+    make_producer: MakeProducer, raw_session: MakeRawSession, keyring: Keyring
+) -> None:
+    # Duplicate replies are cached so that a retried request pins nothing twice; a peer
+    # sending many large distinct requests must not make that cache grow without bound.
+    node, producer = make_producer(
+        keyring.producer_config(), {"max_batch_items": 64}, entries={"held": 64 * 1024}
+    )
+    session = raw_session(producer.address)
+    assert isinstance(session.hello(), p.Welcome)
+    for i in range(40):  # 40 x 64 granted items, far past the cache's 1024 items
+        reply = session.fetch(f"g{i}", *["held"] * 64)
+        assert _statuses(reply) == [p.ItemStatus.GRANTED] * 64
+        assert isinstance(reply, p.FetchReply)
+        grant_ids = [item.grant_id for item in reply.items]
+        released = session.call(p.Release(session_id=session.session_id, grant_ids=grant_ids))
+        assert isinstance(released, p.Released)
+    replies, items = producer.cached_replies()[session.session_id]
+    assert items <= 1024 and replies == items // 64 and replies > 0
+    assert node.store.stats().pins == 0
+
+    # A reply that granted nothing is not kept: its repeat is answered afresh.
+    duplicates = producer.counters["duplicate_requests"]
+    for _ in range(2):
+        assert _statuses(session.fetch("nothing", "absent")) == [p.ItemStatus.MISSING]
+    assert producer.counters["duplicate_requests"] == duplicates
+    assert producer.cached_replies()[session.session_id] == (replies, items)
+    # The newest granting reply is still answered from the cache.
+    again = session.fetch("g39", *["held"] * 64)
+    assert producer.counters["duplicate_requests"] == duplicates + 1
+    assert _statuses(again) == [p.ItemStatus.MISSING] * 64  # its grants have ended
