@@ -94,6 +94,14 @@ def stored_bytes(node: Node, mm_hash: str) -> np.ndarray:
     return np.asarray(node.store.read(mm_hash)).reshape(-1).view(np.uint8)
 
 
+def granted(reply: p.Message) -> p.ItemReply:
+    """The one item of a FetchReply, which must have been granted."""
+    assert isinstance(reply, p.FetchReply), reply
+    (item,) = reply.items
+    assert item.status is p.ItemStatus.GRANTED, item
+    return item
+
+
 def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.01) -> bool:
     deadline = time.monotonic() + timeout_s
     while True:

@@ -23,6 +23,7 @@ from peer_testing import (
     MakeRawSession,
     SpawnProducer,
     expected,
+    granted,
     stored_bytes,
     wait_until,
 )
@@ -35,13 +36,6 @@ pytestmark = pytest.mark.timeout(60)
 
 KiB = 1 << 10
 MiB = 1 << 20
-
-
-def _granted(reply: p.Message) -> p.ItemReply:
-    assert isinstance(reply, p.FetchReply), reply
-    (item,) = reply.items
-    assert item.status is p.ItemStatus.GRANTED, item
-    return item
 
 
 def test_duplicate_request_pins_once(
@@ -57,7 +51,7 @@ def test_duplicate_request_pins_once(
     second = session.fetch("attempt-1", h)
 
     assert first == second  # the same grant, not a second one
-    item = _granted(first)
+    item = granted(first)
     assert item.grant_id
     assert node.store.stats().pins == 1
     assert node.store.stats().pinned_entries == 1
@@ -73,7 +67,7 @@ def test_duplicate_request_pins_once(
     assert len(p.encode(first)) < 200
     assert b"agent_metadata" not in p.encode(first)
     # A new attempt is a new grant; releasing both leaves nothing pinned.
-    third = _granted(session.fetch("attempt-2", h))
+    third = granted(session.fetch("attempt-2", h))
     assert third.grant_id != item.grant_id
     assert node.store.stats().pins == 2
     released = session.call(p.Release(session_id=session.session_id, grant_ids=[item.grant_id]))
@@ -97,7 +91,7 @@ def test_lease_expiry_releases_pins(
     assert isinstance(session.hello(), p.Welcome)
 
     granted_at = time.monotonic()
-    item = _granted(session.fetch("r1", h))
+    item = granted(session.fetch("r1", h))
     assert node.store.stats().pins == 1
     # Never released; the session stays alive (heartbeats), so only the lease can end it.
     assert session.keep_alive_until(lambda: time.monotonic() - granted_at > lease_s / 2, 5.0)
@@ -137,7 +131,7 @@ def test_pinned_entry_is_never_evicted_while_granted(
     assert store.stats().free_blocks == 0
     session = raw_session(producer.address)
     assert isinstance(session.hello(), p.Welcome)
-    _granted(session.fetch("r1", "granted"))
+    granted(session.fetch("r1", "granted"))
     original = expected("granted", entry_bytes)
 
     # Eviction pressure evicts the others, in LRU order, never the pinned entry.
@@ -232,7 +226,7 @@ def test_stalled_producer_keeps_live_sessions_and_their_pins(
     (h,) = producer.sizes
     session = raw_session(producer.address)
     assert isinstance(session.hello(), p.Welcome)
-    _granted(session.fetch("r1", h))
+    granted(session.fetch("r1", h))
     assert producer.stats()["store"]["pins"] == 1
 
     stall_s = FAST["heartbeat_timeout_s"] + 0.6

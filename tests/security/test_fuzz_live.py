@@ -29,6 +29,7 @@ from peer_testing import (
     ProducerProcess,
     SpawnProducer,
     expected,
+    granted,
     stored_bytes,
     wait_until,
 )
@@ -52,13 +53,6 @@ RAW_CONNECTIONS = 400
 RSS_BOUND = 32 << 20
 # Leases and session liveness far beyond the run, so that nothing ends by itself.
 STEADY = {"lease_s": 600.0, "heartbeat_timeout_s": 60.0}
-
-
-def _granted(reply: p.Message) -> p.ItemReply:
-    assert isinstance(reply, p.FetchReply), reply
-    (item,) = reply.items
-    assert item.status is p.ItemStatus.GRANTED, item
-    return item
 
 
 def _delta(after: dict[str, int], before: dict[str, int], key: str) -> int:
@@ -87,7 +81,7 @@ def test_authorized_fuzzer_changes_nothing_and_every_frame_is_counted(
     # An honest session holding a grant: the state the fuzzer must leave alone.
     honest = raw_session(producer.address)
     assert isinstance(honest.hello(), p.Welcome)
-    grant = _granted(honest.fetch("r-honest", first))
+    grant = granted(honest.fetch("r-honest", first))
     before = producer.stats()
     rss_before = rss_bytes(producer.process.pid)
 

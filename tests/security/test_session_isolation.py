@@ -22,6 +22,7 @@ from peer_testing import (
     MakeRawSession,
     RawSession,
     config_of,
+    granted,
     wait_until,
 )
 from security_testing import both_authorized
@@ -34,13 +35,6 @@ from ecshare.transport.base import PeerInfo, ReadState, pair_segments
 pytestmark = pytest.mark.timeout(60)
 
 MiB = 1 << 20
-
-
-def _granted(reply: p.Message) -> p.ItemReply:
-    assert isinstance(reply, p.FetchReply), reply
-    (item,) = reply.items
-    assert item.status is p.ItemStatus.GRANTED, item
-    return item
 
 
 @pytest.fixture
@@ -80,7 +74,7 @@ def test_rival_cannot_release_renew_or_replay_another_sessions_grant(
     node, producer = make_producer(both_authorized(keyring, rival), entries={h: 1 * MiB})
     victim = raw_session(producer.address)
     assert isinstance(victim.hello(), p.Welcome)
-    grant = _granted(victim.fetch("victim-request", h))
+    grant = granted(victim.fetch("victim-request", h))
     attacker = rival_session(producer.address)
     assert isinstance(attacker.hello(), p.Welcome)  # authorized, with a session of its own
     before = dict(producer.counters)
@@ -116,7 +110,7 @@ def test_rival_cannot_release_renew_or_replay_another_sessions_grant(
     assert isinstance(renewed, p.Renewed) and renewed.renewed == []
     # The victim's request id, from the attacker's session: a fresh grant of its own,
     # not the victim's cached reply.
-    replay = _granted(attacker.fetch("victim-request", h))
+    replay = granted(attacker.fetch("victim-request", h))
     assert replay.grant_id != grant.grant_id
 
     assert producer.counters["no_session"] - before.get("no_session", 0) == 6
@@ -145,7 +139,7 @@ def test_same_key_other_session_cannot_touch_the_first_sessions_grants(
     node, producer = make_producer(keyring.producer_config(), entries={h: 256 * 1024})
     first, second = raw_session(producer.address), raw_session(producer.address)
     assert isinstance(first.hello(), p.Welcome) and isinstance(second.hello(), p.Welcome)
-    grant = _granted(first.fetch("r1", h))
+    grant = granted(first.fetch("r1", h))
 
     released = second.call(p.Release(session_id=second.session_id, grant_ids=[grant.grant_id]))
     renewed = second.call(p.Renew(session_id=second.session_id, grant_ids=[grant.grant_id]))
@@ -178,7 +172,7 @@ def test_forged_completion_notices_do_nothing(
         data_plane=p.DataPlaneInfo(kind="nixl", agent_name=victim_agent),
     )
     assert isinstance(victim.call(hello), p.Welcome)
-    grant = _granted(victim.fetch("r1", h))
+    grant = granted(victim.fetch("r1", h))
     attacker = rival_session(producer.address)
     welcome = attacker.hello()
     assert isinstance(welcome, p.Welcome)
@@ -246,7 +240,7 @@ def test_replayed_request_pins_once_and_releases_once(
     replies = [session.call(request) for _ in range(20)]
 
     assert all(r == replies[0] for r in replies)
-    grant = _granted(replies[0])
+    grant = granted(replies[0])
     assert _pins(node) == 1 and producer.active_grants() == 1
     assert producer.counters["granted"] == 1 and producer.counters["duplicate_requests"] == 19
     release = p.Release(session_id=session.session_id, grant_ids=[grant.grant_id])
@@ -265,7 +259,7 @@ def test_replay_after_release_never_hands_out_the_ended_grant(
     node, producer = make_producer(keyring.producer_config(), entries={h: 1 * MiB})
     session = raw_session(producer.address)
     assert isinstance(session.hello(), p.Welcome)
-    grant = _granted(session.fetch("r1", h))
+    grant = granted(session.fetch("r1", h))
     session.call(p.Release(session_id=session.session_id, grant_ids=[grant.grant_id]))
 
     replay = session.fetch("r1", h)
@@ -276,7 +270,7 @@ def test_replay_after_release_never_hands_out_the_ended_grant(
     assert _pins(node) == 0 and producer.active_grants() == 0
     assert producer.counters["granted"] == 1
     # A new request is a new grant, as usual.
-    assert _granted(session.fetch("r2", h)).grant_id != grant.grant_id
+    assert granted(session.fetch("r2", h)).grant_id != grant.grant_id
 
 
 def test_renewing_an_expired_grant_before_the_reaper_forgets_it(
@@ -297,7 +291,7 @@ def test_renewing_an_expired_grant_before_the_reaper_forgets_it(
     node, producer = make_producer(keyring.producer_config(), config, entries={h: 1 * MiB})
     session = raw_session(producer.address)
     assert isinstance(session.hello(), p.Welcome)
-    grant = _granted(session.fetch("r1", h))
+    grant = granted(session.fetch("r1", h))
     granted_at = time.monotonic()
     session.keep_alive_until(lambda: time.monotonic() - granted_at > 0.9, 5.0)
 
@@ -308,7 +302,7 @@ def test_renewing_an_expired_grant_before_the_reaper_forgets_it(
     assert producer.active_grants() == 0
     assert producer.grants_by_session() == {session.session_id: []}
     # The session's one grant slot is free again.
-    _granted(session.fetch("r2", h))
+    granted(session.fetch("r2", h))
 
 
 def test_unknown_session_ids_are_refused_whatever_their_shape(
