@@ -149,7 +149,8 @@ class Handshake:
             f"{where} closed the connection during the CURVE handshake {times} "
             f"(errno {errno_value}): the server public key this consumer uses for it "
             f"({self._server_key}) is most likely not the producer's (check "
-            "server_public_key), or the producer runs without CURVE (insecure=True)"
+            "server_public_key), or the producer runs without CURVE (insecure=True), "
+            "or a TCP proxy or load balancer in front of it has no producer behind it"
         )
 
 
