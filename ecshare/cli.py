@@ -111,6 +111,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Optional dependencies, and the extra of this package that installs each.
+_EXTRAS = {
+    "aiohttp": "proxy",
+    "psutil": "chaos",
+    "rich": "bench",
+    "matplotlib": "bench",
+    "nixl": "nixl",
+    "vllm": "vllm",
+    "torch": "vllm",
+}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -123,6 +135,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _dispatch(args)
     except (ConfigError, ControlConfigError) as exc:  # a key file is configuration too
         print(f"ecshare: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:
+        package = (exc.name or "").partition(".")[0]
+        if package not in _EXTRAS:
+            raise
+        print(
+            f"ecshare {args.command}: needs the Python package {package!r}, which is not "
+            f"installed (pip install 'ecshare[{_EXTRAS[package]}]')",
+            file=sys.stderr,
+        )
         return 2
 
 

@@ -7,18 +7,40 @@ import sys
 
 BLOCK_OPTIONAL = """
 import sys
-for name in ("torch", "nixl", "nixl_cu12", "vllm", "transformers", "aiohttp"):
+for name in ("torch", "nixl", "nixl_cu12", "vllm", "transformers", "aiohttp", "psutil", "rich",
+             "matplotlib"):
     sys.modules[name] = None  # any import of these now raises ImportError
 import ecshare, ecshare.peer, ecshare.store, ecshare.protocol, ecshare.config
 import ecshare.control, ecshare.transport, ecshare.cli
+ecshare.cli.build_parser()
 from ecshare import Consumer, Producer, Store
 print("ok")
 """
 
 
-def test_core_imports_without_torch_nixl_or_vllm() -> None:
+def test_core_and_command_line_import_without_optional_packages() -> None:
     out = subprocess.run(
         [sys.executable, "-c", BLOCK_OPTIONAL], capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+def test_a_command_without_its_optional_package_names_the_extra_to_install() -> None:
+    # The chaos harness samples memory with psutil, which only its extra installs.
+    code = (
+        "import sys; sys.modules['psutil'] = None\n"
+        "from ecshare.cli import main\n"
+        "sys.exit(main(['chaos', '--fetches', '1']))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert "needs the Python package 'psutil'" in out.stderr
+    assert "pip install 'ecshare[chaos]'" in out.stderr
+    assert "Traceback" not in out.stderr
+    # The rest of the command line does not need it.
+    code = (
+        "import sys; sys.modules['psutil'] = None\nfrom ecshare.cli import main\nmain(['--help'])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "chaos" in out.stdout, out.stderr

@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import psutil
 
 from ecshare.chaos.faultproxy import FaultProxy, Faults
 from ecshare.chaos.messages import (
@@ -145,6 +144,11 @@ class _Tally:
 
 class ChaosRun:
     def __init__(self, options: ChaosOptions, workdir: Path) -> None:
+        # Imported here, before anything starts, and not with the module: the rest of
+        # the command line must work without the chaos extra.
+        import psutil
+
+        self._psutil = psutil
         self.o = options
         self.seed = (
             options.seed if options.seed is not None else random.SystemRandom().randrange(2**31)
@@ -445,8 +449,8 @@ class ChaosRun:
             if c.alive():
                 named[f"{c.role}-{c.index}"] = c.pid
         for name, pid in named.items():
-            with contextlib.suppress(psutil.Error):
-                mem = psutil.Process(pid).memory_info()
+            with contextlib.suppress(self._psutil.Error):
+                mem = self._psutil.Process(pid).memory_info()
                 self.rss.setdefault(name, []).append(
                     (t, mem.rss / MiB, (mem.rss - mem.shared) / MiB)
                 )
