@@ -21,21 +21,15 @@ import msgspec
 
 from ecshare.bench.synthetic import format_size, parse_size
 from ecshare.config import Config, ConfigError, add_config_arguments, load_config
-from ecshare.ops.checks import (
-    Check,
-    check_keys,
-    check_memlock,
-    check_memory,
-    check_nixl,
-    check_ports,
-    check_shm,
-    check_ucx,
-    check_versions,
-    guarded,
-)
+from ecshare.ops.check import Check, guarded
+from ecshare.ops.key_checks import check_keys
+from ecshare.ops.memory_checks import check_memlock, check_memory, check_shm
+from ecshare.ops.network_checks import check_ports
 from ecshare.ops.selftest import SelfTestResult
+from ecshare.ops.software_checks import check_nixl, check_versions
 from ecshare.ops.table import render_table
 from ecshare.ops.ucx import UcxProbe
+from ecshare.ops.ucx_checks import check_ucx
 
 _T = TypeVar("_T", bound=msgspec.Struct)
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
