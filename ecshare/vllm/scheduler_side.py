@@ -5,7 +5,9 @@ item the engine will encode; the workers copy the encoder output into it;
 `update_connector_output` marks it READY only once the workers report the copy
 done. `request_finished` announces only entries that are READY, or whose copy
 the workers finished in this very step (their commit happens before vLLM sends
-the response; a copy that failed is withdrawn from the params again).
+the response; a copy that failed is withdrawn from the params again). A copy
+whose report never comes is given up a lease after it began, and its blocks
+return to the region.
 
 Consumer role: `ensure_cache_available` starts fetches for items the request's
 `ec_transfer_params` name and defers the request until they are local.
@@ -120,7 +122,8 @@ class SchedulerSide:
             self.shutdown()
             raise
         self._plan = self._new_plan()
-        self._pending_saves: dict[str, Any] = {}  # mm_hash -> ALLOCATED Entry
+        # mm_hash -> (its ALLOCATED Entry, when the copy is given up if unreported)
+        self._pending_saves: dict[str, tuple[Any, float]] = {}
         self._announced: dict[str, list[dict[str, Any]]] = {}  # params dicts awaiting commit
         self._fetches: dict[str, Future[FetchResult]] = {}
         # Per request, the items whose fetch has been decided (arrived, failed or
@@ -277,7 +280,7 @@ class SchedulerSide:
             self.counters["save_skipped"] += 1
             log.warning("ecshare: not saving %s: %s", h, exc)
             return
-        self._pending_saves[h] = entry
+        self._pending_saves[h] = (entry, time.monotonic() + self._config.lease_s)
         self._plan.saves[h] = SaveOp(h, tuple(entry.byte_extents(self._store.block_size)), nbytes)
 
     def _output_width(self, modality: str) -> int:
@@ -289,8 +292,26 @@ class SchedulerSide:
     def build_plan(self) -> StepPlan:
         if self._inbox is not None:
             self._apply_reports(0.0)
+        if self._pending_saves:
+            self._abandon_unreported_saves(time.monotonic())
         plan, self._plan = self._plan, self._new_plan()
         return plan
+
+    def _abandon_unreported_saves(self, now: float) -> None:
+        """Free the entries of copies the workers never reported, a lease after they began.
+
+        A report comes at the end of the step that made the copy; one missing for a whole
+        lease is lost (a worker that died, a dropped message), and without this its
+        ALLOCATED entry would hold its blocks for good. A report that still arrives later
+        finds nothing pending and is ignored.
+        """
+        for h, (entry, give_up_at) in list(self._pending_saves.items()):
+            if give_up_at > now:
+                break  # oldest first: the rest began later
+            del self._pending_saves[h]
+            self._store.abort(entry)
+            self._withdraw(h, f"no worker report within lease_s ({self._config.lease_s:g} s)")
+            self.counters["save_abandoned"] += 1
 
     def _new_plan(self) -> StepPlan:
         route = self._inbox.route if self._inbox is not None else None
@@ -321,9 +342,10 @@ class SchedulerSide:
 
     def on_report(self, report: StepReport) -> None:
         for h, (dtype, shape) in report.saved.items():
-            entry = self._pending_saves.pop(h, None)
-            if entry is None:
+            pending = self._pending_saves.pop(h, None)
+            if pending is None:
                 continue
+            entry = pending[0]
             if (dtype, tuple(shape)) != (entry.meta.dtype, tuple(entry.meta.shape)):
                 self._withdraw(h, f"worker saved {dtype}{list(shape)}")
                 self._store.abort(entry)
@@ -334,9 +356,9 @@ class SchedulerSide:
             self.counters["saved_bytes"] += entry.nbytes
             self._announced.pop(h, None)
         for h, why in report.save_failed.items():
-            entry = self._pending_saves.pop(h, None)
-            if entry is not None:
-                self._store.abort(entry)
+            pending = self._pending_saves.pop(h, None)
+            if pending is not None:
+                self._store.abort(pending[0])
             self._withdraw(h, why)
             self.counters["save_failed"] += 1
         for h in report.loaded | set(report.load_failed):

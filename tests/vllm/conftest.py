@@ -194,6 +194,10 @@ class EC:
         assert isinstance(conn, ECShareConnector)
         return conn
 
+    def worker(self, scheduler: Scheduler) -> WorkerSide:
+        """The worker side bound to `scheduler` (one worker per scheduler here)."""
+        return self._workers[id(scheduler)]
+
     def side(self, scheduler: Scheduler) -> SchedulerSide:
         side = self.connector(scheduler).scheduler_side
         assert side is not None

@@ -61,6 +61,14 @@ def unreachable_params(ec: EC, consumer_side_fingerprint: str, h: str) -> dict[s
 # -- producer --------------------------------------------------------------------------------
 
 
+def _total(samples: list[dict[str, object]]) -> ECShareStats:
+    """The connector stats of all steps so far, aggregated as vLLM does."""
+    stats = ECShareStats(data={})
+    for sample in samples:
+        stats.aggregate(ECShareConnector.build_ec_connector_stats(sample))
+    return stats
+
+
 def test_producer_params_name_peer_and_item_never_memory(ec: EC) -> None:
     producer = ec.scheduler("ec_producer")
     assert producer.is_mm_encoder_only  # set by vLLM for ec_producer
@@ -123,6 +131,37 @@ def test_failed_worker_copy_withdraws_params_and_frees_blocks(
     assert store.get("h-bad") is None
     assert store.stats().free_blocks == free_before
     assert any("h-bad" in r.getMessage() and "withdrawn" in r.getMessage() for r in caplog.records)
+
+
+def test_copy_never_reported_is_abandoned_after_a_lease_and_frees_its_blocks(
+    ec: EC, caplog: pytest.LogCaptureFixture
+) -> None:
+    timing = {
+        "lease_s": 0.5,
+        "fetch_deadline_base_s": 0.3,
+        "fetch_deadline_max_s": 0.4,
+        "request_timeout_s": 0.2,
+    }
+    producer = ec.scheduler("ec_producer", **timing)
+    side = ec.side(producer)
+    free_before = side.store.stats().free_blocks
+    producer.add_request(ec.request("p1", "h-lost"))
+
+    step = ec.step(producer, {"h-lost": embedding()}, report=False)
+    assert ec.worker(producer).take_report() is not None  # the report is lost on the way
+    with caplog.at_level(logging.WARNING, logger="ecshare"):
+        ec.finish_step(producer, step)
+        entry = side.store.get("h-lost")
+        assert entry is not None and entry.state is EntryState.ALLOCATED
+        assert side.store.stats().free_blocks < free_before
+
+        time.sleep(0.6)  # past the lease: the next step gives the copy up
+        ec.step(producer)
+
+    assert side.store.get("h-lost") is None
+    assert side.store.stats().free_blocks == free_before
+    assert _total(ec.stats[id(producer)]).reduce()["save_abandoned"] == 1
+    assert any("h-lost" in r.getMessage() and "lease_s" in r.getMessage() for r in caplog.records)
 
 
 # -- consumer --------------------------------------------------------------------------------
@@ -295,13 +334,7 @@ def test_stats_report_fetches_saves_loads_failures_and_latency(ec: EC) -> None:
 
     ec.step_until(consumer, both_scheduled, encoder_outputs={"h-lost": embedding()})
 
-    def total(samples: list[dict[str, object]]) -> ECShareStats:
-        stats = ECShareStats(data={})
-        for sample in samples:
-            stats.aggregate(ECShareConnector.build_ec_connector_stats(sample))
-        return stats
-
-    consumed = total(ec.stats[id(consumer)]).reduce()
+    consumed = _total(ec.stats[id(consumer)]).reduce()
     assert consumed["fetches_started"] == 2
     assert consumed["fetched_items"] == 1
     assert consumed["fetched_bytes"] == nbytes
@@ -311,7 +344,7 @@ def test_stats_report_fetches_saves_loads_failures_and_latency(ec: EC) -> None:
     assert 0 < consumed["fetch_latency_p50_ms"] <= consumed["fetch_latency_max_ms"]
     assert all(isinstance(v, int | float) for v in consumed.values())
 
-    produced = total(ec.stats[id(producer)]).reduce()
+    produced = _total(ec.stats[id(producer)]).reduce()
     assert produced["saved_items"] == 1
     assert produced["saved_bytes"] == nbytes
     assert ECShareStats(data={}).is_empty()
