@@ -1,0 +1,101 @@
+"""What a chaos run holds while it runs: its processes, its fetches in flight and its tallies.
+
+`RunState` builds that state; the parts of `ChaosRun` (`Fleet`, `Load`,
+`SoakSampling`, `Verdict`) each work on it.
+"""
+
+from __future__ import annotations
+
+import queue
+import random
+from array import array
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ecshare.chaos.faultproxy import FaultProxy
+from ecshare.chaos.messages import Outcome
+from ecshare.chaos.nodes import Child, working_set_keys
+from ecshare.chaos.options import TIMING, ChaosOptions
+from ecshare.config import Config
+from ecshare.control import generate_keypair
+
+
+@dataclass
+class _Pending:
+    fetch_id: int
+    mm_hash: str
+    nbytes: int
+    consumer: Child
+    bound_s: float  # deadline + grace
+
+
+@dataclass
+class _Tally:
+    attempted: int = 0
+    delivered: int = 0
+    delivered_bytes: int = 0
+    failed: Counter[str] = field(default_factory=Counter)
+    corrupted: int = 0
+    untyped: int = 0
+    vanished: int = 0
+    late: int = 0
+    max_overrun_s: float = -1e9
+    lost_with_consumer: int = 0
+    # 8 bytes a fetch: a soak records some 100 000 fetches a minute.
+    settle_s: array[float] = field(default_factory=lambda: array("d"))
+    violations: list[str] = field(default_factory=list)
+
+
+class RunState:
+    def __init__(self, options: ChaosOptions, workdir: Path) -> None:
+        # Imported here, before anything starts, and not with the module: the rest of
+        # the command line must work without the chaos extra.
+        import psutil
+
+        self._psutil = psutil
+        self.o = options
+        self.seed = (
+            options.seed if options.seed is not None else random.SystemRandom().randrange(2**31)
+        )
+        self.rng = random.Random(self.seed)
+        self.keys = working_set_keys(options.working_set)
+        producer_keys = generate_keypair(workdir, "producer")
+        consumer_keys = generate_keypair(workdir, "consumer")
+        self.producer_config = {
+            **TIMING,
+            "region_bytes": options.producer_region_bytes,
+            "server_secret_key_file": str(producer_keys.secret_path),
+            "authorized_keys_file": str(consumer_keys.public_path),
+        }
+        self.consumer_config = {
+            **TIMING,
+            "region_bytes": options.consumer_region_bytes,
+            "client_secret_key_file": str(consumer_keys.secret_path),
+            "server_public_key_file": str(producer_keys.public_path),
+        }
+        self.config = Config.from_dict(self.consumer_config)
+        self.outcomes: queue.Queue[Outcome] = queue.Queue()
+        self.pending: dict[int, _Pending] = {}
+        self.tally = _Tally()
+        self.faults: Counter[str] = Counter()
+        self.hangs = 0
+        self.producers: list[Child | None] = [None] * options.producers
+        self.ports: list[int] = [0] * options.producers
+        self.proxies: list[FaultProxy] = []
+        self.consumers: list[Child] = []
+        self.retired: list[Child] = []  # replaced children, reaped at the end
+        self.scheduled: list[tuple[float, str, Callable[[], None]]] = []
+        self.evictions: dict[int, tuple[int, int]] = {}  # producer pid -> (first, last) seen
+        self._fetch_ids = 0
+        self._deck: list[str] = []
+        self.budget = options.fetches  # grows while some fault kind has not run yet
+        self.probes: dict[int, Outcome | None] = {}  # fetch id -> outcome, after the faults
+        self.recovery_pairs = 0
+        self.load_started = 0.0
+        self.producer_counters: dict[int, dict[str, int]] = {}  # pid -> last seen
+        self._consumer_ids = 0
+        self._seed_ids = 0
+        self.rss: dict[str, list[tuple[float, float, float]]] = {}  # name -> (t, rss, anon)
+        self.usage: dict[str, list[tuple[float, float]]] = {}
