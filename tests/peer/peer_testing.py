@@ -31,6 +31,7 @@ import pytest
 
 from ecshare import protocol as p
 from ecshare.bench.synthetic import synthetic_bytes
+from ecshare.chaos.options import TIMING
 from ecshare.cli import READY_PREFIX
 from ecshare.config import Config
 from ecshare.control import ControlClient, KeyPair, generate_keypair, load_keypair
@@ -42,25 +43,9 @@ HOOK_SCRIPT = HERE / "peer_producer_process.py"
 FINGERPRINT = "ecshare-peer-tests"
 MiB = 1 << 20
 
-# Short timeouts everywhere, so that failures show within seconds; the consumer's
-# deadline cap stays under the lease, as the config requires.
-FAST: dict[str, Any] = {
-    "region_bytes": 64 * MiB,
-    "prefault": False,
-    "heartbeat_interval_s": 0.2,
-    "heartbeat_timeout_s": 1.0,
-    "handshake_timeout_s": 1.0,
-    "request_timeout_s": 1.0,
-    "lease_s": 3.0,
-    "fetch_deadline_base_s": 2.0,
-    "fetch_deadline_max_s": 2.5,
-    "retry_initial_backoff_s": 0.01,
-    "retry_max_backoff_s": 0.1,
-    "quarantine_s": 0.5,
-    "reap_interval_s": 0.1,
-    "shutdown_timeout_s": 2.0,
-    "ucx_net_devices": "lo",
-}
+# Short timeouts everywhere, so that failures show within seconds: the chaos
+# harness's timing (the consumer's deadline cap stays under the lease).
+FAST: dict[str, Any] = {"region_bytes": 64 * MiB, **TIMING}
 
 
 def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
