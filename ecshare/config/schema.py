@@ -111,6 +111,14 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
             description="Most concurrent peer sessions a control-plane server keeps.",
         ),
     ] = 1024
+    max_sessions_per_key: Annotated[
+        Annotated[int, Meta(ge=1, le=65536)] | None,
+        Meta(
+            description="Most concurrent sessions one client key may hold, so that one key "
+            "cannot take every session of max_sessions. Unset: no limit but max_sessions "
+            "(consumers of one role often share a key; count their sessions when setting it).",
+        ),
+    ] = None
     max_grants_per_session: Annotated[
         int,
         Meta(

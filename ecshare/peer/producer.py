@@ -147,6 +147,9 @@ class Producer(NetworkThread):
         with self._lock:
             return {sid: sorted(s.grants) for sid, s in self._sessions.items()}
 
+    def _sessions_of(self, user: str) -> int:
+        return sum(1 for s in self._sessions.values() if s.user == user)
+
     def cached_replies(self) -> dict[str, tuple[int, int]]:
         """Each open session's cached replies and the items in them, for any thread."""
         with self._lock:
@@ -299,6 +302,13 @@ class Producer(NetworkThread):
                 return p.Error(
                     code=p.ErrorCode.TOO_MANY_SESSIONS,
                     message=f"producer holds its maximum of {cfg.max_sessions} sessions",
+                )
+            per_key = cfg.max_sessions_per_key
+            if per_key is not None and self._sessions_of(user) >= per_key:
+                self._count("refused_sessions_per_key")
+                return p.Error(
+                    code=p.ErrorCode.TOO_MANY_SESSIONS,
+                    message=f"this key holds its maximum of {per_key} sessions here",
                 )
             agent = msg.data_plane.agent_name if msg.data_plane else ""
             with self._lock:

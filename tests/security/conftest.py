@@ -15,7 +15,7 @@ from peer_testing import (
     raw_session,
     spawn_producer,
 )
-from security_testing import rival
+from security_testing import rival, rival_session
 
 __all__ = [
     "children",
@@ -24,5 +24,6 @@ __all__ = [
     "make_producer",
     "raw_session",
     "rival",
+    "rival_session",
     "spawn_producer",
 ]

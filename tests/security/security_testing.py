@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 import zmq
-from peer_testing import Keyring
+from peer_testing import Keyring, RawSession
 
-from ecshare.control import KeyPair, generate_keypair, load_keypair
+from ecshare.control import ControlClient, KeyPair, generate_keypair, load_keypair
 
 # libzmq's greeting: signature (10 bytes), version (2), mechanism (20), as-server (1),
 # filler (31). Everything after it is a sequence of frames.
@@ -213,3 +213,25 @@ def parse_zmtp(data: bytes) -> ZmtpStream:
             messages += 1
         pos += head + size
     return ZmtpStream(mechanism, commands, messages, 0)
+
+
+@pytest.fixture
+def rival_session(keyring: Keyring, rival: KeyPair) -> Iterator[Any]:
+    """A raw session under the rival's key: authorized, but not the victim's peer."""
+    clients: list[ControlClient] = []
+
+    def make(address: str) -> RawSession:
+        client = ControlClient(
+            address,
+            server_public_key=keyring.producer.public,
+            keys=rival,
+            heartbeat_ivl_s=0.2,
+            heartbeat_timeout_s=1.0,
+            handshake_timeout_s=1.0,
+        )
+        clients.append(client)
+        return RawSession(client)
+
+    yield make
+    for client in clients:
+        client.close()

@@ -15,10 +15,11 @@ import zmq
 pytest.importorskip("nixl._api")
 
 from peer_testing import Keyring, MakeProducer, MakeRawSession, wait_until
-from security_testing import curve_dealer
+from security_testing import both_authorized, curve_dealer
 
 from ecshare import protocol as p
 from ecshare.config import Config, ConfigError
+from ecshare.control import KeyPair
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -64,6 +65,34 @@ def test_sessions_are_bounded_by_max_sessions(
     welcomed[1].client.send(p.Bye(session_id=welcomed[1].session_id))
     assert wait_until(lambda: producer.session_count() == 3, 5.0)
     assert isinstance(loser.hello(), p.Welcome)
+
+
+def test_one_key_cannot_take_every_session_when_max_sessions_per_key_is_set(
+    make_producer: MakeProducer,
+    raw_session: MakeRawSession,
+    rival_session: Any,
+    keyring: Keyring,
+    rival: KeyPair,
+) -> None:
+    config = {"max_sessions": 8, "max_sessions_per_key": 2}
+    _, producer = make_producer(both_authorized(keyring, rival), config, entries={"h": 64 * 1024})
+    mine = [raw_session(producer.address) for _ in range(3)]
+    replies = [s.hello() for s in mine]
+
+    assert [type(r) for r in replies[:2]] == [p.Welcome, p.Welcome]
+    refused = replies[2]
+    assert isinstance(refused, p.Error) and refused.code is p.ErrorCode.TOO_MANY_SESSIONS
+    assert "this key holds its maximum of 2 sessions" in refused.message
+    assert producer.counters["refused_sessions_per_key"] == 1
+    # Another key still gets in, and the first key's sessions are served.
+    other = rival_session(producer.address)
+    assert isinstance(other.hello(), p.Welcome)
+    assert producer.session_count() == 3
+    assert _statuses(mine[0].fetch("r1", "h")) == [p.ItemStatus.GRANTED]
+    # When one of the key's sessions ends, the key may open another.
+    mine[1].client.send(p.Bye(session_id=mine[1].session_id))
+    assert wait_until(lambda: producer.session_count() == 2, 5.0)
+    assert isinstance(mine[2].hello(), p.Welcome)
 
 
 def test_grants_per_session_are_bounded(

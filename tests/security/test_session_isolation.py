@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -20,7 +19,6 @@ from peer_testing import (
     Keyring,
     MakeProducer,
     MakeRawSession,
-    RawSession,
     config_of,
     granted,
     wait_until,
@@ -28,35 +26,13 @@ from peer_testing import (
 from security_testing import both_authorized
 
 from ecshare import protocol as p
-from ecshare.control import ControlClient, KeyPair
+from ecshare.control import KeyPair
 from ecshare.peer import Node
 from ecshare.transport.base import PeerInfo, ReadState, pair_segments
 
 pytestmark = pytest.mark.timeout(60)
 
 MiB = 1 << 20
-
-
-@pytest.fixture
-def rival_session(keyring: Keyring, rival: KeyPair) -> Iterator[Any]:
-    """A raw session under the rival's key: authorized, but not the victim's peer."""
-    clients: list[ControlClient] = []
-
-    def make(address: str) -> RawSession:
-        client = ControlClient(
-            address,
-            server_public_key=keyring.producer.public,
-            keys=rival,
-            heartbeat_ivl_s=0.2,
-            heartbeat_timeout_s=1.0,
-            handshake_timeout_s=1.0,
-        )
-        clients.append(client)
-        return RawSession(client)
-
-    yield make
-    for client in clients:
-        client.close()
 
 
 def _pins(node: Node) -> int:
