@@ -85,6 +85,12 @@ class Fleet(RunState):
     def _live_producers(self) -> list[int]:
         return [i for i, c in enumerate(self.producers) if c is not None and c.alive()]
 
+    def _running_producers(self) -> list[int]:
+        """Live producers that are not paused: the ones a fault may take."""
+        return [
+            i for i, c in enumerate(self.producers) if c is not None and c.alive() and not c.paused
+        ]
+
     def _restart_producer(self, index: int, attempt: int = 0) -> None:
         try:
             self.start_producer(index, self.ports[index])
@@ -109,7 +115,7 @@ class Fleet(RunState):
                 return
 
     def _fault_kill_producer(self) -> bool:
-        live = [i for i in self._live_producers() if not self.producers[i].paused]  # type: ignore[union-attr]
+        live = self._running_producers()
         if not live:
             return False
         index = self.rng.choice(live)
@@ -123,7 +129,7 @@ class Fleet(RunState):
 
     def _fault_restart_producer(self) -> bool:
         """A clean stop and a start under the same key and port."""
-        live = [i for i in self._live_producers() if not self.producers[i].paused]  # type: ignore[union-attr]
+        live = self._running_producers()
         if not live:
             return False
         index = self.rng.choice(live)
@@ -138,7 +144,7 @@ class Fleet(RunState):
         return True
 
     def _fault_pause_producer(self) -> bool:
-        live = [i for i in self._live_producers() if not self.producers[i].paused]  # type: ignore[union-attr]
+        live = self._running_producers()
         if not live:
             return False
         child = self.producers[self.rng.choice(live)]
