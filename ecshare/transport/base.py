@@ -3,6 +3,11 @@
 A transport knows regions, extents and peers, nothing about requests or
 mm_hashes. The consumer side READs a peer's extents into its own region; the
 producer side only registers its region and drives progress.
+
+The lifetime rule every implementation keeps: a read's destination may be
+written until `poll` answers DONE or FAILED, and `poll` answers so only on the
+backend's word that the read has ended. Releasing a pending read, removing its
+peer or re-adding it does not end it; only the backend (or `close`) does.
 """
 
 from __future__ import annotations
@@ -81,20 +86,28 @@ class DataTransport(Protocol):
     def add_peer(self, info: PeerInfo) -> str:
         """Load a peer's data-plane info; returns its peer name. Re-adding replaces."""
 
-    def remove_peer(self, name: str) -> None: ...
+    def remove_peer(self, name: str) -> None:
+        """New reads from `name` fail at once; reads in flight stay PENDING until they end."""
 
     def read(self, peer: str, segments: Sequence[Segment], notify: bytes = b"") -> ReadHandle:
         """Start reading `segments` from `peer`; never blocks on remote progress."""
 
-    def poll(self, handle: ReadHandle) -> ReadStatus: ...
+    def poll(self, handle: ReadHandle) -> ReadStatus:
+        """DONE or FAILED once the backend has ended the read; PENDING until then."""
 
     def release(self, handle: ReadHandle) -> None:
-        """Free a handle in any state; a pending read is cancelled where possible."""
+        """The caller is done with a handle. A PENDING read is abandoned: the
+        transport keeps driving it, and `poll` still answers PENDING until it ends."""
 
     def progress(self) -> list[tuple[str, bytes]]:
         """Drive target-side progress; returns (peer name, message) notifications."""
 
-    def close(self) -> None: ...
+    @property
+    def in_flight(self) -> int:
+        """Reads not yet ended by the backend, abandoned ones included."""
+
+    def close(self) -> None:
+        """End every read (the backend goes with it), forget peers, deregister."""
 
 
 def pair_segments(

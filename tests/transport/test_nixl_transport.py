@@ -344,19 +344,12 @@ def test_tcp_reads_move_as_the_producer_progresses() -> None:
         stalled = side.t.read(p.info.agent_name, [Segment(0, 0, SIZE)])
         time.sleep(0.1)
         assert side.t.poll(stalled).state is ReadState.PENDING
-        side.t.release(stalled)  # cancels it
-        assert side.t.poll(stalled).state is ReadState.FAILED
-        assert side.t.reads_cancelled == 1
-        # Removing a peer fails its pending reads.
-        orphan = side.t.read(p.info.agent_name, [Segment(0, 0, SIZE)])
-        assert side.t.poll(orphan).state is ReadState.PENDING
-        side.t.remove_peer(p.info.agent_name)
-        side.t.remove_peer(p.info.agent_name)
-        status = side.t.poll(orphan)
-        assert (status.state, status.failure) == (ReadState.FAILED, FailureKind.NOT_FOUND)
-        side.t.release(orphan)
         pause.join()
-        side.t.add_peer(p.info)
+        # It finishes once the producer progresses again (what happens to reads
+        # given up meanwhile is in test_transport_lifetimes.py).
+        assert side.wait(stalled).state is ReadState.DONE
+        side.t.release(stalled)
+        side.mem[:] = 0
 
         status = side.read(p.info.agent_name, [Segment(0, 0, SIZE)])
         assert status.state is ReadState.DONE, status
