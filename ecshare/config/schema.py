@@ -308,11 +308,21 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         Literal["none", "xxh3_64"],
         Meta(
             description="Checksum the producer computes and the consumer verifies for every "
-            "item. 'none' relies on the transport's own integrity checks (UCX, RDMA link "
-            "CRC); 'xxh3_64' also catches bookkeeping bugs, at the cost of one pass over "
-            "the bytes on each side.",
+            "item. 'none' relies on the transport's own integrity checks (RDMA link CRC, "
+            "or a copy within one host) and is safe there; over TCP between hosts use "
+            "'xxh3_64', which also catches bookkeeping bugs, at the cost of one pass over "
+            "the bytes on each side. A consumer set to 'xxh3_64' refuses items that carry "
+            "no checksum.",
         ),
     ] = "none"
+    store_canary: Annotated[
+        bool,
+        Meta(
+            description="Debug: fill freed region blocks with a pattern and check it when they "
+            "are handed out again, so that a write after free is counted (canary_violations) "
+            "and logged. Costs a pass over the bytes on every free and allocation.",
+        ),
+    ] = False
 
     # --- data plane ---------------------------------------------------------------------------
     transport: Annotated[

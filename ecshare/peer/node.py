@@ -111,7 +111,7 @@ class Node:
             config.region_bytes, name=f"ecshare-{role}", prefault=config.prefault
         )
         try:
-            store = Store(region, config.block_bytes)
+            store = Store(region, config.block_bytes, canary=config.store_canary)
             transport = make_transport(config, node_name(config, role))
         except BaseException:
             region.close()

@@ -8,13 +8,23 @@ only by its writer, and a pinned entry's blocks are never freed.
 Life of an entry (``_TRANSITIONS`` is the only place that changes ``state``)::
 
     ALLOCATED --commit--> READY --evict--> FREED        (unpinned: evicted or removed)
-        |                   \\--doom--> EVICTING --release--> FREED   (removed while pinned)
-        \\--abort--> FREED
+        |   |               \\--doom--> EVICTING --release--> FREED   (removed while pinned)
+        |   \\--abort--> FREED
+        \\--quarantine--> QUARANTINED --release--> FREED   (a read may still write it)
 
 An EVICTING entry has left the hash index, so the same mm_hash can be stored
 again at once. It takes no new pins, and its blocks go back when its last
 pin is released, not before. That is what keeps a block from being reused
 while a grant on it may still be read.
+
+A QUARANTINED entry is the consumer's side of the same promise: an entry
+whose read was given up, but which the data plane may still write. It leaves
+the hash index (the item can be fetched again into other blocks) and its
+blocks go back only when its writer says the read has ended. A read that never
+ends keeps them for good: leaked and counted, never reused.
+
+With ``on_free``/``on_allocate`` hooks (the store's debug canary) the table
+calls them under its lock with the runs being freed or handed out.
 """
 
 from __future__ import annotations
@@ -87,6 +97,7 @@ class EntryState(enum.Enum):
     ALLOCATED = "allocated"
     READY = "ready"
     EVICTING = "evicting"
+    QUARANTINED = "quarantined"
     FREED = "freed"
 
     # Members are singletons and compare by identity. Enum's own __hash__ is
@@ -94,7 +105,7 @@ class EntryState(enum.Enum):
     __hash__ = object.__hash__
 
 
-_Event = Literal["commit", "abort", "evict", "doom", "release"]
+_Event = Literal["commit", "abort", "evict", "doom", "quarantine", "release"]
 
 _TRANSITIONS: dict[tuple[EntryState, _Event], EntryState] = {
     (EntryState.ALLOCATED, "commit"): EntryState.READY,
@@ -102,6 +113,8 @@ _TRANSITIONS: dict[tuple[EntryState, _Event], EntryState] = {
     (EntryState.READY, "evict"): EntryState.FREED,
     (EntryState.READY, "doom"): EntryState.EVICTING,
     (EntryState.EVICTING, "release"): EntryState.FREED,
+    (EntryState.ALLOCATED, "quarantine"): EntryState.QUARANTINED,
+    (EntryState.QUARANTINED, "release"): EntryState.FREED,
 }
 
 
@@ -184,6 +197,9 @@ class StoreStats(msgspec.Struct, frozen=True):
     pins: int
     evictions: int
     reaped_pins: int
+    quarantined: int = 0  # entries whose blocks a read may still write
+    quarantined_blocks: int = 0
+    canary_violations: int = 0  # freed blocks found written (Store's debug canary)
 
 
 class EntryTable:
@@ -195,6 +211,8 @@ class EntryTable:
         block_size: int,
         *,
         clock: Callable[[], float] = time.monotonic,
+        on_free: Callable[[Sequence[Run]], None] | None = None,
+        on_allocate: Callable[[Sequence[Run]], None] | None = None,
     ) -> None:
         if block_size & (block_size - 1) or not MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE:
             raise ValueError(
@@ -207,6 +225,10 @@ class EntryTable:
         self._lock = threading.Lock()
         self._entries: dict[str, Entry] = {}  # ALLOCATED and READY
         self._evicting: set[Entry] = set()
+        self._quarantined: set[Entry] = set()
+        self._quarantined_blocks = 0
+        self._on_free = on_free
+        self._on_allocate = on_allocate
         # READY entries without pins, the least recently used first. Only these
         # are evictable, so eviction never has to skip anything.
         self._lru: OrderedDict[str, Entry] = OrderedDict()
@@ -230,7 +252,7 @@ class EntryTable:
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self._entries) + len(self._evicting)
+            return len(self._entries) + len(self._evicting) + len(self._quarantined)
 
     def __contains__(self, mm_hash: object) -> bool:
         with self._lock:
@@ -268,6 +290,8 @@ class EntryTable:
             runs = self._alloc.allocate(nblocks)
             if runs is None:  # cannot happen: free blocks were checked above
                 raise RuntimeError(f"allocator refused {nblocks} of {self._alloc.free_blocks}")
+            if self._on_allocate is not None:
+                self._on_allocate(runs)
             extents = tuple(_byte_extents(runs, self._block_size, nbytes))
             entry = Entry(
                 mm_hash, nbytes, tuple(runs), meta, nblocks, extents, last_used=self._clock()
@@ -300,6 +324,28 @@ class EntryTable:
             entry = self._live(mm_hash, expect)
             self._fire(entry, "abort")
             del self._entries[mm_hash]
+
+    def quarantine(self, mm_hash: str, *, expect: Entry) -> None:
+        """ALLOCATED -> QUARANTINED: the writer gives up, but a read may still write.
+
+        The entry leaves the index at once; its blocks stay held until
+        ``release_quarantined``.
+        """
+        with self._lock:
+            entry = self._live(mm_hash, expect)
+            self._fire(entry, "quarantine")
+            del self._entries[mm_hash]
+            self._quarantined.add(entry)
+            self._quarantined_blocks += entry.nblocks
+
+    def release_quarantined(self, entry: Entry) -> None:
+        """QUARANTINED -> FREED: nothing can write the entry's blocks any more."""
+        with self._lock:
+            if entry not in self._quarantined:
+                raise IllegalTransition(f"{entry.mm_hash}: not quarantined ({entry.state.name})")
+            self._quarantined.discard(entry)
+            self._quarantined_blocks -= entry.nblocks
+            self._fire(entry, "release")
 
     def get(self, mm_hash: str) -> Entry | None:
         """The ALLOCATED or READY entry for ``mm_hash`` (EVICTING ones are gone for readers)."""
@@ -457,7 +503,7 @@ class EntryTable:
                 used_blocks=self._alloc.used_blocks,
                 block_size=self._block_size,
                 bytes_used=self._bytes_used,
-                entries=len(self._entries) + len(self._evicting),
+                entries=len(self._entries) + len(self._evicting) + len(self._quarantined),
                 ready=self._counts[EntryState.READY],
                 allocated=self._counts[EntryState.ALLOCATED],
                 evicting=self._counts[EntryState.EVICTING],
@@ -465,13 +511,15 @@ class EntryTable:
                 pins=len(self._pins),
                 evictions=self._evictions,
                 reaped_pins=self._reaped,
+                quarantined=len(self._quarantined),
+                quarantined_blocks=self._quarantined_blocks,
             )
 
     def check_invariants(self) -> None:
         """Raise AssertionError if any bookkeeping disagrees (tests, fault harness). O(blocks)."""
         with self._lock:
             self._alloc.check_invariants()
-            live = list(self._entries.values()) + list(self._evicting)
+            live = [*self._entries.values(), *self._evicting, *self._quarantined]
             owner_of: list[str | None] = [None] * self._alloc.total_blocks
             used = 0
             for entry in live:
@@ -508,6 +556,10 @@ class EntryTable:
                     raise AssertionError(f"{n} {state.name} entries, counter says {self._counts}")
             if any(e.state is not EntryState.EVICTING or e.pins <= 0 for e in self._evicting):
                 raise AssertionError("evicting set holds an entry that is not pinned+EVICTING")
+            if any(e.state is not EntryState.QUARANTINED or e.pins for e in self._quarantined):
+                raise AssertionError("quarantined set holds an entry that is not QUARANTINED")
+            if self._quarantined_blocks != sum(e.nblocks for e in self._quarantined):
+                raise AssertionError("quarantined block count disagrees")
             self._check_pins(live)
 
     # -- internals (lock held) -----------------------------------------------
@@ -548,6 +600,8 @@ class EntryTable:
         if new is EntryState.FREED:
             # The only place blocks go back: an entry is FREED exactly when its
             # blocks may be reused.
+            if self._on_free is not None:
+                self._on_free(entry.runs)
             self._alloc.free(entry.runs)
             self._bytes_used -= entry.nbytes
 

@@ -4,15 +4,22 @@ Payload copies run outside the table's lock. The state machine makes that
 safe: an ALLOCATED entry's blocks belong to its writer alone, and a pinned
 entry's blocks are never freed. Every copy is ``np.copyto`` between uint8
 views, which numpy turns into a plain memcpy.
+
+The debug canary (``canary=True``, the ``store_canary`` setting) turns a write
+after free into a counted, logged violation: every freed block is filled with
+a pattern, and every block handed out again is checked for it first. Both run
+under the table's lock and touch every byte of the blocks, so it is for tests
+and the fault harness, not for serving.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -20,6 +27,7 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
+from ecshare.store.allocator import Run
 from ecshare.store.entries import (
     Entry,
     EntryMeta,
@@ -32,6 +40,10 @@ from ecshare.store.entries import (
 from ecshare.store.region import Region
 
 __all__ = ["Store"]
+
+log = logging.getLogger(__name__)
+# Blocks are multiples of 4 KiB, so every block is a whole number of these words.
+_CANARY_WORD = np.uint64(0xA5C35A3CDEADBEEF)
 
 # Dtypes numpy lacks, which torch stores. Their sizes let us check shapes.
 _EXTRA_ITEMSIZE = {
@@ -56,13 +68,25 @@ class Store:
         block_size: int,
         *,
         clock: Callable[[], float] = time.monotonic,
+        canary: bool = False,
     ) -> None:
         capacity = region.size // block_size
         if capacity < 1:
             raise ValueError(f"region of {region.size} bytes holds no block of {block_size}")
         self._region = region
         self._block_size = block_size
-        self._table = EntryTable(capacity, block_size, clock=clock)
+        self._canary_violations = 0
+        self._canary_words: np.ndarray | None = None
+        if canary:
+            self._canary_words = region.array[: capacity * block_size].view(np.uint64)
+            self._canary_words.fill(_CANARY_WORD)
+        self._table = EntryTable(
+            capacity,
+            block_size,
+            clock=clock,
+            on_free=self._fill_canary if canary else None,
+            on_allocate=self._check_canary if canary else None,
+        )
 
     @property
     def region(self) -> Region:
@@ -84,7 +108,14 @@ class Store:
         return self._table.remove(mm_hash)
 
     def stats(self) -> StoreStats:
-        return self._table.stats()
+        stats = self._table.stats()
+        if self._canary_violations:
+            return msgspec.structs.replace(stats, canary_violations=self._canary_violations)
+        return stats
+
+    @property
+    def canary(self) -> bool:
+        return self._canary_words is not None
 
     # -- writing -------------------------------------------------------------
 
@@ -187,6 +218,32 @@ class Store:
         return digest.intdigest()
 
     # -- internals -----------------------------------------------------------
+
+    def _words(self, run: Run) -> np.ndarray:
+        assert self._canary_words is not None
+        per_block = self._block_size // 8
+        return self._canary_words[run.start * per_block : run.end * per_block]
+
+    def _fill_canary(self, runs: Sequence[Run]) -> None:
+        for run in runs:
+            self._words(run).fill(_CANARY_WORD)
+
+    def _check_canary(self, runs: Sequence[Run]) -> None:
+        for run in runs:
+            changed = np.flatnonzero(self._words(run) != _CANARY_WORD)
+            if changed.size:
+                # Counted before it is logged: the count is what tests and the
+                # fault harness read.
+                self._canary_violations += 1
+                first = run.start + int(changed[0]) * 8 // self._block_size
+                log.error(
+                    "write after free: %d words of blocks %d..%d changed while free "
+                    "(first in block %d)",
+                    changed.size,
+                    run.start,
+                    run.end - 1,
+                    first,
+                )
 
     def _copy_in(self, entry: Entry, src: Bytes) -> None:
         region = self._region.array

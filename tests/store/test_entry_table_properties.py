@@ -80,6 +80,7 @@ class EntryTableMachine(RuleBasedStateMachine):
         return [e for e in self.entries if e.state is not EntryState.FREED]
 
     def protected(self) -> list[Entry]:
+        # ALLOCATED, QUARANTINED, EVICTING or pinned: never evicted.
         return [e for e in self.live() if e.state is not EntryState.READY or e.pins]
 
     def evictable(self) -> list[Entry]:
@@ -171,6 +172,29 @@ class EntryTableMachine(RuleBasedStateMachine):
         else:
             self.table.abort(mm_hash)
             assert entry.state is EntryState.FREED
+
+    @rule(data=st.data())
+    def quarantine(self, data: st.DataObject) -> None:
+        mm_hash = self.pick_hash(data)
+        entry = self.table.get(mm_hash)
+        if entry is None or entry.state is not EntryState.ALLOCATED:
+            return  # the other paths are abort's, with the same guards
+        blocks = blocks_of(entry)
+        self.table.quarantine(mm_hash, expect=entry)
+        assert entry.state is EntryState.QUARANTINED
+        assert self.table.get(mm_hash) is None  # fetchable again, into other blocks
+        assert self.table.stats().quarantined_blocks >= len(blocks)
+
+    @rule(data=st.data())
+    def end_quarantine(self, data: st.DataObject) -> None:
+        held = [e for e in self.live() if e.state is EntryState.QUARANTINED]
+        if not held:
+            return
+        entry = data.draw(st.sampled_from(held), label="quarantined")
+        self.table.release_quarantined(entry)
+        assert entry.state is EntryState.FREED
+        with pytest.raises(IllegalTransition):
+            self.table.release_quarantined(entry)
 
     @rule(data=st.data())
     def remove(self, data: st.DataObject) -> None:

@@ -331,3 +331,49 @@ def test_concurrent_puts_reads_pins_and_removes_keep_invariants(store: Store) ->
     store.table.check_invariants()
     stats = store.stats()
     assert stats.pins == 0 and stats.free_blocks + stats.used_blocks == stats.total_blocks
+
+
+def test_quarantined_blocks_are_never_reused_until_released(region: Region) -> None:
+    store = Store(region, BLOCK, clock=FakeClock(), canary=True)
+    entry = store.allocate("q", 10 * BLOCK)
+    store.table.quarantine("q", expect=entry)
+    assert store.get("q") is None
+    stats = store.stats()
+    assert (stats.quarantined, stats.quarantined_blocks) == (1, 10)
+    # Only the other 54 blocks are free or evictable: quarantined ones are neither.
+    with pytest.raises(StoreFull):
+        store.put("too-big", payload(55 * BLOCK))
+    store.put("other", payload(54 * BLOCK))
+    store.put("more", payload(1))  # evicts "other", never the quarantined blocks
+    assert store.get("other") is None and entry.state is EntryState.QUARANTINED
+    # The same item can be stored again elsewhere meanwhile.
+    store.put("q", payload(BLOCK, seed=1))
+    store.table.release_quarantined(entry)
+    assert entry.state is EntryState.FREED
+    assert store.stats().quarantined_blocks == 0
+    store.table.check_invariants()
+
+
+def test_canary_counts_a_write_into_freed_blocks(region: Region) -> None:
+    store = Store(region, BLOCK, clock=FakeClock(), canary=True)
+    entry = store.put("a", payload(3 * BLOCK))
+    ((off, _n),) = entry.extents
+    store.remove("a")  # blocks back, filled with the pattern
+    region.array[off + 100 : off + 108] = 7  # a late write into freed memory
+    store.put("b", payload(64 * BLOCK, seed=2))  # takes every block, "a"'s among them
+    assert store.stats().canary_violations == 1
+    # Blocks that were left alone pass, and the fresh region passes too.
+    store.remove("b")
+    store.put("c", payload(64 * BLOCK, seed=3))
+    assert store.stats().canary_violations == 1
+
+
+def test_canary_off_by_default_leaves_the_region_alone(region: Region) -> None:
+    store = Store(region, BLOCK, clock=FakeClock())
+    assert not store.canary
+    assert not region.array.any()
+    entry = store.put("a", payload(BLOCK))
+    store.remove("a")
+    ((off, n),) = entry.extents
+    assert np.array_equal(region.array[off : off + n], payload(BLOCK))
+    assert store.stats().canary_violations == 0
