@@ -31,6 +31,7 @@ from vllm.distributed.ec_transfer.ec_connector.metrics import (
 from ecshare.config import ConfigError, load_config
 from ecshare.metrics import is_gauge_key, parse_sample_key
 from ecshare.vllm.ops import StepPlan, StepReport
+from ecshare.vllm.settings import ConnectorSettings, split_extra
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -98,12 +99,14 @@ class ECShareStats(ECConnectorStats):
         return not self.data
 
 
-def config_from_vllm(vllm_config: VllmConfig) -> Any:
-    """The ecshare `Config` from `ec_connector_extra_config` (and ECSHARE_* variables)."""
+def config_from_vllm(vllm_config: VllmConfig) -> tuple[Any, ConnectorSettings]:
+    """The ecshare `Config` from `ec_connector_extra_config` (and ECSHARE_* variables),
+    and the connector's own settings from the same dict (see `settings`)."""
     ec = vllm_config.ec_transfer_config
     extra = dict(ec.ec_connector_extra_config or {}) if ec is not None else {}
+    core, settings = split_extra(extra)
     try:
-        return load_config(extra=extra)
+        return load_config(extra=core), settings
     except ConfigError as exc:
         raise ValueError(f"ecshare: bad ec_connector_extra_config: {exc}") from None
 
@@ -111,7 +114,7 @@ def config_from_vllm(vllm_config: VllmConfig) -> Any:
 class ECShareConnector(ECConnectorBase):
     def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole) -> None:
         super().__init__(vllm_config=vllm_config, role=role)
-        config = config_from_vllm(vllm_config)
+        config, settings = config_from_vllm(vllm_config)
         ec = vllm_config.ec_transfer_config
         assert ec is not None
         self._scheduler: SchedulerSide | None = None
@@ -120,7 +123,11 @@ class ECShareConnector(ECConnectorBase):
             from ecshare.vllm.scheduler_side import SchedulerSide
 
             self._scheduler = SchedulerSide(
-                vllm_config, config, produce=ec.is_ec_producer, consume=ec.is_ec_consumer
+                vllm_config,
+                config,
+                produce=ec.is_ec_producer,
+                consume=ec.is_ec_consumer,
+                settings=settings,
             )
         else:
             from ecshare.vllm.worker_side import WorkerSide
@@ -145,6 +152,11 @@ class ECShareConnector(ECConnectorBase):
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
         if self._worker is not None:
             self._worker.load(encoder_cache)
+
+    def start_save_caches(self, **kwargs: Any) -> None:
+        encoder_cache = kwargs.get("encoder_cache")
+        if self._worker is not None and isinstance(encoder_cache, dict):
+            self._worker.start_save(encoder_cache)
 
     def save_caches(
         self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any
@@ -178,7 +190,7 @@ class ECShareConnector(ECConnectorBase):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
         assert self._scheduler is not None
-        return ECShareMetadata(self._scheduler.build_plan())
+        return ECShareMetadata(self._scheduler.build_plan(scheduler_output))
 
     def update_connector_output(self, connector_output: ECConnectorOutput) -> None:
         assert self._scheduler is not None

@@ -38,6 +38,20 @@ COUNTERS = {
     "saved_bytes": "Bytes of encoder output stored in the region.",
     "save_failed": "Encoder outputs the workers failed to store.",
     "save_skipped": "Encoder outputs not stored (region full, or too large).",
+    "save_abandoned": "Saves given up because no worker report came within lease_s.",
+    "saves_from_cache": "Items stored again from the engine's own encoder cache "
+    "(it did not encode them again, and the region had lost them).",
+    "stale_reports": "Worker reports naming a save no longer in flight (ignored).",
+    "local_encodes": "Items a consuming instance encoded itself (not found in its region).",
+    "peer_refused": "Fetches refused because the params named a producer not in "
+    "trusted_producers.",
+    "size_mismatch": "Items whose params or fetched entry did not match the shape and dtype "
+    "the model expects (not used; the item is encoded locally).",
+    "fetch_region_full": "Fetches refused by the region's admission: no room without "
+    "evicting what waiting requests hold.",
+    "fetches_abandoned": "Fetches whose every waiting request ended (aborted) before they did.",
+    "fetches_overdue": "Fetches the consumer never settled (its network thread may have died).",
+    "pins_reaped": "Pins reaped after their lease ran out (a lost release).",
 }
 HISTOGRAMS = {
     "fetch_latency_s": (

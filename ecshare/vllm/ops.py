@@ -2,6 +2,12 @@
 
 These travel inside vLLM's scheduler output and model runner output, so they
 are plain picklable values: region-relative extents, never pointers.
+
+Every planned copy carries a grant id of its own, and the workers report by
+that id, never by mm_hash alone: with async scheduling the plan of step N+1 is
+built before the report of step N arrives, and the same mm_hash can be loaded
+(or saved again, after an abandoned save) in both. A report releases exactly
+the pin, or commits exactly the entry, that its own plan named.
 """
 
 from __future__ import annotations
@@ -29,8 +35,14 @@ class TransferParam(msgspec.Struct, frozen=True, kw_only=True):
 
 @dataclass(frozen=True)
 class SaveOp:
-    """Copy the encoder output of `mm_hash` into these region extents."""
+    """Copy the encoder output of `mm_hash` into these region extents; report as `grant`.
 
+    The output is either encoded in this step (`save_caches`) or already in the
+    engine's encoder cache when the step starts (`start_save_caches`: an item the
+    engine did not encode again, whose region entry had been evicted).
+    """
+
+    grant: str
     mm_hash: str
     extents: tuple[tuple[int, int], ...]
     nbytes: int
@@ -38,8 +50,13 @@ class SaveOp:
 
 @dataclass(frozen=True)
 class LoadOp:
-    """Build the encoder cache entry of `mm_hash` from these region extents."""
+    """Build the encoder cache entry of `mm_hash` from these region extents; report as `grant`.
 
+    `grant` names the pin that keeps the extents' blocks from reuse until the
+    workers report this very copy done.
+    """
+
+    grant: str
     mm_hash: str
     extents: tuple[tuple[int, int], ...]
     nbytes: int
@@ -67,12 +84,12 @@ class StepPlan:
 
 @dataclass
 class StepReport:
-    """One step's results from the workers, merged across workers."""
+    """One step's results from the workers, merged across workers, keyed by grant id."""
 
     saved: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)  # dtype, shape
-    save_failed: dict[str, str] = field(default_factory=dict)
+    save_failed: dict[str, str] = field(default_factory=dict)  # grant -> why
     loaded: set[str] = field(default_factory=set)
-    load_failed: dict[str, str] = field(default_factory=dict)
+    load_failed: dict[str, str] = field(default_factory=dict)  # grant -> why
     counters: dict[str, float] = field(default_factory=dict)
 
     def merge(self, other: StepReport) -> StepReport:

@@ -14,6 +14,11 @@ The scheduler side binds a PULL socket in Linux's abstract socket namespace
 connect to it, so every message starts with a random token that travels only
 inside the step plan, on vLLM's own scheduler-to-worker channel; anything else
 is dropped and counted.
+
+`ReportListener` receives them on a thread of its own and applies each one as
+it arrives: an encode-only instance goes idle as soon as its last request
+finishes, and its last reports must still be applied, with no engine step to
+apply them in.
 """
 
 from __future__ import annotations
@@ -21,8 +26,10 @@ from __future__ import annotations
 import hmac
 import logging
 import secrets
+import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -76,6 +83,35 @@ class ReportInbox:
     def close(self) -> None:
         self._socket.close(linger=0)
         self._context.term()
+
+
+class ReportListener:
+    """A thread that receives reports and hands each one to `apply`, engine step or not."""
+
+    def __init__(self, apply: Callable[[StepReport], None]) -> None:
+        self._apply = apply
+        self._inbox = ReportInbox()
+        self.route = self._inbox.route
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ecshare-reports", daemon=True)
+        self._thread.start()
+
+    @property
+    def dropped(self) -> int:
+        return self._inbox.dropped
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for report in self._inbox.receive(timeout_s=0.1):
+                try:
+                    self._apply(report)
+                except Exception:  # one bad report must not end the listener
+                    log.exception("ecshare: applying a worker report failed")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+        self._inbox.close()
 
 
 class ReportOutbox:

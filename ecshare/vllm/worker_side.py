@@ -40,6 +40,8 @@ class WorkerSide:
         self._plan: StepPlan | None = None
         self._report = StepReport()
         self._outbox: ReportOutbox | None = None
+        self._saves_done: set[str] = set()  # grants of this step's plan already copied
+        self.reports_sent = 0  # on the side channel (see `reports`)
 
     # -- per step ----------------------------------------------------------------------------
 
@@ -50,6 +52,7 @@ class WorkerSide:
 
     def clear(self) -> None:
         self._plan = None
+        self._saves_done = set()
 
     def take_report(self) -> StepReport | None:
         report, self._report = self._report, StepReport()
@@ -58,11 +61,13 @@ class WorkerSide:
     def finish_step(self) -> StepReport | None:
         """The step's report for vLLM's worker metadata, or None when there is none
         or the plan asked for it on the side channel (see `reports`)."""
+        self._report_unsaved()
         report = self.take_report()
         route = self._plan.report_to if self._plan is not None else None
         if report is None or route is None:
             return report
         self._outbox_for(route).send(report)
+        self.reports_sent += 1
         return None
 
     def _outbox_for(self, route: ReportRoute) -> ReportOutbox:
@@ -81,25 +86,53 @@ class WorkerSide:
 
     # -- saving ------------------------------------------------------------------------------
 
+    def start_save(self, encoder_cache: dict[str, torch.Tensor]) -> None:
+        """Before the step's encoder runs: copy planned items the encoder cache already holds.
+
+        The engine does not encode an item its own encoder cache still holds, so
+        `save_caches` never fires for it; when the scheduler found such an item
+        missing from the region, it planned its save, and the copy happens here.
+        """
+        if not self._writer or self._plan is None:
+            return
+        for mm_hash, op in self._plan.saves.items():
+            tensor = encoder_cache.get(mm_hash)
+            if tensor is not None:
+                self._save(op, tensor)
+
     def save(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str) -> None:
         if not self._writer or self._plan is None:
             return
         op = self._plan.saves.get(mm_hash)
         tensor = encoder_cache.get(mm_hash)
-        if op is None or tensor is None:
+        if op is None or tensor is None or op.grant in self._saves_done:
             return
+        self._save(op, tensor)
+
+    def _save(self, op: SaveOp, tensor: torch.Tensor) -> None:
+        self._saves_done.add(op.grant)
         start = time.perf_counter()
         try:
             self._copy_in(op, tensor)
         except Exception as exc:  # reported, so the scheduler frees the entry
-            log.warning("ecshare: saving %s failed: %s", mm_hash, exc)
-            self._report.save_failed[mm_hash] = str(exc)[:500]
+            log.warning("ecshare: saving %s failed: %s", op.mm_hash, exc)
+            self._report.save_failed[op.grant] = str(exc)[:500]
             return
-        self._report.saved[mm_hash] = (
+        self._report.saved[op.grant] = (
             str(tensor.dtype).removeprefix("torch."),
             tuple(tensor.shape),
         )
         self._add("save_seconds", time.perf_counter() - start)
+
+    def _report_unsaved(self) -> None:
+        """A planned save with no encoder output by the step's end failed: say so now,
+        so that its entry is freed at once rather than a lease later."""
+        if not self._writer or self._plan is None:
+            return
+        for op in self._plan.saves.values():
+            if op.grant not in self._saves_done:
+                self._saves_done.add(op.grant)
+                self._report.save_failed[op.grant] = "no encoder output for it in this step"
 
     def _copy_in(self, op: SaveOp, tensor: torch.Tensor) -> None:
         assert self._region is not None
@@ -123,16 +156,16 @@ class WorkerSide:
             return
         for op in self._plan.loads:
             if op.mm_hash in encoder_cache:
-                self._report.loaded.add(op.mm_hash)
+                self._report.loaded.add(op.grant)
                 continue
             start = time.perf_counter()
             try:
                 encoder_cache[op.mm_hash] = self._copy_out(op)
             except Exception as exc:
-                log.warning("ecshare: loading %s failed: %s", op.mm_hash, exc)
-                self._report.load_failed[op.mm_hash] = str(exc)[:500]
+                log.error("ecshare: loading %s failed: %s", op.mm_hash, exc)
+                self._report.load_failed[op.grant] = str(exc)[:500]
                 continue
-            self._report.loaded.add(op.mm_hash)
+            self._report.loaded.add(op.grant)
             self._add("load_seconds", time.perf_counter() - start)
 
     def _copy_out(self, op: LoadOp) -> torch.Tensor:

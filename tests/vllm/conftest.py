@@ -244,20 +244,36 @@ class EC:
         encoder_outputs: dict[str, torch.Tensor] | None = None,
         *,
         report: bool = True,
+        cached: dict[str, torch.Tensor] | None = None,
     ) -> Step:
         """schedule(), the workers' part, update_from_output(): one engine step.
 
         The model runner is replaced by what it does around the connector:
-        bind the plan, load planned entries into the encoder cache, "encode"
-        each scheduled encoder input (the tensor given in `encoder_outputs`)
-        and hand it to `save_caches`. With `report=False` the step stops
-        there, before the workers report (`finish_step` does the rest).
+        bind the plan, offer the encoder cache to `start_save_caches` (it holds
+        `cached`, what the engine's encoder cache kept from earlier steps), load
+        planned entries into it, "encode" each scheduled encoder input (the
+        tensor given in `encoder_outputs`) and hand it to `save_caches`. With
+        `report=False` the step stops there, before the workers report
+        (`finish_step` does the rest).
         """
         out = scheduler.schedule()
+        return self.run_workers(scheduler, out, encoder_outputs, report=report, cached=cached)
+
+    def run_workers(
+        self,
+        scheduler: Scheduler,
+        out: SchedulerOutput,
+        encoder_outputs: dict[str, torch.Tensor] | None = None,
+        *,
+        report: bool = True,
+        cached: dict[str, torch.Tensor] | None = None,
+    ) -> Step:
+        """The workers' part of a step already scheduled (see `step`)."""
         plan = out.ec_connector_metadata.plan
         worker = self._workers[id(scheduler)]
-        cache: dict[str, torch.Tensor] = {}
+        cache: dict[str, torch.Tensor] = dict(cached or {})
         worker.bind(plan)
+        worker.start_save(cache)
         worker.load(cache)
         for req_id, indices in out.scheduled_encoder_inputs.items():
             request = scheduler.requests[req_id]
@@ -273,10 +289,13 @@ class EC:
     def finish_step(self, scheduler: Scheduler, step: Step) -> None:
         """The workers report (as `build_connector_worker_meta` does), then update_from_output()."""
         worker = self._workers[id(scheduler)]
+        sent = worker.reports_sent
         step.worker_report = worker.finish_step()
         worker.clear()
         ids = list(step.out.num_scheduled_tokens)
         encode_only = scheduler.is_mm_encoder_only
+        if worker.reports_sent > sent:
+            self.await_saves(scheduler, step)
         ec_output = None
         # vLLM's runner drops the EC output of an encode-only step; its workers
         # report on ecshare's side channel instead (see ecshare.vllm.reports).
@@ -295,6 +314,20 @@ class EC:
             stats = eco.scheduler_stats
             if stats is not None and stats.ec_connector_stats:
                 self.stats[id(scheduler)].append(dict(stats.ec_connector_stats))
+
+    def await_saves(self, scheduler: Scheduler, step: Step, timeout_s: float = 10.0) -> None:
+        """Until the report listener has applied the step's saves (encode-only instances).
+
+        The workers send their report before the step returns, so in serving it is
+        nearly always applied before the request finishes; waiting here makes the
+        tests see that usual order. (`test_finished_request_never_waits_for_a_late_report`
+        covers the other.)
+        """
+        side = self.side(scheduler)
+        deadline = time.monotonic() + timeout_s
+        while any(side.saving(h) for h in step.plan.saves):
+            assert time.monotonic() < deadline, "the report listener applied nothing"
+            time.sleep(0.001)
 
     def step_until(
         self,

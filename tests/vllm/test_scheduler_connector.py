@@ -112,7 +112,7 @@ def test_entry_ready_only_after_worker_reports_copy(ec: EC) -> None:
     assert done is not None and set(done.ec_transfer_params or {}) == {"h-ready"}
 
 
-def test_failed_worker_copy_withdraws_params_and_frees_blocks(
+def test_failed_worker_copy_is_not_announced_and_frees_blocks(
     ec: EC, caplog: pytest.LogCaptureFixture
 ) -> None:
     producer = ec.scheduler("ec_producer")
@@ -130,7 +130,7 @@ def test_failed_worker_copy_withdraws_params_and_frees_blocks(
     assert "h-bad" not in (done.ec_transfer_params or {})
     assert store.get("h-bad") is None
     assert store.stats().free_blocks == free_before
-    assert any("h-bad" in r.getMessage() and "withdrawn" in r.getMessage() for r in caplog.records)
+    assert any("h-bad" in r.getMessage() and "not stored" in r.getMessage() for r in caplog.records)
 
 
 def test_copy_never_reported_is_abandoned_after_a_lease_and_frees_its_blocks(
@@ -191,16 +191,23 @@ def test_consumer_defers_until_fetched_then_loads_byte_exact(ec: EC, dtype: torc
 def test_has_cache_item_only_for_ready_local_entries(ec: EC) -> None:
     scheduler = ec.scheduler("ec_consumer")
     consumer = ec.connector(scheduler)
-    store = ec.side(scheduler).store
+    side = ec.side(scheduler)
+    store = side.store
     meta = EntryMeta(dtype="float32", shape=(8, HIDDEN))
 
-    assert not consumer.has_cache_item("h-local")
+    def present(h: str) -> bool:
+        found = consumer.has_cache_item(h)
+        side.build_plan()  # the step ends: a probe no load took is released
+        return found
+
+    assert not present("h-local")
     entry = store.allocate("h-local", 8 * HIDDEN * 4, meta)
-    assert not consumer.has_cache_item("h-local")  # ALLOCATED: still being written
+    assert not present("h-local")  # ALLOCATED: still being written
     store.commit(entry)
-    assert consumer.has_cache_item("h-local")
+    assert present("h-local")
+    assert store.stats().pins == 0
     store.remove("h-local")
-    assert not consumer.has_cache_item("h-local")
+    assert not present("h-local")
 
     # An encoder-only instance always encodes what it serves.
     producer = ec.scheduler("ec_producer")
@@ -359,8 +366,11 @@ def test_load_pin_released_once_worker_reports_load(ec: EC) -> None:
 
     step, _ = ec.step_until(consumer, lambda s: "c1" in s.scheduled, report=False)
     assert "h-pin" in step.encoder_cache  # the workers have copied it ...
-    assert store.stats().pins == 1  # ... but the scheduler holds the pin until they say so
+    # ... but the load's pin and the request's hold stay until they say so.
+    assert store.stats().pins == 2
 
     ec.finish_step(consumer, step)
-    assert step.worker_report is not None and step.worker_report.loaded == {"h-pin"}
+    # Reported by the load's own grant, never by mm_hash alone.
+    assert step.worker_report is not None
+    assert step.worker_report.loaded == {op.grant for op in step.plan.loads}
     assert store.stats().pins == 0

@@ -1,0 +1,129 @@
+"""The producer's saves in flight: ALLOCATED entries the workers are filling. Thread-safe.
+
+    planned (ALLOCATED, grant g) --report saved[g]--> READY (announced from then on)
+                    |            --report save_failed[g]--> freed
+                    \\--no report within lease_s--> freed (save_abandoned)
+
+Each save has a grant id of its own, and only a report naming that grant
+commits or frees it: a late report of an abandoned save finds nothing, even if
+the same mm_hash is being saved again under a new grant.
+
+Reports arrive on the scheduler thread (`update_connector_output`) or, on an
+encode-only instance, on the report listener's thread the moment the workers
+send them, whether the engine steps again or not (see `reports`). So a request
+that finishes never waits for its report: an item whose copy ran in a step
+that has completed is announced at once; a consumer that asks before the
+commit lands is told NOT_READY and retries; a copy that failed after all is
+not granted, and that consumer encodes the item itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from ecshare.config import Config
+from ecshare.store import Entry, EntryExists, EntryMeta, EntryState, NotFound, Store, StoreFull
+from ecshare.vllm.ops import SaveOp, StepReport
+from ecshare.vllm.tally import Tally
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Save:
+    mm_hash: str
+    entry: Entry
+    give_up_at: float
+
+
+class SaveBook:
+    def __init__(self, store: Store, config: Config, tally: Tally) -> None:
+        self._store = store
+        self._config = config
+        self._tally = tally
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._pending: dict[str, _Save] = {}  # grant -> save, oldest first
+        self._by_hash: dict[str, str] = {}  # mm_hash -> grant of its save in flight
+
+    def saving(self, mm_hash: str) -> Entry | None:
+        """The ALLOCATED entry being filled for `mm_hash`, if a save of it is in flight."""
+        with self._lock:
+            grant = self._by_hash.get(mm_hash)
+            return None if grant is None else self._pending[grant].entry
+
+    def plan(self, mm_hash: str, meta: EntryMeta, nbytes: int) -> SaveOp | None:
+        """Reserve an entry for the encoder output of `mm_hash`; None if stored, being
+        stored, or there is no room (counted as save_skipped)."""
+        with self._lock:
+            if mm_hash in self._by_hash or self._store.get(mm_hash) is not None:
+                return None
+            try:
+                entry = self._store.allocate(mm_hash, nbytes, meta)
+            except (StoreFull, EntryExists, ValueError) as exc:
+                self._tally.add("save_skipped")
+                log.warning("ecshare: not saving %s: %s", mm_hash, exc)
+                return None
+            grant = f"save-{next(self._ids)}"
+            self._pending[grant] = _Save(mm_hash, entry, time.monotonic() + self._config.lease_s)
+            self._by_hash[mm_hash] = grant
+        return SaveOp(grant, mm_hash, tuple(entry.byte_extents(self._store.block_size)), nbytes)
+
+    def apply(self, report: StepReport) -> None:
+        """Commit the saves the workers finished, free the ones that failed."""
+        for grant, (dtype, shape) in report.saved.items():
+            save = self._pop(grant)
+            if save is None:
+                self._tally.add("stale_reports")
+                continue
+            entry = save.entry
+            if (dtype, tuple(shape)) != (entry.meta.dtype, tuple(entry.meta.shape)):
+                self._free(save, f"worker saved {dtype}{list(shape)}")
+                continue
+            checksum = self._store.checksum(entry) if self._config.checksum != "none" else None
+            self._store.table.commit(save.mm_hash, expect=entry, checksum=checksum)
+            self._tally.add("saved_items")
+            self._tally.add("saved_bytes", entry.nbytes)
+        for grant, why in report.save_failed.items():
+            save = self._pop(grant)
+            if save is None:
+                self._tally.add("stale_reports")
+                continue
+            self._free(save, why)
+            self._tally.add("save_failed")
+
+    def abandon_overdue(self, now: float) -> None:
+        """Free the entries of copies the workers never reported, a lease after they began.
+
+        A report comes at the end of the step that made the copy; one missing for a whole
+        lease is lost (a worker that died, a dropped message), and without this its
+        ALLOCATED entry would hold its blocks for good.
+        """
+        while True:
+            with self._lock:
+                if not self._pending:
+                    return
+                grant, save = next(iter(self._pending.items()))
+                if save.give_up_at > now:
+                    return  # oldest first: the rest began later
+            if self._pop(grant) is not None:
+                self._free(save, f"no worker report within lease_s ({self._config.lease_s:g} s)")
+                self._tally.add("save_abandoned")
+
+    def _pop(self, grant: str) -> _Save | None:
+        with self._lock:
+            save = self._pending.pop(grant, None)
+            if save is not None and self._by_hash.get(save.mm_hash) == grant:
+                del self._by_hash[save.mm_hash]
+            return save
+
+    def _free(self, save: _Save, why: str) -> None:
+        log.warning("ecshare: encoder output %s not stored (%s)", save.mm_hash, why)
+        if save.entry.state is EntryState.ALLOCATED:
+            with contextlib.suppress(NotFound):  # already freed: nothing of ours is left
+                self._store.abort(save.entry)
