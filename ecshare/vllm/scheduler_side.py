@@ -64,9 +64,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Leases of the engine's pins: only a safety net, as each is released by a report or a
-# request's end. Holds are renewed while their request lives, so a long queue wait is fine.
-_LOAD_LEASE_S = 120.0
+# Leases of the engine's pins are only a safety net, as each is released by a report or a
+# request's end. Loads take `lease_s`; holds are renewed while their request lives, so a
+# long queue wait is fine.
 _HOLD_LEASE_S = 60.0
 _RENEW_EVERY_S = _HOLD_LEASE_S / 4
 _TORCH_ITEMSIZE = {
@@ -193,7 +193,7 @@ class SchedulerSide:
             return False  # an encoder-only instance always encodes what it serves
         if self._pins.probed(identifier):
             return True
-        pinned = self._pins.pin(identifier, "probe", _LOAD_LEASE_S)
+        pinned = self._pins.pin(identifier, "probe", self._config.lease_s)
         if pinned is None:
             return False
         grant, entry = pinned
@@ -423,7 +423,7 @@ class SchedulerSide:
             self._plan_save(h, feature)
 
     def _plan_load(self, rid: str, h: str, grant: str) -> None:
-        self._pins.renew(grant, _LOAD_LEASE_S)
+        self._pins.renew(grant, self._config.lease_s)
         entry = self._pins.entry(grant)
         assert entry is not None  # pinned since has_cache_item: never evicted
         self._loads[grant] = (rid, h)

@@ -36,6 +36,7 @@ from vllm.multimodal.inputs import (
     PlaceholderRange,
 )
 from vllm.sampling_params import SamplingParams
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
@@ -134,8 +135,13 @@ class EC:
         *,
         dtype: str = "float32",
         extra: dict[str, Any] | None = None,
+        max_num_seqs: int = 4,
+        kv_blocks: int = 256,
+        async_scheduling: bool = False,
         **overrides: Any,
     ) -> Scheduler:
+        """A Scheduler with the connector in `role`; `kv_blocks` blocks of BLOCK tokens of
+        KV cache (one is vLLM's null block); with `async_scheduling`, vLLM's AsyncScheduler."""
         ec = ECTransferConfig(
             ec_connector="ECShareConnector",
             ec_connector_module_path="ecshare.vllm",
@@ -151,11 +157,12 @@ class EC:
                 enforce_eager=True,
             ),
             scheduler_config=SchedulerConfig(
-                max_num_seqs=4,
+                max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=1024,
                 max_model_len=1024,
                 enable_chunked_prefill=True,
                 is_encoder_decoder=False,
+                async_scheduling=async_scheduling,
             ),
             cache_config=CacheConfig(
                 block_size=BLOCK, cache_dtype="auto", enable_prefix_caching=False
@@ -164,7 +171,7 @@ class EC:
         )
         # No model runner measures the KV cache here: give it a fixed one.
         kv_cache_config = KVCacheConfig(
-            num_blocks=256,
+            num_blocks=kv_blocks,
             kv_cache_tensors=[],
             kv_cache_groups=[
                 KVCacheGroupSpec(
@@ -175,8 +182,9 @@ class EC:
                 )
             ],
         )
-        vllm_config.cache_config.num_gpu_blocks = 256
-        scheduler = Scheduler(
+        vllm_config.cache_config.num_gpu_blocks = kv_blocks
+        scheduler_cls = AsyncScheduler if async_scheduling else Scheduler
+        scheduler = scheduler_cls(
             vllm_config=vllm_config,
             kv_cache_config=kv_cache_config,
             structured_output_manager=StructuredOutputManager(vllm_config),
@@ -208,7 +216,7 @@ class EC:
         request_id: str,
         mm_hash: str,
         *,
-        params: dict[str, Any] | None = None,
+        params: object = None,
         media: bool = True,
         num_embeds: int = 12,
         max_tokens: int = 2,
@@ -217,6 +225,7 @@ class EC:
 
         `media=False` is a request whose item has no data to encode from (its
         `MultiModalFeatureSpec.data` is None), as when only embeddings are expected.
+        `params` reaches the connector as given, as a client's `vllm_xargs` would.
         """
         feature = MultiModalFeatureSpec(
             data=MultiModalKwargsItem.dummy() if media else None,
