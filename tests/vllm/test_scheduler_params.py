@@ -1,0 +1,196 @@
+"""What a request's `ec_transfer_params` can and cannot make a consumer do (real Schedulers).
+
+A client controls the request body, so the params are hostile input: a peer
+outside `trusted_producers` is never contacted, malformed params never crash
+the engine, and an entry whose shape is not what the model computes for the
+item is never handed to the model, whoever claimed what. Each of these ends
+in local encoding, counted. And a fetch that a dead consumer thread never
+settles ends too.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from typing import Any
+
+import pytest
+import torch
+from conftest import EC, HIDDEN
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from ecshare.vllm import ECShareConnector, ECShareStats
+
+QUICK_FAILURE = {
+    "handshake_timeout_s": 0.3,
+    "request_timeout_s": 0.3,
+    "fetch_deadline_base_s": 0.5,
+    "fetch_deadline_max_s": 1.0,
+}
+
+
+def embedding(rows: int = 12) -> torch.Tensor:
+    return torch.randn(rows, HIDDEN)
+
+
+def totals(ec: EC, scheduler: Scheduler) -> dict[str, Any]:
+    stats = ECShareStats(data={})
+    for sample in ec.stats[id(scheduler)]:
+        stats.aggregate(ECShareConnector.build_ec_connector_stats(sample))
+    return stats.reduce()
+
+
+def run_until_done(
+    ec: EC, scheduler: Scheduler, request_id: str, outputs: dict[str, torch.Tensor]
+) -> dict[str, int]:
+    """Step until the request finishes; how often its item was encoded vs loaded."""
+    (mm_hash,) = [f.identifier for f in scheduler.requests[request_id].mm_features]
+    return run_all(ec, scheduler, {request_id: mm_hash}, outputs)[request_id]
+
+
+def run_all(
+    ec: EC, scheduler: Scheduler, items: dict[str, str], outputs: dict[str, torch.Tensor]
+) -> dict[str, dict[str, int]]:
+    """Step until every request (id -> its item) finishes; per request, encoded vs loaded."""
+    seen = {r: {"encoded": 0, "loaded": 0} for r in items}
+    running = set(items)
+    deadline = time.monotonic() + 15
+    while running:
+        step = ec.step(scheduler, outputs)
+        for r, mm_hash in items.items():
+            seen[r]["encoded"] += len(step.out.scheduled_encoder_inputs.get(r, []))
+            if r in step.scheduled:
+                seen[r]["loaded"] += sum(op.mm_hash == mm_hash for op in step.plan.loads)
+            if step.finished(r) is not None:
+                running.discard(r)
+        assert time.monotonic() < deadline, f"{sorted(running)} never finished"
+        time.sleep(0.002)
+    return seen
+
+
+# -- peers -----------------------------------------------------------------------------------
+
+
+def test_untrusted_producer_in_params_is_refused_and_counted(ec: EC) -> None:
+    producer = ec.scheduler("ec_producer")
+    trusted = ec.side(producer).producer
+    assert trusted is not None
+    consumer = ec.scheduler("ec_consumer", trusted_producers=[trusted.address])
+    emb = embedding()
+    params = ec.encode(producer, "p1", "h-trusted", emb)
+    with socket.socket() as trap:  # where a forged peer points: nothing may connect
+        trap.bind(("127.0.0.1", 0))
+        trap.listen()
+        trap.settimeout(0.5)
+        forged = {
+            "h-forged": {**params["h-trusted"], "peer": f"tcp://127.0.0.1:{trap.getsockname()[1]}"}
+        }
+        consumer.add_request(ec.request("c1", "h-trusted", params=params))
+        consumer.add_request(ec.request("c2", "h-forged", params=forged))
+
+        seen = run_all(
+            ec, consumer, {"c1": "h-trusted", "c2": "h-forged"}, {"h-forged": embedding()}
+        )
+
+        with pytest.raises(TimeoutError):
+            trap.accept()
+    assert seen["c1"] == {"encoded": 0, "loaded": 1}
+    assert seen["c2"]["encoded"] == 1
+    counts = totals(ec, consumer)
+    assert counts["peer_refused"] == 1
+    assert counts["fetches_started"] == 1
+    assert counts["local_encode_fallbacks"] == 1
+
+
+def test_trusted_producers_must_be_endpoints(ec: EC) -> None:
+    ec.scheduler("ec_consumer", trusted_producers=["tcp://10.0.0.5:5555", "tcp://enc-0:7000"])
+    with pytest.raises(ValueError, match="list of producer endpoints"):
+        ec.scheduler("ec_consumer", trusted_producers=["http://example.com/"])
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        "not an object",
+        ["h-bad"],
+        {"h-bad": "not an object"},
+        {"h-bad": {"peer": 5, "fingerprint": None}},
+        {"h-bad": {"peer": "tcp://127.0.0.1:1", "fingerprint": "x", "nbytes": -1}},
+    ],
+    ids=["string", "list", "item_string", "item_wrong_types", "wrong_fingerprint"],
+)
+def test_malformed_params_are_counted_and_the_item_encoded_locally(ec: EC, params: object) -> None:
+    consumer = ec.scheduler("ec_consumer")
+    consumer.add_request(ec.request("c1", "h-bad", params=params))
+
+    seen = run_until_done(ec, consumer, "c1", {"h-bad": embedding()})
+
+    assert seen == {"encoded": 1, "loaded": 0}
+    counts = totals(ec, consumer)
+    assert counts["params_unusable"] == 1
+    assert "fetches_started" not in counts
+
+
+# -- sizes -----------------------------------------------------------------------------------
+
+
+def test_local_entry_of_the_wrong_size_is_never_loaded(ec: EC) -> None:
+    consumer = ec.scheduler("ec_consumer")
+    side = ec.side(consumer)
+    side.store.put("h-size", embedding(rows=11))  # the placeholder has 12 embeddings
+    consumer.add_request(ec.request("c1", "h-size"))
+
+    seen = run_until_done(ec, consumer, "c1", {"h-size": embedding()})
+
+    assert seen == {"encoded": 1, "loaded": 0}
+    assert side.store.get("h-size") is None  # wrong for everyone: removed
+    assert totals(ec, consumer)["size_mismatch"] == 1
+
+
+@pytest.mark.parametrize("lie", ["params_name_another_shape", "producer_holds_another_shape"])
+def test_fetch_of_the_wrong_size_is_never_loaded(ec: EC, lie: str) -> None:
+    producer = ec.scheduler("ec_producer")
+    consumer = ec.scheduler("ec_consumer")
+    if lie == "params_name_another_shape":
+        params = ec.encode(producer, "p1", "h-size", embedding())
+        params["h-size"] = {**params["h-size"], "shape": [11, HIDDEN], "nbytes": 11 * HIDDEN * 4}
+    else:
+        params = ec.encode(producer, "p1", "h-size", embedding(rows=11))
+        params["h-size"] = {**params["h-size"], "shape": [12, HIDDEN], "nbytes": 12 * HIDDEN * 4}
+    consumer.add_request(ec.request("c1", "h-size", params=params))
+
+    seen = run_until_done(ec, consumer, "c1", {"h-size": embedding()})
+
+    assert seen == {"encoded": 1, "loaded": 0}
+    assert ec.side(consumer).store.get("h-size") is None
+    assert totals(ec, consumer)["size_mismatch"] == 1
+
+
+# -- a consumer that stops answering -----------------------------------------------------------
+
+
+def test_fetch_a_dead_consumer_thread_never_settles_ends_in_local_encoding(
+    ec: EC, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    producer = ec.scheduler("ec_producer")
+    consumer = ec.scheduler("ec_consumer", **QUICK_FAILURE)
+    side = ec.side(consumer)
+    assert side.consumer is not None
+    params = ec.encode(producer, "p1", "h-dead", embedding())
+
+    def crash(*_: object) -> None:
+        raise RuntimeError("injected: the consumer's network thread dies")
+
+    # A fault injected into the real Consumer: its loop raises, and its thread ends.
+    monkeypatch.setattr(side.consumer, "_step", crash)
+    time.sleep(0.3)  # the loop wakes at least every 0.1 s
+    consumer.add_request(ec.request("c1", "h-dead", params=params))
+
+    started = time.monotonic()
+    seen = run_until_done(ec, consumer, "c1", {"h-dead": embedding()})
+
+    assert seen == {"encoded": 1, "loaded": 0}
+    assert time.monotonic() - started < 10
+    counts = totals(ec, consumer)
+    assert counts["local_encode_fallbacks"] == 1
+    assert counts["fetch_failed"] == 1

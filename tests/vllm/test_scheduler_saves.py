@@ -1,0 +1,133 @@
+"""The producer's saves, in real vLLM Schedulers of encode-only instances (see conftest.py).
+
+A finished request never waits for its workers' report; a report is applied
+the moment it arrives, engine step or not, and only to the save it names; and
+an item the engine served from its own encoder cache is stored and announced
+again when the region had lost it. Reports travel on the real side channel
+(`ecshare.vllm.reports`), as they do from vLLM's workers.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from conftest import EC, HIDDEN
+
+from ecshare.store import Entry, EntryState, Store
+from ecshare.vllm.ops import StepPlan, StepReport
+from ecshare.vllm.reports import ReportOutbox
+
+
+def embedding(rows: int = 12) -> torch.Tensor:
+    return torch.randn(rows, HIDDEN)
+
+
+def as_bytes(tensor: torch.Tensor) -> bytes:
+    return tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def stored(store: Store, entry: Entry) -> bytes:
+    return b"".join(bytes(v) for v in store.views(entry))
+
+
+def wait_for(predicate: Any, what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what} not within {timeout_s} s"
+        time.sleep(0.002)
+
+
+def send(plan: StepPlan, report: StepReport) -> None:
+    """Send `report` where `plan` tells the workers to, as a worker does."""
+    assert plan.report_to is not None
+    outbox = ReportOutbox(plan.report_to)
+    try:
+        outbox.send(report)
+    finally:
+        time.sleep(0.05)  # ZMQ hands the message on before the socket goes
+        outbox.close()
+
+
+def test_finished_request_never_waits_for_a_late_report(ec: EC) -> None:
+    producer = ec.scheduler("ec_producer", request_timeout_s=2.0)
+    store = ec.side(producer).store
+    emb = embedding()
+    producer.add_request(ec.request("p1", "h-late", max_tokens=1))
+    step = ec.step(producer, {"h-late": emb}, report=False)
+    late = ec.worker(producer).take_report()  # the report is late: still on its way
+    assert late is not None
+
+    started = time.monotonic()
+    ec.finish_step(producer, step)  # the request finishes now
+    elapsed = time.monotonic() - started
+
+    assert elapsed < 0.5, f"the scheduler waited {elapsed:.2f} s for a worker report"
+    done = step.finished("p1")
+    assert done is not None and set(done.ec_transfer_params or {}) == {"h-late"}
+    entry = store.get("h-late")
+    assert entry is not None and entry.state is EntryState.ALLOCATED
+    # The report lands with no further engine step (the engine may well be idle now).
+    send(step.plan, late)
+    wait_for(lambda: entry.state is EntryState.READY, "the commit")
+    assert stored(store, entry) == as_bytes(emb)
+
+
+def test_late_report_of_an_abandoned_save_never_commits_a_new_one(ec: EC) -> None:
+    timing = {
+        "lease_s": 0.5,
+        "fetch_deadline_base_s": 0.3,
+        "fetch_deadline_max_s": 0.4,
+        "request_timeout_s": 0.2,
+    }
+    producer = ec.scheduler("ec_producer", **timing)
+    side = ec.side(producer)
+    producer.add_request(ec.request("p1", "h-again", max_tokens=1))
+    step = ec.step(producer, {"h-again": embedding()}, report=False)
+    late = ec.worker(producer).take_report()
+    assert late is not None and late.saved
+    ec.finish_step(producer, step)
+    time.sleep(0.6)  # past the lease: the save is given up
+    ec.step(producer)
+    assert side.store.get("h-again") is None
+
+    # The same item again, encoded again: a new save, whose bytes the workers have not
+    # written yet.
+    producer.reset_encoder_cache()
+    emb = embedding()
+    producer.add_request(ec.request("p2", "h-again", max_tokens=1))
+    out = producer.schedule()
+    assert "h-again" in out.ec_connector_metadata.plan.saves
+    fresh = side.store.get("h-again")
+    assert fresh is not None and fresh.state is EntryState.ALLOCATED
+    send(out.ec_connector_metadata.plan, late)  # the first save's report arrives only now
+    seen: dict[str, int] = {}
+    wait_for(
+        lambda: bool(seen.update(side.take_stats()) or seen.get("stale_reports")),
+        "the late report recognised as stale",
+    )
+    assert fresh.state is EntryState.ALLOCATED, "a stale report committed unwritten bytes"
+
+    ec.run_workers(producer, out, {"h-again": emb})
+    assert fresh.state is EntryState.READY
+    assert stored(side.store, fresh) == as_bytes(emb)
+
+
+def test_item_the_engine_took_from_its_encoder_cache_is_stored_again(ec: EC) -> None:
+    producer = ec.scheduler("ec_producer")
+    side = ec.side(producer)
+    emb = embedding()
+    assert set(ec.encode(producer, "p1", "h-cached", emb)) == {"h-cached"}
+    side.store.remove("h-cached")  # evicted from the region meanwhile
+
+    # The engine's own encoder cache still holds the item: it encodes nothing.
+    producer.add_request(ec.request("p2", "h-cached", max_tokens=1))
+    step = ec.step(producer, {}, cached={"h-cached": emb})
+
+    assert step.out.scheduled_encoder_inputs == {}
+    done = step.finished("p2")
+    assert done is not None and set(done.ec_transfer_params or {}) == {"h-cached"}
+    entry = side.store.get("h-cached")
+    assert entry is not None and entry.state is EntryState.READY
+    assert stored(side.store, entry) == as_bytes(emb)
