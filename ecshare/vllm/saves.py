@@ -10,11 +10,13 @@ the same mm_hash is being saved again under a new grant.
 
 Reports arrive on the scheduler thread (`update_connector_output`) or, on an
 encode-only instance, on the report listener's thread the moment the workers
-send them, whether the engine steps again or not (see `reports`). So a request
-that finishes never waits for its report: an item whose copy ran in a step
-that has completed is announced at once; a consumer that asks before the
-commit lands is told NOT_READY and retries; a copy that failed after all is
-not granted, and that consumer encodes the item itself.
+send them, whether the engine steps again or not (see `reports`). A request
+that finishes waits for its report only briefly (`await_reports`: the workers
+sent it before their step returned, so it is normally applied within
+microseconds), and not at all once reports are known to run late: an item
+whose copy ran in a step that has completed is announced anyway; a consumer
+that asks before the commit lands is told NOT_READY and retries; a copy that
+failed after all is not granted, and that consumer encodes the item itself.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class SaveBook:
         self._config = config
         self._tally = tally
         self._lock = threading.Lock()
+        self._applied = threading.Condition(self._lock)
         self._ids = itertools.count(1)
         self._pending: dict[str, _Save] = {}  # grant -> save, oldest first
         self._by_hash: dict[str, str] = {}  # mm_hash -> grant of its save in flight
@@ -56,6 +59,13 @@ class SaveBook:
         with self._lock:
             grant = self._by_hash.get(mm_hash)
             return None if grant is None else self._pending[grant].entry
+
+    def await_reports(self, hashes: list[str], timeout_s: float) -> bool:
+        """Wait until no save of `hashes` awaits its report, at most `timeout_s`; whether so."""
+        with self._applied:
+            return self._applied.wait_for(
+                lambda: not any(h in self._by_hash for h in hashes), timeout_s
+            )
 
     def plan(self, mm_hash: str, meta: EntryMeta, nbytes: int) -> SaveOp | None:
         """Reserve an entry for the encoder output of `mm_hash`; None if stored, being
@@ -120,6 +130,7 @@ class SaveBook:
             save = self._pending.pop(grant, None)
             if save is not None and self._by_hash.get(save.mm_hash) == grant:
                 del self._by_hash[save.mm_hash]
+                self._applied.notify_all()
             return save
 
     def _free(self, save: _Save, why: str) -> None:

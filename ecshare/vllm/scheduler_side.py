@@ -77,6 +77,9 @@ _TORCH_ITEMSIZE = {
 # stats are taken every engine step, and vLLM shows them on a scrape interval.
 _CORE_STATS_INTERVAL_S = 1.0
 _WARN_EVERY_S = 10.0
+# How long a finished request waits for its workers' report (see `saves`); once one is
+# this late, none waits again until a report arrives.
+_REPORT_GRACE_S = 0.1
 
 Shape = tuple[tuple[int, ...], str]  # (shape, dtype) of an encoder output
 
@@ -167,6 +170,7 @@ class SchedulerSide:
         # never will (its network thread is gone): the scheduler side gives up on it.
         self._overdue_s = config.fetch_deadline_max_s + config.request_timeout_s + 1.0
         self._reap_due = self._renew_due = 0.0
+        self._reports_late = False
         self._warned_at: dict[str, float] = {}
         self._core_changes = SampleChanges(CORE_METRICS)
         self._core_due = 0.0
@@ -543,6 +547,7 @@ class SchedulerSide:
     def _apply_saves(self, report: StepReport) -> None:
         """The save half of a report, and its counters; on an encode-only instance, on the
         report listener's thread."""
+        self._reports_late = False
         self._saves.apply(report)
         for key, value in report.counters.items():
             # Counters are integers: worker timings travel on in microseconds.
@@ -555,6 +560,16 @@ class SchedulerSide:
         self._forget(request.request_id)
         if self.producer is None or not request.mm_features:
             return False, None
+        if self._listener is not None and not self._reports_late:
+            hashes = [f.identifier for f in request.mm_features]
+            if not self._saves.await_reports(hashes, _REPORT_GRACE_S):
+                self._reports_late = True
+                log.warning(
+                    "ecshare: no worker report for %s within %g s; finished requests no "
+                    "longer wait for reports until one arrives",
+                    hashes,
+                    _REPORT_GRACE_S,
+                )
         params: dict[str, Any] = {}
         for feature in request.mm_features:
             h = feature.identifier
