@@ -11,6 +11,11 @@ Routes:
   every backend's state;
 * ``GET /metrics``: Prometheus text.
 
+A client's own `ec_transfer_params` (top level, or in `vllm_xargs`) would tell the
+prefill/decode instance which producer to fetch from, so they are dropped from every
+request body and counted (`client_params_dropped`), unless the operator passes them on
+(`--pass-ec-transfer-params`); the encoders' params are the only ones prefill/decode sees.
+
 The `/v1/*` routes need the API key when one is set (`Authorization: Bearer KEY`, compared
 in constant time); `/health` and `/metrics` are for the machines that watch the proxy and
 answer without it. Every error the proxy itself answers is OpenAI-shaped (`errors`).
@@ -192,7 +197,7 @@ class Proxy:
     # -- routes -------------------------------------------------------------------------------
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        raw, body = await self._read_object(request)
+        raw, body = self._own_params_only(*await self._read_object(request))
         request_id = _request_id(request)
         payload = raw
         # Without encoders configured, media is prefill/decode's by design, not a fallback.
@@ -208,7 +213,7 @@ class Proxy:
         )
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        raw, _ = await self._read_object(request)
+        raw, _ = self._own_params_only(*await self._read_object(request))
         return await self.stages.prefill_decode.relay(
             request, COMPLETIONS_PATH, raw, request_id=_request_id(request)
         )
@@ -236,6 +241,16 @@ class Proxy:
             body=self.metrics.exposition(), headers={"Content-Type": self.metrics.content_type}
         )
 
+    def _own_params_only(self, raw: bytes, body: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
+        """The body without the client's own ec_transfer_params (see the module docstring)."""
+        if self.config.pass_ec_transfer_params:
+            return raw, body
+        kept = without_client_params(body)
+        if kept is body:
+            return raw, body
+        self.metrics.client_params_dropped.inc()
+        return msgspec.json.encode(kept), kept
+
     async def _read_object(self, request: web.Request) -> tuple[bytes, dict[str, Any]]:
         """The body, raw and as a JSON object; 413 past the size limit, 400 if not an object."""
         limit = self.config.max_body_bytes
@@ -257,6 +272,18 @@ class Proxy:
             self.metrics.rejected.labels("bad_request").inc()
             raise ProxyError(400, "the request body must be a JSON object")
         return raw, body
+
+
+def without_client_params(body: dict[str, Any]) -> dict[str, Any]:
+    """`body` without `ec_transfer_params`, top level or in `vllm_xargs` (vLLM reads both);
+    `body` itself when it has neither."""
+    kept = body
+    if "ec_transfer_params" in body:
+        kept = {k: v for k, v in body.items() if k != "ec_transfer_params"}
+    xargs = body.get("vllm_xargs")
+    if isinstance(xargs, dict) and "ec_transfer_params" in xargs:
+        kept = {**kept, "vllm_xargs": {k: v for k, v in xargs.items() if k != "ec_transfer_params"}}
+    return kept
 
 
 def _request_id(request: web.Request) -> str:

@@ -53,6 +53,10 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     access_log: bool = False
     # Proxy processes sharing the port (SO_REUSEPORT), each with its own event loop.
     workers: int = 1
+    # `ec_transfer_params` a client wrote into its request body name the producers a
+    # prefill/decode instance fetches from: dropped (and counted) unless the operator
+    # trusts every client with that.
+    pass_ec_transfer_params: bool = False
 
     def __post_init__(self) -> None:
         if not self.prefill_decode:
@@ -161,6 +165,12 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
         help="proxy processes sharing the port, one event loop and core each (1)",
     )
     parser.add_argument("--access-log", action="store_true", help="log every request")
+    parser.add_argument(
+        "--pass-ec-transfer-params",
+        action="store_true",
+        help="forward ec_transfer_params that clients write into request bodies (by default "
+        "they are dropped and counted: they would choose where prefill/decode fetches from)",
+    )
 
 
 def config_from_args(
@@ -184,6 +194,7 @@ def config_from_args(
         "eject_after_failures": args.eject_after,
         "access_log": args.access_log,
         "workers": args.workers,
+        "pass_ec_transfer_params": args.pass_ec_transfer_params,
     }
     return ProxyConfig(**values)
 

@@ -93,6 +93,12 @@ class ProxyMetrics:
             ["reason"],
             registry=r,
         )
+        self.client_params_dropped = Counter(
+            PREFIX + "client_params_dropped",
+            "Requests whose client-written ec_transfer_params were dropped before "
+            "prefill/decode (only the encoders' params choose where it fetches from).",
+            registry=r,
+        )
         self.client_disconnects = Counter(
             PREFIX + "client_disconnects",
             "Requests whose client went away before the answer ended (upstream cancelled).",
