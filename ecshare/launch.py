@@ -3,13 +3,15 @@
 Everything runs on this host.
 
 It generates CURVE keys (one pair shared by the encoders, one by the prefill/decode
-instances), starts each `vllm serve` (through `ecshare.vllm.launch`) with its
-`--ec-transfer-config` on a free port and its own CPU core (round-robin over the cores
-this process may use), waits until every instance answers /health, then serves the EPD
-proxy in front of them and prints one ready line (`READY_PREFIX` and a JSON object with
-the proxy URL). `--proxy-workers N` runs the proxy as N processes on its port
-(`ecshare.proxy.workers`). SIGINT or SIGTERM, at any point, stops the proxy and every
-instance.
+instances), gives each encoder a control-plane port of its own and the prefill/decode
+instances the list of those endpoints as `trusted_producers` (so that they fetch from
+no other producer, whatever a request names), starts each `vllm serve` (through
+`ecshare.vllm.launch`) with its `--ec-transfer-config` on a free port and its own CPU
+core (round-robin over the cores this process may use), waits until every instance
+answers /health, then serves the EPD proxy in front of them and prints one ready line
+(`READY_PREFIX` and a JSON object with the proxy URL). `--proxy-workers N` runs the
+proxy as N processes on its port (`ecshare.proxy.workers`). SIGINT or SIGTERM, at any
+point, stops the proxy and every instance.
 
 The instances' logs and keys live in `--workdir` (a temporary directory, removed at exit,
 when none is given). Imports neither vllm nor torch: the instances are child processes.
@@ -36,6 +38,7 @@ from typing import Any
 import msgspec
 
 from ecshare.vllm.launch import Keys, ServerSpec, VllmServer, free_port
+from ecshare.vllm.settings import TRUSTED_PRODUCERS
 
 READY_PREFIX = "ecshare-launch-ready "
 
@@ -133,8 +136,9 @@ def _cores() -> list[int]:
 def plan_servers(
     options: LaunchOptions, workdir: Path
 ) -> tuple[list[VllmServer], list[VllmServer]]:
-    """(encoders, prefill/decode instances), not started: keys in `workdir`, free ports,
-    cores round-robin, a log per instance."""
+    """(encoders, prefill/decode instances), not started: keys in `workdir`, free ports
+    (for the encoders' control planes too), cores round-robin, a log per instance, and
+    the encoders' endpoints as the prefill/decode instances' `trusted_producers`."""
     keys = Keys.generate(workdir)
     cores = _cores()
     name = options.served_model_name or options.model
@@ -154,13 +158,35 @@ def plan_servers(
         return VllmServer(spec, workdir / f"{kind}{index}.log")
 
     encoders = [
-        server("ec_producer", i, i, keys.producer_config()) for i in range(options.encoders)
+        server("ec_producer", i, i, {**keys.producer_config(), "listen_port": free_port()})
+        for i in range(options.encoders)
     ]
+    consumer = keys.consumer_config()
+    trusted = [producer_endpoint(s.spec.extra_config) for s in encoders]
+    if all(trusted):
+        consumer[TRUSTED_PRODUCERS] = trusted
+    else:
+        print(
+            "ecshare launch: an encoder's endpoint is not known in advance (listen_port 0 "
+            "or a wildcard host without advertise_host); prefill/decode instances will "
+            "trust any producer that authenticates",
+            file=sys.stderr,
+        )
     pd = [
-        server("ec_consumer", i, options.encoders + i, keys.consumer_config())
+        server("ec_consumer", i, options.encoders + i, consumer)
         for i in range(options.prefill_decode)
     ]
     return encoders, pd
+
+
+def producer_endpoint(extra: dict[str, Any]) -> str | None:
+    """The endpoint a producer with this `ec_connector_extra_config` advertises, when it is
+    known before it starts (a fixed port, a host peers can reach)."""
+    port = int(extra.get("listen_port") or 0)
+    host = str(extra.get("advertise_host") or extra.get("listen_host") or "127.0.0.1")
+    if port == 0 or host in ("0.0.0.0", "::", "*", "[::]"):
+        return None
+    return f"tcp://{host}:{port}"
 
 
 class _Stop(Exception):

@@ -45,9 +45,29 @@ def test_plan_has_one_key_pair_per_side_free_ports_and_cores_round_robin(tmp_pat
         assert command[command.index("--served-model-name") + 1] == "/models/m"
         key_files = [v for k, v in extra.items() if k.endswith("_file")]
         assert key_files and all(Path(f).is_file() for f in key_files)
+    ports = [s.spec.extra_config.pop("listen_port") for s in encoders]
+    assert len(set(ports)) == 2 and 0 not in ports
     assert encoders[0].spec.extra_config == encoders[1].spec.extra_config
     producer_public = encoders[0].spec.extra_config["authorized_keys_file"]
     assert pd[0].spec.extra_config["client_secret_key_file"] != producer_public
+    # Prefill/decode fetches from the encoders it was launched with, and from no other.
+    trusted = [f"tcp://127.0.0.1:{port}" for port in ports]
+    assert all(s.spec.extra_config["trusted_producers"] == trusted for s in pd)
+
+
+def test_encoders_advertised_host_is_what_prefill_decode_trusts(tmp_path: Path) -> None:
+    extra = '{"listen_host": "0.0.0.0", "advertise_host": "10.1.2.3"}'
+    encoders, pd = plan_servers(_options("--ec-extra-config", extra), tmp_path)
+    port = encoders[0].spec.extra_config["listen_port"]
+    assert pd[0].spec.extra_config["trusted_producers"] == [f"tcp://10.1.2.3:{port}"]
+
+
+def test_unknown_encoder_endpoint_leaves_trust_to_the_producer_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, pd = plan_servers(_options("--ec-extra-config", '{"listen_port": 0}'), tmp_path)
+    assert "trusted_producers" not in pd[0].spec.extra_config
+    assert "trust any producer that authenticates" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
