@@ -139,6 +139,26 @@ SPECS: Final[tuple[Spec, ...]] = (
     Spec("region_pinned_entries", _G, "Entries with at least one pin."),
     Spec("region_evictions", _C, "Entries evicted to make room."),
     Spec("region_reaped_pins", _C, "Pins released because their lease ran out."),
+    Spec(
+        "region_quarantined_bytes",
+        _G,
+        "Bytes of blocks held because a read given up may still write them; "
+        "freed when the transport says the read ended.",
+    ),
+    Spec(
+        "region_canary_violations",
+        _C,
+        "Freed blocks found written when handed out again (store_canary only).",
+    ),
+    Spec("fenced_reads", _G, "Reads given up whose end the transport has not yet confirmed."),
+    Spec(
+        "fenced_read_oldest_age_seconds",
+        _G,
+        "Age of the oldest fenced read: growing, it means a peer that never ends its reads "
+        "(their blocks are kept, not reused).",
+    ),
+    Spec("lease_renewals", _C, "Grants whose lease a slow read had renewed."),
+    Spec("leases_run_out", _C, "Reads given up because the producer's lease was ending."),
 )
 SPEC_BY_NAME: Final = {spec.name: spec for spec in SPECS}
 LATENCY_HISTOGRAM: Final = Spec(
@@ -159,6 +179,8 @@ _CONSUMER_COUNTERS: Final = {
     "failovers": "failovers",
     "checksum_failures": "checksum_failures",
     "bad_grants": "bad_grants",
+    "renewed": "lease_renewals",
+    "leases_run_out": "leases_run_out",
 }
 _CONSUMER_BY_REASON: Final = {
     "failed.": "fetch_failures",
@@ -211,8 +233,15 @@ def _read_store(store: Store, out: Samples) -> None:
     _add(out, "region_size_bytes", s.total_blocks * s.block_size)
     _add(out, "region_used_bytes", s.used_blocks * s.block_size)
     _add(out, "region_payload_bytes", s.bytes_used)
-    for state, n in (("ready", s.ready), ("allocated", s.allocated), ("evicting", s.evicting)):
+    for state, n in (
+        ("ready", s.ready),
+        ("allocated", s.allocated),
+        ("evicting", s.evicting),
+        ("quarantined", s.quarantined),
+    ):
         _add(out, "region_entries", n, (state,))
+    _add(out, "region_quarantined_bytes", s.quarantined_blocks * s.block_size)
+    _add(out, "region_canary_violations", s.canary_violations)
     _add(out, "region_pins", s.pins)
     _add(out, "region_pinned_entries", s.pinned_entries)
     _add(out, "region_evictions", s.evictions)
@@ -252,6 +281,9 @@ def _read_consumer(consumer: Consumer, out: Samples) -> None:
             if key.startswith(prefix):
                 _add(out, name, n, (key.removeprefix(prefix),))
     _add(out, "fetches_in_flight", consumer.pending())
+    fenced, oldest_s = consumer.fenced_reads()
+    _add(out, "fenced_reads", fenced)
+    _add(out, "fenced_read_oldest_age_seconds", oldest_s)
     for peer in consumer.peer_liveness():
         _add(out, "peer_up", float(peer.up), (peer.endpoint,))
         _add(out, "peer_quarantined", float(peer.quarantined), (peer.endpoint,))

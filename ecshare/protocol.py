@@ -30,13 +30,13 @@ MAX_EXTENTS_PER_ITEM: Final = 4096
 MAX_NDIM: Final = 8
 
 # Capabilities a peer may announce in the handshake; unknown ones are ignored
-# so that newer peers can talk to older ones.
+# so that newer peers can talk to older ones. A producer lists the checksum
+# only when its entries carry one; a consumer that requires checksums refuses
+# a producer without it. A consumer renews leases only where renewal was agreed.
 CAP_CHECKSUM_XXH3_64: Final = "checksum.xxh3_64"
 CAP_RENEW: Final = "lease.renew"
-CAP_BATCH: Final = "fetch.batch"
-# The producer answers `StatusRequest` from the keys it lists as admins.
-CAP_STATUS: Final = "ops.status"
-LOCAL_CAPABILITIES: Final = (CAP_CHECKSUM_XXH3_64, CAP_RENEW, CAP_BATCH, CAP_STATUS)
+LOCAL_CAPABILITIES: Final = (CAP_CHECKSUM_XXH3_64, CAP_RENEW)
+
 # Most sessions listed one by one in a `StatusReply`; the counts cover them all.
 MAX_STATUS_SESSIONS: Final = 4096
 
@@ -166,11 +166,10 @@ class FetchReply(_Message, frozen=True, kw_only=True, tag="fetch_reply"):
 
 
 class Release(_Message, frozen=True, kw_only=True, tag="release"):
-    """Consumer -> producer: these grants are no longer read (done or abandoned)."""
+    """Consumer -> producer: the reads of these grants have ended (or never started)."""
 
     session_id: Token
     grant_ids: Annotated[list[Token], msgspec.Meta(min_length=1, max_length=MAX_BATCH_ITEMS)]
-    ok: bool = True
 
 
 class Released(_Message, frozen=True, kw_only=True, tag="released"):
@@ -178,7 +177,11 @@ class Released(_Message, frozen=True, kw_only=True, tag="released"):
 
 
 class Renew(_Message, frozen=True, kw_only=True, tag="renew"):
-    """Consumer -> producer: still reading these grants."""
+    """Consumer -> producer: still reading these grants; extend their leases.
+
+    The producer answers `Renewed` with the grants it extended, each to
+    `lease_ms` from when it handled the Renew.
+    """
 
     session_id: Token
     grant_ids: Annotated[list[Token], msgspec.Meta(min_length=1, max_length=MAX_BATCH_ITEMS)]
@@ -199,7 +202,11 @@ class HeartbeatAck(_Message, frozen=True, kw_only=True, tag="pong"):
 
 
 class Bye(_Message, frozen=True, kw_only=True, tag="bye"):
-    """Consumer -> producer: the session ends; every grant it holds is released."""
+    """Consumer -> producer: the session ends.
+
+    Grants it did not release may still be read, so they stay pinned until
+    their leases run out.
+    """
 
     session_id: Token
 
@@ -246,6 +253,11 @@ class StatusReply(_Message, frozen=True, kw_only=True, tag="status_reply"):
     used_bytes: Size  # bytes of whole blocks held by entries
     payload_bytes: Size  # bytes of the entries themselves
     free_bytes: Size
+    # Blocks held because a read into them may still be in flight (never reused
+    # until the data plane says it ended), and writes after free the debug
+    # canary caught (store_canary only).
+    quarantined_bytes: Size
+    canary_violations: NonNeg
     grants_active: NonNeg
     pinned_entries: NonNeg
     pinned_bytes: Size

@@ -22,6 +22,7 @@ import msgspec
 from ecshare.bench.synthetic import format_size, parse_size
 from ecshare.config import Config, ConfigError, add_config_arguments, load_config
 from ecshare.ops.check import Check, guarded
+from ecshare.ops.integrity_checks import check_integrity
 from ecshare.ops.key_checks import check_keys
 from ecshare.ops.memory_checks import check_memlock, check_memory, check_shm
 from ecshare.ops.network_checks import check_ports
@@ -174,6 +175,7 @@ def diagnose(options: DoctorOptions) -> Report:
         "ports", lambda: check_ports(config, options.producers, options.connect_timeout_s)
     )
     checks += guarded("keys", lambda: check_keys(config))
+    checks += guarded("checksum", lambda: check_integrity(config))
     if options.selftest:
         nixl_ok = all(c.status != "fail" for c in nixl)
         checks += guarded("nixl self-test", lambda: [_selftest(options, ucx_env, nixl_ok)])

@@ -176,6 +176,15 @@ def render_status(reply: p.StatusReply, address: str) -> str:
             f"x {format_size(reply.block_bytes)}; payload {format_size(reply.payload_bytes)}",
         ),
         (
+            "quarantined",
+            f"{format_size(reply.quarantined_bytes)} held for reads that may still be in flight"
+            + (
+                f"; {reply.canary_violations} writes after free caught by the canary"
+                if reply.canary_violations
+                else ""
+            ),
+        ),
+        (
             "grants",
             f"{reply.grants_active} active on {reply.pinned_entries} entries, "
             f"{format_size(reply.pinned_bytes)} pinned",

@@ -8,6 +8,19 @@ the caller can encode locally instead.
 Everything else runs on the Consumer's own thread: handshakes, batched
 requests, data-plane READs, checksum checks, retries with backoff, failover
 between peers, quarantine of failing peers, heartbeats and lease renewal.
+
+Two promises bind the reads (DESIGN.md, invariants 2 and 4):
+- A read's destination blocks are handed to nobody else while the read may
+  still write them. A read given up for any reason (deadline, peer failure,
+  shutdown) is *fenced*: its entry goes QUARANTINED in the store and returns
+  only when the transport says the read has ended, which over TCP or RDMA can
+  be long after we stopped caring (`_fence` and `_poll_fenced` are the only
+  way such blocks go back).
+- Nothing is committed that was read outside the producer's lease. A grant's
+  lease (on the wire, per item) is counted from when we sent the request, so
+  it can only end early on our clock. A read is given up `_lease_margin`
+  before that unless a renewal extended it, and a read that nevertheless
+  finishes after it is discarded.
 """
 
 from __future__ import annotations
@@ -48,6 +61,25 @@ log = logging.getLogger(__name__)
 # even if a wake-up were lost.
 _MAX_IDLE_S = 0.1
 _LATENCY_SAMPLES = 4096
+
+
+def _lease_margin(lease_s: float) -> float:
+    """How long before a lease ends a read still moving is given up: covers this
+    thread's reaction time (a long synchronous read, a stall), not the clocks,
+    which are never compared."""
+    return min(1.0, 0.1 * lease_s)
+
+
+@dataclass(frozen=True)
+class _Fenced:
+    """A read given up while the data plane may still write its destination."""
+
+    handle: object
+    dest: Entry
+    endpoint: str
+    session_id: str  # the session its grant belongs to
+    grant_id: str
+    since: float
 
 
 @dataclass(frozen=True)
@@ -105,7 +137,7 @@ class Consumer(NetworkThread):
         self._inflight: dict[str, Transfer] = {}  # mm_hash -> transfer (single-flight)
         self._transfers: list[Transfer] = []  # owned by the network thread
         self._links: dict[str, PeerLink] = {}
-        self._orphans: list[tuple[object, Entry]] = []  # reads to finish before freeing
+        self._fenced: list[_Fenced] = []  # reads to see end before their blocks go back
         self._request_ids = itertools.count(1)
         self._pool: ClientPool | None = None
         self.counters: Counter[str] = Counter()
@@ -190,6 +222,13 @@ class Consumer(NetworkThread):
     def counter_snapshot(self) -> dict[str, int]:
         with self._counters_lock:
             return dict(self.counters)
+
+    def fenced_reads(self) -> tuple[int, float]:
+        """Reads given up but not yet ended, and the age of the oldest (0 if none)."""
+        fenced = tuple(self._fenced)  # owned by the network thread; a copy is one step
+        if not fenced:
+            return 0, 0.0
+        return len(fenced), time.monotonic() - min(f.since for f in fenced)
 
     def latency_histogram(self) -> LatencyHistogram:
         with self._counters_lock:
@@ -277,9 +316,10 @@ class Consumer(NetworkThread):
                     self._on_message(link, msg, now)
             self._check_link(link, now)
         self._poll_reads()
-        self._poll_orphans()
+        self._poll_fenced()
         self._dispatch(now)
         self._expire(now)
+        self._renew(now)
         for link in self._links.values():
             link.flush_releases()
 
@@ -323,13 +363,8 @@ class Consumer(NetworkThread):
         self._count(f"peer_failures.{reason.value}")
         link.quarantine(now, reason)
         for t in list(self._transfers):
-            if t.peer == link.endpoint and t.state is not TransferState.READING:
-                self._move_on(t, reason, detail)
-            elif t.peer == link.endpoint and t.state is TransferState.READING:
-                # A dead peer cannot finish the read; give its destination to the
-                # orphan list so the blocks return only once the handle settles.
-                self._abandon_read(t)
-                self._move_on(t, reason, detail)
+            if t.peer == link.endpoint:
+                self._move_on(t, reason, detail)  # a read in flight is fenced on the way
 
     def _on_message(self, link: PeerLink, msg: p.Message, now: float) -> None:
         link.heard(now)
@@ -352,6 +387,8 @@ class Consumer(NetworkThread):
             for t in by_hash.values():  # the producer skipped an item: treat as missing
                 if t.state is TransferState.REQUESTED:
                     self._move_on(t, FailureReason.MISSING, "not in reply")
+        elif isinstance(msg, p.Renewed):
+            self._on_renewed(link, msg)
         elif isinstance(msg, p.Error) and msg.request_id:
             link.answered(msg.request_id)
             transfers = link.pending.pop(msg.request_id, None) or []
@@ -370,6 +407,21 @@ class Consumer(NetworkThread):
         if status is p.ItemStatus.GRANTED:
             t.move(TransferState.GRANTED)
             t.grant_id = item.grant_id
+            if self._config.checksum != "none" and item.checksum is None:
+                # Silently accepting it would downgrade the integrity asked for.
+                link.release([item.grant_id])
+                self._count("checksum_missing")
+                self._move_on(
+                    t, FailureReason.CHECKSUM_MISSING, f"{self._config.checksum} required"
+                )
+                return
+            lease_s = item.lease_ms / 1000 or link.lease_s
+            t.grant_lease(t.requested_at, lease_s)
+            if t.give_up_at(_lease_margin(t.lease_s)) <= now:
+                link.release([item.grant_id])
+                self._count("grants_expired_on_arrival")
+                self._move_on(t, FailureReason.DEADLINE, "the grant's lease ended in transit")
+                return
             t.nbytes = item.nbytes
             t.dtype = item.dtype
             t.shape = tuple(item.shape)
@@ -457,6 +509,12 @@ class Consumer(NetworkThread):
                 return
             self._move_on(t, FailureReason.TRANSPORT, status.detail)
             return
+        if time.monotonic() > t.lease_end:
+            # The producer may have reused its blocks before the read finished.
+            self._drop_dest(t)
+            self._count("lease_overruns")
+            self._move_on(t, FailureReason.DEADLINE, "the read ended after the lease ran out")
+            return
         if not self._verify(t):
             self._drop_dest(t)
             self._count("checksum_failures")
@@ -467,8 +525,10 @@ class Consumer(NetworkThread):
         self._succeed(t, link.endpoint)
 
     def _verify(self, t: Transfer) -> bool:
-        if t.checksum is None or self._config.checksum == "none" or t.dest is None:
+        if self._config.checksum == "none" or t.dest is None:
             return True
+        if t.checksum is None:  # refused at grant time; never accepted unchecked
+            return False
         return self._store.checksum(t.dest) == t.checksum
 
     def _succeed(self, t: Transfer, peer: str) -> None:
@@ -514,29 +574,45 @@ class Consumer(NetworkThread):
             self._fail(t, t.final_reason(), detail)
 
     def _abandon_read(self, t: Transfer) -> None:
-        if t.read_handle is not None and t.dest is not None:
-            self._orphans.append((t.read_handle, t.dest))
-        elif t.dest is not None:
-            self._drop_dest(t)
+        handle, dest = t.read_handle, t.dest
         t.read_handle = None
         t.dest = None
+        if dest is None:
+            return
+        if handle is None:
+            self._table.abort(dest.mm_hash, expect=dest)
+            return
+        link = self._links.get(t.peer or "")
+        self._fence(handle, dest, t.peer or "", link.session_id if link else "", t.grant_id)
+
+    def _fence(
+        self, handle: object, dest: Entry, endpoint: str, session_id: str, grant_id: str
+    ) -> None:
+        """Hold `dest` until the transport says `handle` has ended: the one way back."""
+        self._table.quarantine(dest.mm_hash, expect=dest)
+        self._transport.release(handle)  # abandoned: the transport keeps driving it
+        self._fenced.append(_Fenced(handle, dest, endpoint, session_id, grant_id, time.monotonic()))
+        self._count("reads_fenced")
 
     def _drop_dest(self, t: Transfer) -> None:
         if t.dest is not None:
             self._table.abort(t.mm_hash, expect=t.dest)
             t.dest = None
 
-    def _poll_orphans(self) -> None:
-        # The destination of an abandoned read is freed only once the data plane
-        # says the read can no longer write into it.
+    def _poll_fenced(self) -> None:
+        if not self._fenced:
+            return
         keep = []
-        for handle, dest in self._orphans:
-            if self._transport.poll(handle).state is ReadState.PENDING:
-                keep.append((handle, dest))
+        for f in self._fenced:
+            if self._transport.poll(f.handle).state is ReadState.PENDING:
+                keep.append(f)
                 continue
-            self._transport.release(handle)
-            self._table.abort(dest.mm_hash, expect=dest)
-        self._orphans = keep
+            self._table.release_quarantined(f.dest)
+            self._count("fenced_reads_ended")
+            link = self._links.get(f.endpoint)
+            if link is not None and link.session_id == f.session_id:
+                link.release([f.grant_id])  # its pin can go before the lease ends
+        self._fenced = keep
 
     # -- dispatch and expiry -----------------------------------------------------------------
 
@@ -564,6 +640,7 @@ class Consumer(NetworkThread):
                 for t in chunk:
                     t.move(TransferState.REQUESTED)
                     t.request_id = request_id
+                    t.requested_at = now
                     t.attempts += 1
                 link.request(
                     request_id,
@@ -578,17 +655,59 @@ class Consumer(NetworkThread):
             if t.state in (TransferState.DONE, TransferState.FAILED):
                 continue
             if now >= t.deadline:
+                # A read in flight keeps its grant: it is fenced, and released when it ends.
                 link = self._links.get(t.peer or "")
-                if t.grant_id and link is not None:
+                if t.grant_id and link is not None and t.state is not TransferState.READING:
                     link.release([t.grant_id])
                 self._fail(
                     t, FailureReason.DEADLINE, f"no data within {t.deadline - t.started:.3f} s"
                 )
+            elif t.state is TransferState.READING and now >= t.give_up_at(_lease_margin(t.lease_s)):
+                self._count("leases_run_out")
+                self._move_on(t, FailureReason.DEADLINE, "the grant's lease ran out")
         for link in self._links.values():
             for request_id, transfers in link.expired_requests(now):
                 for t in transfers:
                     if t.state is TransferState.REQUESTED and t.request_id == request_id:
                         self._move_on(t, FailureReason.PEER_UNREACHABLE, "request timed out")
+
+    def _renew(self, now: float) -> None:
+        """Ask for more lease time for reads that need it, half-way through the lease."""
+        due: dict[str, list[Transfer]] = {}
+        for t in self._transfers:
+            if (
+                t.state is TransferState.READING
+                and not t.renew_sent
+                and now >= t.renew_at
+                and t.deadline > t.give_up_at(_lease_margin(t.lease_s))
+            ):
+                due.setdefault(t.peer or "", []).append(t)
+        for endpoint, transfers in due.items():
+            link = self._links.get(endpoint)
+            if link is None or not link.renews or link.state is not PeerLinkState.READY:
+                for t in transfers:
+                    t.renew_at = math.inf  # no renewal to be had: the lease decides
+                continue
+            for t in transfers:
+                t.renew_sent = now
+            link.renew([t.grant_id for t in transfers])
+            self._count_add("renewals_sent", len(transfers))
+
+    def _on_renewed(self, link: PeerLink, msg: p.Renewed) -> None:
+        asked = link.renewal_answered()
+        renewed = set(msg.renewed)
+        lease_s = msg.lease_ms / 1000
+        for t in self._transfers:
+            if t.peer != link.endpoint or not t.renew_sent or t.grant_id not in asked:
+                continue
+            if t.grant_id in renewed and lease_s > 0:
+                # Counted from when we asked, like the grant itself.
+                t.grant_lease(t.renew_sent, lease_s)
+                self._count("renewed")
+            else:
+                t.renew_at = math.inf  # refused (the grant ended): the old lease decides
+                self._count("renewals_refused")
+            t.renew_sent = 0.0
 
     def _shutdown(self) -> None:
         for t in list(self._transfers):
@@ -599,9 +718,15 @@ class Consumer(NetworkThread):
         for t in stranded:
             self._fail(t, FailureReason.SHUTDOWN, "consumer stopping")
         deadline = time.monotonic() + self._config.shutdown_timeout_s
-        while self._orphans and time.monotonic() < deadline:
-            self._poll_orphans()
+        while self._fenced and time.monotonic() < deadline:
+            self._poll_fenced()
             time.sleep(0.001)
+        if self._fenced:
+            # Their blocks stay quarantined; closing the transport ends the reads.
+            log.warning(
+                "%d reads still in flight at shutdown; their blocks stay quarantined",
+                len(self._fenced),
+            )
         for link in self._links.values():
             link.close()
         if self._pool is not None:

@@ -9,8 +9,10 @@ Only the Consumer's network thread touches a link.
 
 from __future__ import annotations
 
+import collections
 import enum
 import logging
+import math
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -54,6 +56,10 @@ class PeerLink:
         self.agent = ""  # the producer's data-plane name, once welcomed
         self.region_size = 0
         self.max_batch_items = 1
+        # From the producer's Welcome: the lease it grants and whether it renews.
+        self.lease_s = 0.0
+        self.renews = False
+        self._ping_interval_s = config.heartbeat_interval_s
         self.quarantine_reason = FailureReason.PEER_UNREACHABLE
         self.pending: dict[str, list[Any]] = {}  # request id -> transfers
         self._sent_at: dict[str, float] = {}
@@ -64,6 +70,8 @@ class PeerLink:
         self._ping_seq = 0
         self._quarantined_until = 0.0
         self._releases: list[str] = []
+        # Grant ids of each Renew sent, oldest first: the session answers in order.
+        self._renewals: collections.deque[frozenset[str]] = collections.deque()
         # When the peer last said anything (monotonic; 0: never), for liveness metrics.
         self.last_heard = 0.0
 
@@ -76,6 +84,7 @@ class PeerLink:
         if self.client is None:
             self.client = self._pool.get(self.endpoint)
         self.session_id = uuid.uuid4().hex
+        self._renewals.clear()  # answers of an old session never come on this one
         self.client.send(self._hello(self.session_id))
         self.state = PeerLinkState.HELLO_SENT
         self._hello_at = now
@@ -99,6 +108,14 @@ class PeerLink:
             dp = msg.data_plane
             if dp.kind != self._transport.kind:
                 return (FailureReason.INCOMPATIBLE, f"producer data plane is {dp.kind}")
+            if self._config.checksum != "none" and p.CAP_CHECKSUM_XXH3_64 not in msg.capabilities:
+                return (
+                    FailureReason.CHECKSUM_MISSING,
+                    f"this consumer requires {self._config.checksum} checksums; "
+                    "the producer does not compute them",
+                )
+            if msg.lease_ms <= 0:
+                return (FailureReason.INCOMPATIBLE, "the producer grants no lease")
             try:
                 self.agent = self._transport.add_peer(
                     PeerInfo(
@@ -109,8 +126,15 @@ class PeerLink:
                 return (FailureReason.TRANSPORT, f"cannot load producer data plane: {exc}")
             self.region_size = dp.region_size
             self.max_batch_items = max(1, min(msg.max_batch_items, self._config.max_batch_items))
+            self.lease_s = msg.lease_ms / 1000
+            self.renews = p.CAP_RENEW in msg.capabilities
+            # Ping at least as often as the producer pings its own side: it judges
+            # our liveness on its own heartbeat settings.
+            self._ping_interval_s = min(
+                self._config.heartbeat_interval_s, msg.heartbeat_ms / 1000 or math.inf
+            )
             self.state = PeerLinkState.READY
-            self._next_ping = now + self._config.heartbeat_interval_s
+            self._next_ping = now + self._ping_interval_s
             return None
         if isinstance(msg, p.HeartbeatAck | p.Released | p.Renewed):
             return None
@@ -153,7 +177,7 @@ class PeerLink:
                 assert self.client is not None
                 self._ping_seq += 1
                 self.client.send(p.Heartbeat(session_id=self.session_id, seq=self._ping_seq))
-                self._next_ping = now + cfg.heartbeat_interval_s
+                self._next_ping = now + self._ping_interval_s
                 self._unanswered_since = unanswered or now
         return None
 
@@ -172,13 +196,17 @@ class PeerLink:
         return now + 1.0
 
     def quarantine(self, now: float, reason: FailureReason) -> None:
+        # Say goodbye properly where the session still stands: grants whose reads
+        # have ended go back now, rather than when the producer's lease runs out.
+        self.flush_releases()
+        self.close()
         self.quarantine_reason = reason
         self.state = PeerLinkState.QUARANTINED
         self._quarantined_until = now + self._config.quarantine_s
         self.pending.clear()
         self._sent_at.clear()
-        self._releases.clear()  # the producer frees them with the session
-        self.close()
+        self._renewals.clear()
+        self._releases.clear()  # the session is gone: the producer's leases end them
 
     def close(self) -> None:
         if self.client is not None:
@@ -222,6 +250,18 @@ class PeerLink:
 
     def release(self, grant_ids: list[str]) -> None:
         self._releases.extend(g for g in grant_ids if g)
+
+    def renew(self, grant_ids: list[str]) -> None:
+        """Ask for longer leases on grants still being read (the caller checked `renews`)."""
+        assert self.client is not None and self.state is PeerLinkState.READY
+        for i in range(0, len(grant_ids), p.MAX_BATCH_ITEMS):
+            batch = grant_ids[i : i + p.MAX_BATCH_ITEMS]
+            self._renewals.append(frozenset(batch))
+            self.client.send(p.Renew(session_id=self.session_id, grant_ids=batch))
+
+    def renewal_answered(self) -> frozenset[str]:
+        """The grant ids of the Renew that a Renewed just answered."""
+        return self._renewals.popleft() if self._renewals else frozenset()
 
     def flush_releases(self) -> None:
         if not self._releases or self.client is None or self.state is not PeerLinkState.READY:

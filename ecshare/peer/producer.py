@@ -5,9 +5,11 @@ poll and answers within microseconds whatever the engine is doing. The engine
 only writes entries into the shared `Store`; nothing here blocks it.
 
 A grant pins one entry under (session, grant id). It ends on the consumer's
-Release, on the session ending (Bye, or heartbeats stopping), or on lease
-expiry, whichever comes first, and a block is never reused while a grant on
-its entry may still be read.
+Release (sent once the read has ended) or on lease expiry, whichever comes
+first, and a block is never reused while a grant on its entry may still be
+read. A session ending (Bye, or heartbeats stopping) does not end its grants:
+a read may still be moving over the data plane while the control plane is
+cut, so they run to their leases (the consumer gives up before then).
 """
 
 from __future__ import annotations
@@ -105,6 +107,9 @@ class Producer(NetworkThread):
         self._init_thread()
         self._sessions: dict[str, _Session] = {}
         self._grant_ids = itertools.count(1)
+        # Grants of ended sessions, left to run to their leases (session, grant id).
+        # While any remain, reads may still be moving and need our progress.
+        self._lingering: set[tuple[str, str]] = set()
         self._server: ControlServer | None = None
         self._lock = threading.Lock()  # guards `counters` and the session snapshot
         self.counters: Counter[str] = Counter()
@@ -115,9 +120,12 @@ class Producer(NetworkThread):
 
     def stop(self) -> None:
         super().stop()
-        # Every grant ends with the producer.
+        # Every grant ends with the producer: its data plane closes with it.
         for session in list(self._sessions.values()):
-            self._end_session(session, "shutdown")
+            self._end_session(session, "shutdown", keep_leases=False)
+        for owner, grant_id in list(self._lingering):
+            self._table.unpin(owner, grant_id)
+        self._lingering.clear()
 
     @property
     def port(self) -> int:
@@ -197,7 +205,7 @@ class Producer(NetworkThread):
         next_reap = 0.0
         try:
             while not self._stop.is_set():
-                active = bool(self.active_grants())
+                active = bool(self.active_grants() or self._lingering)
                 timeout_ms = 0 if active else int(cfg.reap_interval_s * 1000)
                 events = dict(poller.poll(timeout_ms))
                 if self._waker.fileno() in events:  # zmq.Poller reports it by descriptor
@@ -262,7 +270,7 @@ class Producer(NetworkThread):
         if isinstance(msg, p.Heartbeat):
             return p.HeartbeatAck(seq=msg.seq)
         if isinstance(msg, p.Bye):
-            self._end_session(session, "bye")
+            self._end_session(session, "bye", keep_leases=True)
             return None
         self._count("unexpected_message")
         return None
@@ -330,7 +338,11 @@ class Producer(NetworkThread):
             version=version,
             session_id=msg.session_id,
             server_name=self._name,
-            capabilities=p.negotiate_capabilities(msg.capabilities),
+            capabilities=[
+                c
+                for c in p.negotiate_capabilities(msg.capabilities)
+                if c != p.CAP_CHECKSUM_XXH3_64 or cfg.checksum != "none"
+            ],
             lease_ms=int(cfg.lease_s * 1000),
             heartbeat_ms=int(cfg.heartbeat_interval_s * 1000),
             max_batch_items=min(cfg.max_batch_items, p.MAX_BATCH_ITEMS),
@@ -547,26 +559,33 @@ class Producer(NetworkThread):
             if session is not None:
                 with self._lock:
                     session.forget(grant_id)
+            self._lingering.discard((owner, grant_id))
             self._count("leases_expired")
         dead_after = self._config.heartbeat_timeout_s
         for session in list(self._sessions.values()):
             if now - session.last_seen > dead_after:
-                self._end_session(session, "heartbeat timeout")
+                self._end_session(session, "heartbeat timeout", keep_leases=True)
 
-    def _end_session(self, session: _Session, why: str) -> None:
-        released = self._table.unpin_owner(session.session_id)
+    def _end_session(self, session: _Session, why: str, *, keep_leases: bool) -> None:
+        grants = list(session.grants)
+        if keep_leases:
+            self._lingering.update((session.session_id, g) for g in grants)
+            self._add("grants_left_to_lease", len(grants))
+        else:
+            self._table.unpin_owner(session.session_id)
         with self._lock:
             self._sessions.pop(session.session_id, None)
             session.grants.clear()
             session.pinned_bytes = 0
         self._count("sessions_closed")
-        if released:
+        if grants:
             log.info(
-                "session %s (%s) ended (%s): %d grants released",
+                "session %s (%s) ended (%s): %d grants %s",
                 session.session_id,
                 session.client_name,
                 why,
-                released,
+                len(grants),
+                "left to run to their leases" if keep_leases else "released",
             )
 
     def _count(self, key: str) -> None:

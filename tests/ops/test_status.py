@@ -129,7 +129,7 @@ def test_status_with_admin_key_shows_the_real_counts(busy: Busy, keyring: Keyrin
     assert reply["t"] == "status_reply"
     assert reply["fingerprint"] == FINGERPRINT
     assert reply["entries"] == len(sizes) == 6
-    assert reply["entries_by_state"] == {"allocated": 0, "ready": 6, "evicting": 0}
+    assert reply["entries_by_state"] == {"allocated": 0, "ready": 6, "evicting": 0, "quarantined": 0}
     assert reply["payload_bytes"] == sum(sizes.values())
     used_blocks = sum(_blocks(n) for n in sizes.values())
     assert reply["blocks_used"] == used_blocks
@@ -165,7 +165,7 @@ def test_status_table_shows_entries_region_grants_and_sessions(
     )
     assert result.returncode == 0, result.stderr
     lines = {line.split()[0]: line for line in result.stdout.splitlines() if line.strip()}
-    assert "6 (0 allocated, 0 evicting, 6 ready)" in lines["entries"]
+    assert "6 (0 allocated, 0 evicting, 0 quarantined, 6 ready)" in lines["entries"]
     assert "1 active on 1 entries, 1 MiB pinned" in lines["grants"]
     assert "2 from 1 peer key(s)" in lines["sessions"]
     assert key_fingerprint(keyring.consumer.public_text) in result.stdout

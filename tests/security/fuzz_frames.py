@@ -93,7 +93,7 @@ def seed_messages(session_id: str = "fuzz-session", grant_id: str = "g-fuzz") ->
                 p.ItemReply(mm_hash="h1", status=p.ItemStatus.MISSING, detail="gone"),
             ],
         ),
-        p.Release(session_id=session_id, grant_ids=[grant_id, "g2"], ok=False),
+        p.Release(session_id=session_id, grant_ids=[grant_id, "g2"]),
         p.Released(released=[grant_id]),
         p.Renew(session_id=session_id, grant_ids=[grant_id]),
         p.Renewed(renewed=[grant_id], lease_ms=1000),
