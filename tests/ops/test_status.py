@@ -129,7 +129,13 @@ def test_status_with_admin_key_shows_the_real_counts(busy: Busy, keyring: Keyrin
     assert reply["t"] == "status_reply"
     assert reply["fingerprint"] == FINGERPRINT
     assert reply["entries"] == len(sizes) == 6
-    assert reply["entries_by_state"] == {"allocated": 0, "ready": 6, "evicting": 0, "quarantined": 0}
+    assert reply["entries_by_state"] == {
+        "allocated": 0,
+        "ready": 6,
+        "evicting": 0,
+        "quarantined": 0,
+    }
+    assert (reply["quarantined_bytes"], reply["canary_violations"]) == (0, 0)
     assert reply["payload_bytes"] == sum(sizes.values())
     used_blocks = sum(_blocks(n) for n in sizes.values())
     assert reply["blocks_used"] == used_blocks
