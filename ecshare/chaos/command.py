@@ -27,6 +27,17 @@ def _faults(text: str) -> tuple[str, ...]:
     return kinds
 
 
+def _transport(text: str) -> str:
+    from ecshare.chaos.options import UCX_TRANSPORTS
+
+    if text not in UCX_TRANSPORTS:
+        raise argparse.ArgumentTypeError(
+            f"unknown UCX transport {text!r}: choose from {', '.join(UCX_TRANSPORTS)} "
+            "(cma: UCX's own choice on one host, cross-memory attach; tcp: UCX_TLS=tcp)"
+        )
+    return text
+
+
 def _spec(text: str) -> str:
     try:
         parse_spec(text)
@@ -83,7 +94,7 @@ def add_chaos_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--working-set",
         type=_spec,
-        default="64KiB:96,1MiB:24",
+        default="64KiB:96,1MiB:24,4MiB:2",
         metavar="SPEC",
         help="each producer's entries, as SIZE:COUNT pairs",
     )
@@ -109,6 +120,29 @@ def add_chaos_arguments(parser: argparse.ArgumentParser) -> None:
         "e.g. 'delay 5ms 2ms loss 1%%' (needs CAP_NET_ADMIN and sch_netem)",
     )
     parser.add_argument("--netem-applied", default="", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--ucx-tls",
+        type=_transport,
+        default="cma",
+        metavar="{cma,tcp}",
+        help="the UCX transport NIXL reads over: cma (default; on one host UCX reads by "
+        "cross-memory attach, inside the read call) or tcp (asynchronous reads that move "
+        "as the producer progresses)",
+    )
+    parser.add_argument(
+        "--netns",
+        action="store_true",
+        help="run every node in a network namespace of its own, joined by veth to a bridge, "
+        "so that reads cross a network stack (needs --ucx-tls tcp, root and iproute2)",
+    )
+    parser.add_argument(
+        "--large-read",
+        type=_size,
+        default="4MiB",
+        metavar="SIZE",
+        help="the faults aimed at reads in flight wait for a read at least this large "
+        "(the working set must hold such items)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
         "--verbose-children",
@@ -119,9 +153,17 @@ def add_chaos_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_chaos_command(args: argparse.Namespace) -> int:
     from ecshare.chaos.harness import FAULT_KINDS, ChaosOptions, run_chaos
+    from ecshare.chaos.hosts import HostsUnavailable
     from ecshare.chaos.netns import NetemUnavailable, run_in_netem_namespace
     from ecshare.chaos.report import print_report
 
+    if args.netem and args.netns:
+        print(
+            "ecshare chaos: --netem and --netns cannot be combined: netem shapes one "
+            "namespace's loopback, --netns gives every node a namespace of its own",
+            file=sys.stderr,
+        )
+        return 2
     if args.netem and not args.netem_applied:
         try:
             return run_in_netem_namespace(_as_argv(args), args.netem, timeout_s=None)
@@ -130,25 +172,36 @@ def run_chaos_command(args: argparse.Namespace) -> int:
             return 2
     soak = args.soak
     faults = args.faults if args.faults is not None else (() if soak else FAULT_KINDS)
-    options = ChaosOptions(
-        fetches=args.fetches,
-        soak_s=soak,
-        producers=args.producers,
-        consumers=args.consumers,
-        seed=args.seed,
-        faults=faults,
-        fault_interval_s=args.fault_interval,
-        working_set=args.working_set,
-        producer_region_bytes=args.producer_region,
-        consumer_region_bytes=args.consumer_region,
-        grace_s=args.grace,
-        netem=args.netem_applied,
-        verbose=args.verbose_children,
-    )
+    try:
+        options = ChaosOptions(
+            fetches=args.fetches,
+            soak_s=soak,
+            producers=args.producers,
+            consumers=args.consumers,
+            seed=args.seed,
+            faults=faults,
+            fault_interval_s=args.fault_interval,
+            working_set=args.working_set,
+            producer_region_bytes=args.producer_region,
+            consumer_region_bytes=args.consumer_region,
+            grace_s=args.grace,
+            netem=args.netem_applied,
+            ucx_tls=args.ucx_tls,
+            netns=args.netns,
+            large_read_bytes=args.large_read,
+            verbose=args.verbose_children,
+        )
+    except ValueError as exc:
+        print(f"ecshare chaos: {exc}", file=sys.stderr)
+        return 2
     if soak:
         # A soak measures steady state: the control plane is left alone too.
         options.control_delay_prob = options.control_cut_prob = 0.0
-    report = run_chaos(options)
+    try:
+        report = run_chaos(options)
+    except HostsUnavailable as exc:
+        print(f"ecshare chaos: --netns: {exc}", file=sys.stderr)
+        return 2
     if args.json:
         print(msgspec.json.encode(report).decode())
     else:
@@ -167,6 +220,8 @@ def _as_argv(args: argparse.Namespace) -> list[str]:
         "--producer-region", str(args.producer_region),
         "--consumer-region", str(args.consumer_region),
         "--grace", str(args.grace),
+        "--ucx-tls", args.ucx_tls,
+        "--large-read", str(args.large_read),
     ]  # fmt: skip
     if args.soak:
         out += ["--soak", str(args.soak)]

@@ -1,12 +1,16 @@
 """`ecshare chaos`: fetches between real processes under randomized faults, then the invariants.
 
 Producers and consumers run as separate processes on 127.0.0.1 (real
-Producer/Consumer, CURVE, NIXL). Every consumer reaches every producer through
-its own `FaultProxy`, so control messages can be delayed and lost. While the
-consumers fetch, the harness SIGKILLs producers (restarted under the same key
-and port) and consumers (replaced), pauses producers with SIGSTOP for longer
-than a lease, restarts producers cleanly, cuts and delays control connections,
-and keeps every producer's region smaller than its working set.
+Producer/Consumer, CURVE, NIXL), or each in a network namespace of its own
+(`--netns`, see `hosts`); NIXL reads over UCX's choice (cross-memory attach on
+one host) or over TCP (`--ucx-tls tcp`). Every consumer reaches every producer
+through its own `FaultProxy`, so control messages can be delayed and lost.
+While the consumers fetch, the harness SIGKILLs producers (restarted under the
+same key and port) and consumers (replaced), pauses producers with SIGSTOP for
+longer than a lease, restarts producers cleanly and under a shrunk lease, cuts,
+delays and partitions control connections, freezes producers and consumers
+while large reads are in flight (see `fleet`), and keeps every producer's
+region smaller than its working set.
 
 Once the fetches are done it lets the system go quiet and checks:
 
@@ -34,6 +38,7 @@ from pathlib import Path
 
 from ecshare.chaos.faultproxy import FaultProxy, Faults
 from ecshare.chaos.fleet import _due
+from ecshare.chaos.hosts import HUB_IP, Hosts
 from ecshare.chaos.options import FAULT_KINDS as FAULT_KINDS
 from ecshare.chaos.options import TIMING as TIMING
 from ecshare.chaos.options import ChaosOptions
@@ -47,19 +52,28 @@ class ChaosRun(Verdict):
         o = self.o
         started = time.monotonic()
         try:
+            if o.netns:
+                self.hosts = Hosts(str(os.getpid()))
+                self.producer_hosts = [self.hosts.add() for _ in range(o.producers)]
             for i in range(o.producers):
                 self.start_producer(i)
             for i in range(o.producers):
-                self.proxies.append(
-                    FaultProxy(
-                        "127.0.0.1",
+                faults = Faults(o.control_delay_prob, o.control_max_delay_s, o.control_cut_prob)
+                if self.hosts is not None:
+                    # Proxies listen in the hub: control crosses the bridge both ways.
+                    proxy = FaultProxy(
+                        self.producer_hosts[i].ip,
                         self.ports[i],
-                        faults=Faults(
-                            o.control_delay_prob, o.control_max_delay_s, o.control_cut_prob
-                        ),
+                        faults=faults,
                         seed=self.seed + i,
+                        listen_host=HUB_IP,
+                        netns=self.hosts.hub,
                     )
-                )
+                else:
+                    proxy = FaultProxy(
+                        "127.0.0.1", self.ports[i], faults=faults, seed=self.seed + i
+                    )
+                self.proxies.append(proxy)
             for _ in range(o.consumers):
                 self.start_consumer()
             # The clock of the load (soak length, samples) starts once every process is up.
@@ -94,6 +108,7 @@ class ChaosRun(Verdict):
                 next_fault = now + self.rng.expovariate(1 / o.fault_interval_s)
             if now >= next_poll:
                 # Sampling doubles as a liveness check of every running child.
+                self.reap_crashes()
                 self.sample(now - started)
                 next_poll = now + o.sample_interval_s
             self.feed()
@@ -101,11 +116,15 @@ class ChaosRun(Verdict):
 
     def _teardown(self) -> None:
         # Whatever went wrong, nothing is left running.
+        for timer in self.resumes:
+            timer.cancel()
         for c in [*filter(None, self.producers), *self.consumers, *self.retired]:
             if c.process.is_alive():
                 c.kill()
         for proxy in self.proxies:
             proxy.close()
+        if self.hosts is not None:
+            self.hosts.close()
 
 
 def run_chaos(options: ChaosOptions) -> ChaosReport:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import queue
 
+from ecshare.chaos.fleet import Fleet
 from ecshare.chaos.messages import Fetch, Outcome
 from ecshare.chaos.nodes import ChildGone
-from ecshare.chaos.state import RunState, _Pending
+from ecshare.chaos.state import _Pending
 
 
-class Load(RunState):
+class Load(Fleet):
     def feed(self) -> None:
         for consumer in list(self.consumers):
             mine = [p for p in self.pending.values() if p.consumer is consumer]
@@ -20,11 +21,9 @@ class Load(RunState):
             n = min(room, self.rng.randint(1, self.o.batch_max))
             if not self.o.soak_s:
                 n = min(n, self.budget - self.tally.attempted)
-            picks = [
-                k
-                for k in self.rng.sample(self.keys, min(len(self.keys), n * 3))
-                if k[0] not in busy
-            ]
+            # While a fault waits for a large read in flight, the load provides some.
+            keys = self.large_keys if self.armed_children() else self.keys
+            picks = [k for k in self.rng.sample(keys, min(len(keys), n * 3)) if k[0] not in busy]
             picks = picks[:n]
             if not picks:
                 continue
@@ -43,22 +42,25 @@ class Load(RunState):
                 )
             try:
                 consumer.send(Fetch(items, peers))
-            except ChildGone as exc:
-                self.tally.violations.append(f"consumer died by itself: {exc}")
+            except ChildGone:
                 for fetch_id, _, _ in items:
                     self.pending.pop(fetch_id, None)
-                continue
+                continue  # it died by itself: `reap_crashes` counts and replaces it
             self.tally.attempted += len(items)
 
     def collect(self, timeout_s: float) -> None:
+        """Act on what children said unasked, waiting up to `timeout_s` for the first."""
         try:
-            outcome = self.outcomes.get(timeout=timeout_s)
+            child, event = self.events.get(timeout=timeout_s)
         except queue.Empty:
             return
         while True:
-            self._record(outcome)
+            if isinstance(event, Outcome):
+                self._record(event)
+            else:
+                self.on_read_in_flight(child, event)
             try:
-                outcome = self.outcomes.get_nowait()
+                child, event = self.events.get_nowait()
             except queue.Empty:
                 return
 
@@ -76,12 +78,19 @@ class Load(RunState):
         if outcome.settle_s > pending.bound_s:
             t.late += 1
             t.violations.append(
-                f"{outcome.mm_hash} settled {outcome.status} after {outcome.settle_s:.2f} s, "
-                f"bound {pending.bound_s:.2f} s"
+                f"{outcome.mm_hash} settled {outcome.status} ({outcome.reason}) after "
+                f"{outcome.settle_s:.2f} s, bound {pending.bound_s:.2f} s, in "
+                f"{pending.consumer.name} at {outcome.settled_at - self.load_started:.3f} s"
             )
         if outcome.status == "delivered":
             t.delivered += 1
             t.delivered_bytes += pending.nbytes
+            if any(
+                peer == outcome.detail and start < outcome.settled_at < end
+                for peer, start, end in self.partitions
+            ):
+                # Its grant came before the partition, its data moved during it.
+                self.faults["reads_done_under_partition"] += 1
         elif outcome.status == "failed":
             t.failed[outcome.reason] += 1
         elif outcome.status == "corrupted":

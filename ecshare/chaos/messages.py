@@ -23,11 +23,13 @@ class ProducerSpec(msgspec.Struct, frozen=True):
     working_set: str
     churn_per_s: float  # puts per second of a random working-set entry it lacks
     seed: int
+    netns: str = ""  # the network namespace the child enters before anything else
 
 
 class ConsumerSpec(msgspec.Struct, frozen=True):
     config: dict[str, Any]
     fingerprint: str
+    netns: str = ""
 
 
 class Fetch(msgspec.Struct, frozen=True):
@@ -51,7 +53,23 @@ class Stop(msgspec.Struct, frozen=True):
     """Stop cleanly and exit."""
 
 
-Command = Fetch | Quiesce | Stats | Stop
+class Arm(msgspec.Struct, frozen=True):
+    """Answer `ReadInFlight` once a read of at least `min_nbytes` is in flight here.
+
+    A producer has one in flight while an entry that large is pinned by a grant; a
+    consumer, while an entry that large is allocated as a read's destination. The
+    child watches for up to `within_s` without holding up its other commands. With
+    `freeze`, it SIGSTOPs itself right after answering, so the read stays in flight;
+    the harness sends SIGCONT.
+    """
+
+    kind: str  # the fault that armed it, echoed back
+    min_nbytes: int
+    within_s: float
+    freeze: bool
+
+
+Command = Fetch | Quiesce | Stats | Stop | Arm
 
 
 class Ready(msgspec.Struct, frozen=True):
@@ -71,6 +89,9 @@ class Outcome(msgspec.Struct, frozen=True):
     settle_s: float  # from the fetch() call to the future settling
     reason: str = ""
     detail: str = ""
+    # time.monotonic() when it settled: CLOCK_MONOTONIC is one clock for every
+    # process of the host, so the harness can tell which faults it settled under.
+    settled_at: float = 0.0
 
 
 class NodeStats(msgspec.Struct, frozen=True):
@@ -86,10 +107,18 @@ class NodeStats(msgspec.Struct, frozen=True):
     ready_keys: list[tuple[str, int]] = msgspec.field(default_factory=list)  # a few READY ones
 
 
+class ReadInFlight(msgspec.Struct, frozen=True):
+    """The answer to `Arm`; it comes whenever the child sees the read (or gives up)."""
+
+    kind: str
+    nbytes: int  # the read seen in flight; 0: none within the bound (and no freeze)
+    frozen: bool  # the child stops itself right after sending this
+
+
 class Failed(msgspec.Struct, frozen=True):
     """The child could not start or serve; it exits after sending this."""
 
     error: str
 
 
-Event = Ready | Outcome | NodeStats | Failed
+Event = Ready | Outcome | NodeStats | Failed | ReadInFlight

@@ -32,7 +32,9 @@ from typing import Any
 import xxhash
 
 from ecshare.bench.synthetic import fill_synthetic, parse_spec, synthetic_bytes, synthetic_hash
+from ecshare.chaos.hosts import become_host
 from ecshare.chaos.messages import (
+    Arm,
     Command,
     ConsumerSpec,
     Event,
@@ -42,6 +44,7 @@ from ecshare.chaos.messages import (
     Outcome,
     ProducerSpec,
     Quiesce,
+    ReadInFlight,
     Ready,
     Stats,
     Stop,
@@ -53,6 +56,9 @@ from ecshare.store import EntryState, Store, StoreError, StoreFull
 # Owner name of the consumer's own check pins, so a check never races an eviction.
 _CHECK_OWNER = "chaos-check"
 _CHECK_LEASE_S = 600.0
+# How often an armed child looks for a large read in flight. A 4 MiB read over UCX
+# TCP takes some 15 ms here; the look itself is a few dictionary lookups.
+_ARM_POLL_S = 0.0005
 
 
 class ChildGone(Exception):
@@ -154,6 +160,47 @@ def _stats(
     )
 
 
+def _arm(pipe: _Pipe, cmd: Arm, in_flight: Callable[[], int]) -> None:
+    """Watch on a thread of its own, so the child keeps serving, for the read `cmd` asks."""
+
+    def watch() -> None:
+        until = time.monotonic() + cmd.within_s
+        while not (nbytes := in_flight()) and time.monotonic() < until:
+            time.sleep(_ARM_POLL_S)
+        frozen = cmd.freeze and nbytes > 0
+        pipe.send(ReadInFlight(cmd.kind, nbytes, frozen))
+        if frozen:
+            # The whole process stops, its network thread with it: the read stays in
+            # flight until the harness sends SIGCONT.
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    threading.Thread(target=watch, name="chaos-arm", daemon=True).start()
+
+
+def _watch(
+    store: Store, keys: Iterable[tuple[str, int]], cmd: Arm, state: str
+) -> Callable[[], int]:
+    """A look for the largest read of `cmd.min_nbytes` or more in flight: its size, or 0.
+
+    On a producer ("pinned") a grant pins the entry it lets a consumer read; on a
+    consumer ("allocated") a read's destination stays ALLOCATED until it is committed.
+    """
+    large = sorted(((n, h) for h, n in keys if n >= cmd.min_nbytes), reverse=True)
+
+    def look() -> int:
+        for n, h in large:
+            entry = store.get(h)
+            if entry is None:
+                continue
+            if (state == "pinned" and entry.pins > 0) or (
+                state == "allocated" and entry.state is EntryState.ALLOCATED
+            ):
+                return n
+        return 0
+
+    return look
+
+
 def producer_main(conn: Connection, spec: ProducerSpec) -> None:
     pipe = _Pipe(conn)
     try:
@@ -210,6 +257,8 @@ def producer_main(conn: Connection, spec: ProducerSpec) -> None:
                         sessions=producer.session_count(),
                     )
                 )
+            elif isinstance(cmd, Arm):
+                _arm(pipe, cmd, _watch(node.store, keys, cmd, "pinned"))
             elif isinstance(cmd, Stop):
                 break
     finally:
@@ -236,11 +285,14 @@ def consumer_main(conn: Connection, spec: ConsumerSpec) -> None:
         return
     checker = _Checker()
     fetched: dict[str, int] = {}  # every key ever asked for, for the final sweep
-    settled: queue.Queue[tuple[int, str, int, float, Future[FetchResult]] | None] = queue.Queue()
+    settled: queue.Queue[tuple[int, str, int, float, float, Future[FetchResult]] | None] = (
+        queue.Queue()
+    )
 
     def on_settled(fetch_id: int, h: str, n: int, t0: float, future: Future[FetchResult]) -> None:
         # Runs on the consumer's network thread: note the time, check elsewhere.
-        settled.put((fetch_id, h, n, time.monotonic() - t0, future))
+        now = time.monotonic()
+        settled.put((fetch_id, h, n, now - t0, now, future))
 
     def check_loop() -> None:
         while (item := settled.get()) is not None:
@@ -263,6 +315,8 @@ def consumer_main(conn: Connection, spec: ConsumerSpec) -> None:
                 pipe.send(
                     _stats(node, dict(consumer.counters), fetched.items(), checker, cmd.verify)
                 )
+            elif isinstance(cmd, Arm):
+                _arm(pipe, cmd, _watch(node.store, fetched.items(), cmd, "allocated"))
             elif isinstance(cmd, Stop):
                 break
     finally:
@@ -279,22 +333,26 @@ def _outcome(
     h: str,
     n: int,
     settle_s: float,
+    settled_at: float,
     future: Future[FetchResult],
 ) -> Outcome:
     error = future.exception()
     if isinstance(error, FetchFailed):
-        return Outcome(fetch_id, h, "failed", settle_s, error.reason.value, error.detail[:300])
+        reason, detail = error.reason.value, error.detail[:300]
+        return Outcome(fetch_id, h, "failed", settle_s, reason, detail, settled_at)
     if error is not None:  # anything but a typed failure breaks the contract
-        return Outcome(fetch_id, h, "untyped", settle_s, type(error).__name__, str(error)[:300])
+        kind, detail = type(error).__name__, str(error)[:300]
+        return Outcome(fetch_id, h, "untyped", settle_s, kind, detail, settled_at)
     result = future.result()
     ok = checker.check(store, h, n, f"fetch-{fetch_id}") if result.nbytes == n else False
     if ok is None:
-        return Outcome(fetch_id, h, "vanished", settle_s)
+        return Outcome(fetch_id, h, "vanished", settle_s, settled_at=settled_at)
     # The copy is dropped once checked, so the next fetch of the key crosses the
     # network again (and a wrong copy is counted once, not served locally later).
     with contextlib.suppress(StoreError):
         store.remove(h)
-    return Outcome(fetch_id, h, "delivered" if ok else "corrupted", settle_s, detail=result.peer)
+    status = "delivered" if ok else "corrupted"
+    return Outcome(fetch_id, h, status, settle_s, detail=result.peer, settled_at=settled_at)
 
 
 def working_set_keys(spec: str) -> list[tuple[str, int]]:
@@ -314,7 +372,7 @@ class Child:
         index: int,
         target: Callable[[Connection, Any], None],
         spec: ProducerSpec | ConsumerSpec,
-        on_outcome: Callable[[Child, Outcome], None],
+        on_event: Callable[[Child, Outcome | ReadInFlight], None],
         *,
         start_timeout_s: float,
         verbose: bool = False,
@@ -323,7 +381,10 @@ class Child:
         self.index = index
         self.paused = False
         self.killed = False
-        self._on_outcome = on_outcome
+        self.armed = ""  # the fault kind it was armed for (`Arm`), until it answers
+        self.strike_s = 0.0  # how long that fault lasts once it strikes
+        self.stopping = False  # told to stop
+        self._on_event = on_event
         self._replies: queue.Queue[Event | None] = queue.Queue()
         ctx = mp.get_context("spawn")
         self._conn, child_conn = ctx.Pipe()
@@ -356,6 +417,14 @@ class Child:
     def alive(self) -> bool:
         return not self.killed and self.process.is_alive()
 
+    def crashed(self) -> bool:
+        """It exited by itself: neither killed nor told to stop."""
+        return not self.killed and not self.stopping and self.process.exitcode is not None
+
+    def answers(self) -> bool:
+        """Alive, and neither stopped nor about to stop itself: a call gets its answer."""
+        return self.alive() and not self.paused and not self.armed
+
     def _read(self) -> None:
         while True:
             try:
@@ -363,8 +432,8 @@ class Child:
             except (EOFError, OSError):
                 self._replies.put(None)
                 return
-            if isinstance(event, Outcome):
-                self._on_outcome(self, event)
+            if isinstance(event, Outcome | ReadInFlight):  # unasked: not replies to a call
+                self._on_event(self, event)
             else:
                 self._replies.put(event)
 
@@ -414,6 +483,7 @@ class Child:
 
     def stop(self, timeout_s: float) -> bool:
         """Ask the child to stop; False (and SIGKILL) if it does not exit within `timeout_s`."""
+        self.stopping = True
         if self.paused:
             self.resume()
         if not self.process.is_alive():
@@ -438,6 +508,9 @@ def _child_entry(
     # The harness's terminal may send SIGINT to the whole group; the parent decides
     # when its children stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if spec.netns:
+        # Before any socket exists: every one this process opens lives in its "host".
+        become_host(spec.netns)
     # Under injected faults, peer failures and refused connections are the point;
     # the report counts them, so only errors are logged unless asked.
     logging.basicConfig(
@@ -446,4 +519,6 @@ def _child_entry(
     )
     if not verbose:
         os.environ.setdefault("UCX_LOG_LEVEL", "fatal")
+    # UCX logs to stdout by default, where `ecshare chaos --json` prints its report.
+    os.environ.setdefault("UCX_LOG_FILE", "stderr")
     target(conn, spec)

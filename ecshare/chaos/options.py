@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ecshare.bench.synthetic import parse_spec
+
 MiB = 1 << 20
 FINGERPRINT = "ecshare-chaos"
 FAULT_KINDS = (
@@ -14,7 +16,25 @@ FAULT_KINDS = (
     "restart_producer",
     "cut_control",
     "delay_control",
+    # Faults aimed at reads in flight: each waits until a read of at least
+    # `large_read_bytes` is in flight at its target, then strikes (see fleet.py).
+    "freeze_producer_mid_read",
+    "freeze_consumer_mid_read",
+    "readd_peer",
+    "partition_control",
+    "shrink_lease",
 )
+MID_READ_KINDS = (
+    "freeze_producer_mid_read",
+    "freeze_consumer_mid_read",
+    "readd_peer",
+    "partition_control",
+)
+# The UCX transports a run can force NIXL onto, and the `ucx_tls` each one sets.
+# cma leaves the choice to UCX, which on one host reads by cross-memory attach
+# (synchronously, inside the read call); tcp makes every read asynchronous, moving
+# only as the producer's progress loop runs.
+UCX_TRANSPORTS: dict[str, str | None] = {"cma": None, "tcp": "tcp"}
 # Short timeouts, so that every fault resolves within seconds; the consumer's
 # deadline cap stays under the lease, as the config requires.
 TIMING: dict[str, Any] = {
@@ -33,6 +53,14 @@ TIMING: dict[str, Any] = {
     "shutdown_timeout_s": 2.0,
     "ucx_net_devices": "lo",
 }
+# A producer under `shrink_lease` grants leases shorter than the consumers' own
+# deadline cap (2.5 s): they must honour the lease on the wire (ItemReply.lease_ms).
+# Its own deadlines only need to fit its config's rule (deadline cap < lease).
+SHRUNK_LEASE: dict[str, Any] = {
+    "lease_s": 1.0,
+    "fetch_deadline_base_s": 0.5,
+    "fetch_deadline_max_s": 0.8,
+}
 _START_TIMEOUT_S = 60.0
 _STATS_TIMEOUT_S = 10.0
 
@@ -46,7 +74,7 @@ class ChaosOptions:
     seed: int | None = None
     faults: tuple[str, ...] = FAULT_KINDS
     fault_interval_s: float = 1.5  # mean time between injected faults
-    working_set: str = "64KiB:96,1MiB:24"  # 30 MiB per producer
+    working_set: str = "64KiB:96,1MiB:24,4MiB:2"  # 38 MiB per producer
     producer_region_bytes: int = 16 * MiB  # smaller than the working set: eviction pressure
     consumer_region_bytes: int = 64 * MiB
     churn_per_s: float = 20.0
@@ -58,6 +86,34 @@ class ChaosOptions:
     control_cut_prob: float = 0.0005
     sample_interval_s: float = 1.0
     warmup_fraction: float = 0.3
-    netem: str = ""  # set by the netns wrapper: recorded in the report
+    netem: str = ""  # set by the netem wrapper: recorded in the report
+    ucx_tls: str = "cma"  # a key of UCX_TRANSPORTS
+    netns: bool = False  # each node in its own network namespace, joined by veth (needs tcp)
+    large_read_bytes: int = 4 * MiB  # the mid-read faults wait for a read at least this large
+    read_wait_s: float = 3.0  # how long such a fault waits for one before it is dealt again
     every_fault_within_s: float = 300.0  # run on past `fetches` until every kind has run
     verbose: bool = False  # children log warnings (peer failures are expected here)
+
+    def __post_init__(self) -> None:
+        unknown = [k for k in self.faults if k not in FAULT_KINDS]
+        if unknown:
+            raise ValueError(
+                f"unknown fault kind {unknown[0]!r}: choose from {', '.join(FAULT_KINDS)}"
+            )
+        if self.ucx_tls not in UCX_TRANSPORTS:
+            raise ValueError(
+                f"ucx_tls must be one of {', '.join(UCX_TRANSPORTS)}, got {self.ucx_tls!r}"
+            )
+        mid_read = [k for k in self.faults if k in MID_READ_KINDS]
+        if mid_read and max(n for n, _ in parse_spec(self.working_set)) < self.large_read_bytes:
+            raise ValueError(
+                f"fault kind {mid_read[0]} waits for a read of at least {self.large_read_bytes} "
+                f"bytes (--large-read), and the working set {self.working_set!r} has no item "
+                "that large"
+            )
+        if self.netns and self.ucx_tls != "tcp":
+            raise ValueError(
+                "netns (--netns) needs ucx_tls 'tcp' (--ucx-tls tcp): between namespaces of "
+                "one host UCX would still read by cross-memory attach, and no byte of a read "
+                "would cross the veth"
+            )

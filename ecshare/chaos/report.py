@@ -87,6 +87,17 @@ class ChaosReport(msgspec.Struct, frozen=True):
     ok: bool
     netem: str = ""
     soak: Soak | None = None
+    # The UCX transport NIXL was forced onto (options.UCX_TRANSPORTS): cma reads
+    # finish inside the read call, tcp reads move as the producer progresses.
+    transport: str = "cma"
+    # Where the nodes ran: "loopback" (one namespace, 127.0.0.1) or "netns" (one
+    # namespace each, joined by veth; `veth_bytes` crossed from producers' hosts).
+    network: str = "loopback"
+    veth_bytes: int = 0
+    delivered_bytes: int = 0  # of verified deliveries
+    frozen_at_end: int = 0  # producers still stopped when the run ended
+    crashes: int = 0  # children that exited by themselves (neither killed nor told to stop)
+    fault_log: list[str] = msgspec.field(default_factory=list)  # seconds into the load, what
 
 
 def print_report(report: ChaosReport, out: TextIO = sys.stdout) -> None:
@@ -94,7 +105,9 @@ def print_report(report: ChaosReport, out: TextIO = sys.stdout) -> None:
     kind = "soak" if report.soak else "chaos"
     w(
         f"ecshare {kind}: seed {report.seed}, {report.producers} producers, "
-        f"{report.consumers} consumers, {report.duration_s:.1f} s"
+        f"{report.consumers} consumers, {report.duration_s:.1f} s, UCX {report.transport} "
+        f"over {report.network}"
+        + (f" ({report.veth_bytes / (1 << 20):.0f} MiB through veth)" if report.veth_bytes else "")
         + (f", netem '{report.netem}'" if report.netem else "")
         + "\n"
     )
@@ -119,6 +132,7 @@ def print_report(report: ChaosReport, out: TextIO = sys.stdout) -> None:
         ("leaked blocks", report.leaked_blocks),
         ("leaked pins", report.leaked_pins),
         ("hangs", report.hangs),
+        ("crashes", report.crashes),
         ("unrecovered pairs", report.unrecovered_pairs),
     ):
         w(f"  {label:<21} {value}{'' if value == 0 else '   <-- must be 0'}\n")

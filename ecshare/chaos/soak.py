@@ -26,7 +26,7 @@ class SoakSampling(Fleet):
                     (t, mem.rss / MiB, (mem.rss - mem.shared) / MiB)
                 )
         for c in [*filter(None, self.producers), *self.consumers]:
-            if c.alive() and not c.paused:
+            if c.answers():
                 stats = self._stats(c)
                 if stats is not None:
                     s = stats.store

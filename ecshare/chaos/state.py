@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import queue
 import random
+import threading
+import time
 from array import array
 from collections import Counter
 from collections.abc import Callable
@@ -15,9 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ecshare.chaos.faultproxy import FaultProxy
-from ecshare.chaos.messages import Outcome
+from ecshare.chaos.hosts import Host, Hosts
+from ecshare.chaos.messages import Outcome, ReadInFlight
 from ecshare.chaos.nodes import Child, working_set_keys
-from ecshare.chaos.options import TIMING, ChaosOptions
+from ecshare.chaos.options import TIMING, UCX_TRANSPORTS, ChaosOptions
 from ecshare.config import Config
 from ecshare.control import generate_keypair
 
@@ -61,32 +64,37 @@ class RunState:
         )
         self.rng = random.Random(self.seed)
         self.keys = working_set_keys(options.working_set)
+        self.large_keys = [k for k in self.keys if k[1] >= options.large_read_bytes] or self.keys
         producer_keys = generate_keypair(workdir, "producer")
         consumer_keys = generate_keypair(workdir, "consumer")
+        every_node = {**TIMING, "ucx_tls": UCX_TRANSPORTS[options.ucx_tls]}
         self.producer_config = {
-            **TIMING,
+            **every_node,
             "region_bytes": options.producer_region_bytes,
             "server_secret_key_file": str(producer_keys.secret_path),
             "authorized_keys_file": str(consumer_keys.public_path),
         }
         self.consumer_config = {
-            **TIMING,
+            **every_node,
             "region_bytes": options.consumer_region_bytes,
             "client_secret_key_file": str(consumer_keys.secret_path),
             "server_public_key_file": str(producer_keys.public_path),
         }
         self.config = Config.from_dict(self.consumer_config)
-        self.outcomes: queue.Queue[Outcome] = queue.Queue()
+        # What children say unasked: fetch outcomes, and armed faults' reads in flight.
+        self.events: queue.Queue[tuple[Child, Outcome | ReadInFlight]] = queue.Queue()
         self.pending: dict[int, _Pending] = {}
         self.tally = _Tally()
         self.faults: Counter[str] = Counter()
         self.hangs = 0
+        self.crashes = 0  # children that exited by themselves
         self.producers: list[Child | None] = [None] * options.producers
         self.ports: list[int] = [0] * options.producers
         self.proxies: list[FaultProxy] = []
         self.consumers: list[Child] = []
         self.retired: list[Child] = []  # replaced children, reaped at the end
         self.scheduled: list[tuple[float, str, Callable[[], None]]] = []
+        self.resumes: list[threading.Timer] = []  # SIGCONTs due (see Fleet._resume_in)
         self.evictions: dict[int, tuple[int, int]] = {}  # producer pid -> (first, last) seen
         self._fetch_ids = 0
         self._deck: list[str] = []
@@ -99,3 +107,17 @@ class RunState:
         self._seed_ids = 0
         self.rss: dict[str, list[tuple[float, float, float]]] = {}  # name -> (t, rss, anon)
         self.usage: dict[str, list[tuple[float, float]]] = {}
+        self.shrunk: set[int] = set()  # producers running under SHRUNK_LEASE
+        # (proxy address, from, until) of each control partition, on the monotonic clock.
+        self.partitions: list[tuple[str, float, float]] = []
+        # With --netns (set up in `ChaosRun.run`): one host per producer slot, one per
+        # live consumer.
+        self.fault_log: list[str] = []  # what struck whom, when (seconds into the load)
+        self.hosts: Hosts | None = None
+        self.producer_hosts: list[Host] = []
+        self.consumer_hosts: dict[int, Host] = {}  # consumer pid -> its host
+
+    def log(self, what: str) -> None:
+        """One line of the fault log: seconds since the load started, then `what`."""
+        t = time.monotonic() - self.load_started if self.load_started else 0.0
+        self.fault_log.append(f"{t:8.3f} {what}")

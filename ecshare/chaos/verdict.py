@@ -19,7 +19,18 @@ from ecshare.chaos.soak import SoakSampling
 class Verdict(Load, SoakSampling):
     def _finish(self, started: float) -> ChaosReport:
         o = self.o
-        # Faults end; the scheduled repairs (resumes, restarts) still happen, on time.
+        # Faults end. Armed children answer (and may freeze) within their bound...
+        answered_by = time.monotonic() + o.read_wait_s + _STATS_TIMEOUT_S
+        while self.armed_children() and time.monotonic() < answered_by:
+            self.collect(0.05)
+        for c in self.armed_children():
+            self.hangs += 1
+            self.tally.violations.append(f"{c.name} never answered Arm ({c.armed})")
+            c.armed = ""
+        # ...and the scheduled repairs (resumes, restarts) still happen, on time.
+        for timer in self.resumes:
+            timer.join()
+        self.reap_crashes()
         while self.scheduled:
             item = min(self.scheduled, key=_due)
             self.collect(max(0.0, item[0] - time.monotonic()))
@@ -28,6 +39,7 @@ class Verdict(Load, SoakSampling):
                 item[2]()
         for proxy in self.proxies:
             proxy.calm()
+        frozen_at_end = sum(1 for c in self.producers if c is not None and c.paused)
         # (c) Every fetch still out settles within its bound.
         limit = time.monotonic() + max((p.bound_s for p in self.pending.values()), default=0) + 2.0
         while self.pending and time.monotonic() < limit:
@@ -74,7 +86,8 @@ class Verdict(Load, SoakSampling):
                 )
         if o.soak_s:
             self.sample(time.monotonic() - self.load_started)
-        # (d) Every process exits when told.
+        # (d) Every process exits when told, and none exited by itself before.
+        self.reap_crashes(replace=False)
         for c in [*live, *self.retired]:
             if not c.stop(cfg.shutdown_timeout_s + 10.0):
                 self.hangs += 1
@@ -82,7 +95,7 @@ class Verdict(Load, SoakSampling):
         self.producers = [None] * o.producers
         self.consumers = []
         self.retired = []
-        return self._report(started, regions, hung_fetches, unrecovered)
+        return self._report(started, regions, hung_fetches, unrecovered, frozen_at_end)
 
     def _probe_recovery(self, final: dict[str, NodeStats]) -> int:
         """(e) Once the faults end, every consumer fetches from every producer again.
@@ -131,7 +144,12 @@ class Verdict(Load, SoakSampling):
         return failed
 
     def _report(
-        self, started: float, regions: list[RegionCheck], hung_fetches: int, unrecovered: int
+        self,
+        started: float,
+        regions: list[RegionCheck],
+        hung_fetches: int,
+        unrecovered: int,
+        frozen_at_end: int,
     ) -> ChaosReport:
         t = self.tally
         faults = {k: self.faults[k] for k in self.o.faults}
@@ -146,6 +164,10 @@ class Verdict(Load, SoakSampling):
             c.get("refused_missing", 0) for c in self.producer_counters.values()
         )
         faults["control_connections"] = sum(p.counters["connections"] for p in self.proxies)
+        faults["control_held_chunks"] = sum(p.counters["held_chunks"] for p in self.proxies)
+        for extra in ("mid_read_misses", "reads_done_under_partition", "lease_restored"):
+            faults[extra] = self.faults[extra]
+        faults["shrunk_at_end"] = len(self.shrunk)
         leaked_blocks = sum(r.leaked_blocks for r in regions)
         leaked_pins = sum(r.pins for r in regions)
         for r in regions:
@@ -185,9 +207,18 @@ class Verdict(Load, SoakSampling):
             settle_max_ms=round(float(settle.max()), 2),
             regions=regions,
             violations=t.violations[:50],
-            ok=not t.violations and not self.hangs,
+            ok=not t.violations and not self.hangs and not self.crashes,
             netem=self.o.netem,
             soak=soak,
+            transport=self.o.ucx_tls,
+            network="netns" if self.hosts is not None else "loopback",
+            veth_bytes=sum(self.hosts.bytes_sent(h) for h in self.producer_hosts)
+            if self.hosts is not None
+            else 0,
+            frozen_at_end=frozen_at_end,
+            crashes=self.crashes,
+            fault_log=self.fault_log,
+            delivered_bytes=t.delivered_bytes,
         )
 
 

@@ -20,12 +20,14 @@ import pytest
 pytest.importorskip("nixl._api")
 
 from ecshare.bench.synthetic import synthetic_bytes
-from ecshare.chaos import FAULT_KINDS, ChaosOptions, run_chaos
+from ecshare.chaos import FAULT_KINDS, ChaosOptions, ChaosReport, run_chaos
 from ecshare.chaos.faultproxy import FaultProxy, Faults
 from ecshare.chaos.harness import _region_check
+from ecshare.chaos.hosts import hosts_unavailable
 from ecshare.chaos.messages import NodeStats
 from ecshare.chaos.netns import netem_unavailable
 from ecshare.chaos.nodes import _Checker
+from ecshare.chaos.options import MID_READ_KINDS
 from ecshare.peer import FailureReason
 from ecshare.store import Region, Store
 
@@ -56,7 +58,9 @@ def test_every_fault_kind_leaves_no_corruption_leak_hang_or_untyped_end() -> Non
         assert report.faults[kind] >= 1, (kind, report.faults, where)
     assert report.lost_with_consumer >= 1  # only busy consumers are killed
     assert report.faults["restarts_same_key_and_port"] == (
-        report.faults["kill_producer"] + report.faults["restart_producer"]
+        report.faults["kill_producer"]
+        + report.faults["restart_producer"]
+        + report.faults["shrink_lease"]
     ), report.faults
     assert report.faults["control_delayed_chunks"] >= 1, report.faults
     # Eviction pressure: producers evicted under load, and consumers asked for
@@ -74,6 +78,70 @@ def test_every_fault_kind_leaves_no_corruption_leak_hang_or_untyped_end() -> Non
         assert region.used_blocks == region.ready_blocks and region.pins == 0, region
         if region.node.startswith("producer"):
             assert region.verified_entries > 0, region  # producer bytes checked too
+
+
+def _assert_clean(report: ChaosReport) -> None:
+    """Nothing wrong, leaked, hung or untyped; every failure a FailureReason."""
+    where = f"seed {report.seed}: {report.violations}\n" + "\n".join(report.fault_log)
+    assert report.corrupted == 0 and report.vanished == 0, where
+    assert report.leaked_blocks == 0 and report.leaked_pins == 0, where
+    assert report.untyped_failures == 0 and report.late == 0, where
+    assert report.hung_fetches == 0 and report.hangs == 0 and report.crashes == 0, where
+    assert set(report.failed) <= TYPED, report.failed
+    accounted = report.delivered + sum(report.failed.values()) + report.lost_with_consumer
+    assert accounted == report.fetches_attempted, report
+    assert report.delivered > 0, report
+    assert report.ok, where
+
+
+# The faults aimed at reads in flight, and the kinds that cut control and shrink leases.
+NETWORK_FAULTS = ("cut_control", *MID_READ_KINDS, "shrink_lease")
+
+
+@pytest.mark.timeout(240)
+def test_reads_in_flight_over_tcp_survive_freezes_partitions_readds_and_short_leases() -> None:
+    # Over UCX TCP a read moves only as the producer progresses: each of these faults
+    # strikes while a 4 MiB read is in flight at its target.
+    options = ChaosOptions(
+        fetches=150,
+        producers=2,
+        consumers=2,
+        fault_interval_s=0.6,
+        ucx_tls="tcp",
+        faults=NETWORK_FAULTS,
+    )
+    report = run_chaos(options)
+
+    _assert_clean(report)
+    assert report.transport == "tcp" and report.network == "loopback"
+    for kind in NETWORK_FAULTS:
+        assert report.faults[kind] >= 1, (kind, report.faults, report.fault_log)
+    assert report.faults["control_held_chunks"] >= 1, report.faults  # the partition held
+    assert report.unrecovered_pairs == 0, report.violations
+
+
+@pytest.mark.timeout(240)
+def test_reads_cross_veth_between_network_namespaces() -> None:
+    why = hosts_unavailable()
+    if why is not None:
+        pytest.skip(f"network namespaces joined by veth cannot be made here: {why}")
+    options = ChaosOptions(
+        fetches=80,
+        producers=1,
+        consumers=2,
+        fault_interval_s=0.8,
+        ucx_tls="tcp",
+        netns=True,
+        faults=("partition_control", "freeze_producer_mid_read"),
+    )
+    report = run_chaos(options)
+
+    _assert_clean(report)
+    assert report.network == "netns" and report.transport == "tcp"
+    # Every delivered byte left the producer's host through its veth device.
+    assert report.veth_bytes >= report.delivered_bytes > 0, report
+    for kind in options.faults:
+        assert report.faults[kind] >= 1, (kind, report.faults, report.fault_log)
 
 
 def test_content_check_catches_wrong_bytes_and_missing_entries() -> None:
@@ -156,6 +224,32 @@ def test_fault_proxy_delays_in_order_and_cuts_connections(echo_server: int) -> N
                 if not client.recv(65536):
                     raise ConnectionResetError("closed by the proxy")
         assert proxy.counters["random_cuts"] >= 1
+    finally:
+        proxy.close()
+
+
+def test_fault_proxy_holds_one_direction_then_delivers_the_backlog_in_order(
+    echo_server: int,
+) -> None:
+    proxy = FaultProxy("127.0.0.1", echo_server, faults=Faults(), seed=2)
+    try:
+        with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as client:
+            client.sendall(b"<open>")
+            assert client.recv(65536) == b"<open>"
+            with pytest.raises(ValueError, match="unknown direction"):
+                proxy.hold(1.0, ("sideways",))
+            proxy.hold(1.0, ("to_consumer",))  # the echo comes back held
+            client.sendall(b"<a>")
+            client.sendall(b"<b>")
+            client.settimeout(0.3)
+            with pytest.raises(TimeoutError):
+                client.recv(65536)  # held: the connection stays open, nothing moves
+            client.settimeout(10)
+            got = b""
+            while not got.endswith(b"<b>"):
+                got += client.recv(65536)
+            assert got == b"<a><b>"  # the backlog, in order, once the hold ends
+            assert proxy.counters["held_chunks"] >= 1
     finally:
         proxy.close()
 
