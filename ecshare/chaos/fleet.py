@@ -126,6 +126,7 @@ class Fleet(RunState):
                 self.hangs += 1
                 self.tally.violations.append(f"no stats: {exc}")
             return None
+        self.canary_violations[child.pid] = stats.store.canary_violations
         if child.role == "producer":
             self.producer_counters[child.pid] = stats.counters
         if child.role == "producer" and child.pid in self.evictions:
@@ -193,6 +194,7 @@ class Fleet(RunState):
     def _stop_and_restart(self, index: int) -> None:
         child = self.producers[index]
         assert child is not None
+        self._stats(child)  # its last word on writes after free
         self.producers[index] = None
         if not child.stop(self.config.shutdown_timeout_s + 5.0):
             self.hangs += 1
@@ -221,6 +223,7 @@ class Fleet(RunState):
         index = self.rng.choice(live)
         child = self.producers[index]
         assert child is not None
+        self._stats(child)  # its last word on writes after free
         child.kill()
         self.log(f"kill_producer {child.name}")
         self.retired.append(child)
@@ -273,6 +276,8 @@ class Fleet(RunState):
         if not busy:
             return False
         victim = self.rng.choice(busy)
+        if victim.answers():
+            self._stats(victim)  # its last word on writes after free
         victim.kill()
         self.log(f"kill_consumer {victim.name}")
         self.retired.append(victim)

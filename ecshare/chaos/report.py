@@ -22,6 +22,11 @@ class RegionCheck(msgspec.Struct, frozen=True):
     verified_entries: int  # READY entries whose bytes were checked
     leaked_blocks: int  # used, yet held by no READY entry, or unaccounted for
     invariant_error: str
+    # Held because a read into them may still be in flight (the consumer's fence);
+    # counted in leaked_blocks unless a producer was still frozen at the end.
+    quarantined: int = 0
+    quarantined_blocks: int = 0
+    canary_violations: int = 0  # freed blocks found written when handed out again
 
 
 class ProcessMemory(msgspec.Struct, frozen=True):
@@ -79,6 +84,9 @@ class ChaosReport(msgspec.Struct, frozen=True):
     unrecovered_pairs: int
     leaked_blocks: int
     leaked_pins: int
+    # Freed blocks found written when handed out again (the store's canary, on in
+    # every node), summed over every node that ever ran, killed ones included.
+    writes_after_free: int
     settle_p50_ms: float
     settle_p99_ms: float
     settle_max_ms: float
@@ -125,6 +133,7 @@ def print_report(report: ChaosReport, out: TextIO = sys.stdout) -> None:
     w(f"  faults injected       {faults}\n")
     for label, value in (
         ("corrupted entries", report.corrupted),
+        ("writes after free", report.writes_after_free),
         ("untyped failures", report.untyped_failures),
         ("vanished entries", report.vanished),
         ("late settles", report.late),
@@ -142,7 +151,7 @@ def print_report(report: ChaosReport, out: TextIO = sys.stdout) -> None:
         w(
             f"  region {r.node:<14} {r.used_blocks}/{r.total_blocks} blocks used, "
             f"{r.ready_blocks} READY, {r.free_blocks} free, {r.pins} pins, "
-            f"{r.verified_entries} entries verified\n"
+            f"{r.quarantined_blocks} quarantined, {r.verified_entries} entries verified\n"
         )
     if report.soak is not None:
         s = report.soak

@@ -67,7 +67,12 @@ class RunState:
         self.large_keys = [k for k in self.keys if k[1] >= options.large_read_bytes] or self.keys
         producer_keys = generate_keypair(workdir, "producer")
         consumer_keys = generate_keypair(workdir, "consumer")
-        every_node = {**TIMING, "ucx_tls": UCX_TRANSPORTS[options.ucx_tls]}
+        every_node = {
+            **TIMING,
+            "ucx_tls": UCX_TRANSPORTS[options.ucx_tls],
+            # A write after free (a read landing in blocks handed on) is counted.
+            "store_canary": True,
+        }
         self.producer_config = {
             **every_node,
             "region_bytes": options.producer_region_bytes,
@@ -103,6 +108,7 @@ class RunState:
         self.recovery_pairs = 0
         self.load_started = 0.0
         self.producer_counters: dict[int, dict[str, int]] = {}  # pid -> last seen
+        self.canary_violations: dict[int, int] = {}  # pid -> last seen, killed ones included
         self._consumer_ids = 0
         self._seed_ids = 0
         self.rss: dict[str, list[tuple[float, float, float]]] = {}  # name -> (t, rss, anon)

@@ -66,7 +66,11 @@ class Verdict(Load, SoakSampling):
                 stats = self._stats(c)
                 if stats is not None:
                     final[c.name] = stats
-            busy = [n for n, s in final.items() if s.store.pins or s.store.allocated]
+            busy = [
+                n
+                for n, s in final.items()
+                if s.store.pins or s.store.allocated or s.store.quarantined
+            ]
             if not busy or time.monotonic() >= quiet_by:
                 break
             time.sleep(0.2)
@@ -76,7 +80,9 @@ class Verdict(Load, SoakSampling):
             stats = self._stats(c, verify=True)
             if stats is None:
                 continue
-            regions.append(_region_check(f"{c.role}-{c.index}", stats))
+            regions.append(
+                _region_check(f"{c.role}-{c.index}", stats, excuse_quarantine=frozen_at_end > 0)
+            )
             if c.role == "consumer" and stats.wrong:
                 self.tally.corrupted += len(stats.wrong)
                 self.tally.violations.append(f"{c.name}: READY with wrong bytes: {stats.wrong[:5]}")
@@ -170,11 +176,18 @@ class Verdict(Load, SoakSampling):
         faults["shrunk_at_end"] = len(self.shrunk)
         leaked_blocks = sum(r.leaked_blocks for r in regions)
         leaked_pins = sum(r.pins for r in regions)
+        writes_after_free = sum(self.canary_violations.values())
+        if writes_after_free:
+            t.violations.append(
+                f"{writes_after_free} writes after free: freed blocks found written when handed "
+                "out again (store canary)"
+            )
         for r in regions:
             if r.leaked_blocks or r.pins or r.allocated or r.evicting:
                 t.violations.append(
                     f"region {r.node}: {r.leaked_blocks} leaked blocks, {r.pins} pins, "
-                    f"{r.allocated} half-written, {r.evicting} evicting entries"
+                    f"{r.allocated} half-written, {r.evicting} evicting entries, "
+                    f"{r.quarantined_blocks} blocks quarantined"
                 )
             if r.invariant_error:
                 t.violations.append(f"region {r.node}: {r.invariant_error}")
@@ -202,6 +215,7 @@ class Verdict(Load, SoakSampling):
             unrecovered_pairs=unrecovered,
             leaked_blocks=leaked_blocks,
             leaked_pins=leaked_pins,
+            writes_after_free=writes_after_free,
             settle_p50_ms=round(float(np.percentile(settle, 50)), 2),
             settle_p99_ms=round(float(np.percentile(settle, 99)), 2),
             settle_max_ms=round(float(settle.max()), 2),
@@ -222,9 +236,13 @@ class Verdict(Load, SoakSampling):
         )
 
 
-def _region_check(node: str, stats: NodeStats) -> RegionCheck:
+def _region_check(node: str, stats: NodeStats, *, excuse_quarantine: bool = False) -> RegionCheck:
+    """One region once the run is quiet. Quarantined blocks (a read may still write
+    them) are leaked unless `excuse_quarantine`: a producer still frozen can keep a
+    read in flight for good, and then holding its destination is the promise kept."""
     s = stats.store
     unaccounted = s.total_blocks - s.free_blocks - s.used_blocks
+    excused = s.quarantined_blocks if excuse_quarantine else 0
     return RegionCheck(
         node=node,
         total_blocks=s.total_blocks,
@@ -235,6 +253,9 @@ def _region_check(node: str, stats: NodeStats) -> RegionCheck:
         allocated=s.allocated,
         evicting=s.evicting,
         verified_entries=stats.verified,
-        leaked_blocks=(s.used_blocks - stats.used_by_ready) + abs(unaccounted),
+        leaked_blocks=(s.used_blocks - stats.used_by_ready - excused) + abs(unaccounted),
         invariant_error=stats.invariant_error,
+        quarantined=s.quarantined,
+        quarantined_blocks=s.quarantined_blocks,
+        canary_violations=s.canary_violations,
     )
