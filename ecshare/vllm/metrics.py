@@ -43,8 +43,7 @@ COUNTERS = {
     "(it did not encode them again, and the region had lost them).",
     "stale_reports": "Worker reports naming a save no longer in flight (ignored).",
     "local_encodes": "Items a consuming instance encoded itself (not found in its region).",
-    "peer_refused": "Fetches refused because the params named a producer not in "
-    "trusted_producers.",
+    "peer_refused": "Fetches refused because the params named a producer not in trusted_producers.",
     "size_mismatch": "Items whose params or fetched entry did not match the shape and dtype "
     "the model expects (not used; the item is encoded locally).",
     "fetch_region_full": "Fetches refused by the region's admission: no room without "
