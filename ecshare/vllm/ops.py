@@ -96,11 +96,13 @@ class StepReport:
         counters = dict(self.counters)
         for key, value in other.counters.items():
             counters[key] = counters.get(key, 0) + value
+        # With tensor parallelism every rank loads: a grant is loaded only if no rank failed it.
+        load_failed = {**self.load_failed, **other.load_failed}
         return StepReport(
             saved={**self.saved, **other.saved},
             save_failed={**self.save_failed, **other.save_failed},
-            loaded=self.loaded | other.loaded,
-            load_failed={**self.load_failed, **other.load_failed},
+            loaded=(self.loaded | other.loaded) - load_failed.keys(),
+            load_failed=load_failed,
             counters=counters,
         )
 

@@ -36,6 +36,8 @@ from vllm.multimodal.inputs import (
     PlaceholderRange,
 )
 from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -138,6 +140,8 @@ class EC:
         max_num_seqs: int = 4,
         kv_blocks: int = 256,
         async_scheduling: bool = False,
+        max_num_batched_tokens: int = 1024,
+        prefix_caching: bool = False,
         **overrides: Any,
     ) -> Scheduler:
         """A Scheduler with the connector in `role`; `kv_blocks` blocks of BLOCK tokens of
@@ -158,14 +162,14 @@ class EC:
             ),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=1024,
+                max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=1024,
                 enable_chunked_prefill=True,
                 is_encoder_decoder=False,
                 async_scheduling=async_scheduling,
             ),
             cache_config=CacheConfig(
-                block_size=BLOCK, cache_dtype="auto", enable_prefix_caching=False
+                block_size=BLOCK, cache_dtype="auto", enable_prefix_caching=prefix_caching
             ),
             ec_transfer_config=ec,
         )
@@ -220,6 +224,7 @@ class EC:
         media: bool = True,
         num_embeds: int = 12,
         max_tokens: int = 2,
+        suffix: int = SUFFIX,
     ) -> Request:
         """A prompt with one image of `num_embeds` tokens, optionally carrying ec_transfer_params.
 
@@ -235,14 +240,18 @@ class EC:
             mm_position=PlaceholderRange(offset=PREFIX, length=num_embeds),
         )
         sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        # As vLLM's engine core builds them: block hashes, for prefix caching.
+        fn = get_hash_fn_by_name("sha256")
+        init_none_hash(fn)
         sampling.extra_args = {"ec_transfer_params": params} if params is not None else {}
-        prompt = [1] * PREFIX + [self.image_pad] * num_embeds + [2] * SUFFIX
+        prompt = [1] * PREFIX + [self.image_pad] * num_embeds + [2] * suffix
         return Request(
             request_id=request_id,
             prompt_token_ids=prompt,
             sampling_params=sampling,
             pooling_params=None,
             mm_features=[feature],
+            block_hasher=get_request_block_hasher(BLOCK, fn),
         )
 
     # -- driving -----------------------------------------------------------------------------

@@ -26,9 +26,9 @@ def inbox() -> Iterator[ReportInbox]:
 
 def report() -> StepReport:
     return StepReport(
-        saved={"h1": ("float32", (12, 128))},
-        save_failed={"h2": "out of memory"},
-        loaded={"h3"},
+        saved={"save-1": ("float32", (12, 128))},
+        save_failed={"save-2": "out of memory"},
+        loaded={"probe-3"},
         counters={"save_seconds": 0.25},
     )
 
@@ -76,3 +76,13 @@ def test_malformed_report_is_dropped(inbox: ReportInbox) -> None:
     finally:
         sock.close(linger=0)
         context.term()
+
+
+def test_grant_one_rank_failed_to_load_is_not_reported_loaded() -> None:
+    # With tensor parallelism vLLM merges every rank's report into one.
+    rank0 = StepReport(loaded={"probe-1", "probe-2"}, counters={"load_seconds": 0.5})
+    rank1 = StepReport(loaded={"probe-1"}, load_failed={"probe-2": "bad extents"})
+    merged = rank0.merge(rank1)
+    assert merged.loaded == {"probe-1"}
+    assert merged.load_failed == {"probe-2": "bad extents"}
+    assert merged.counters == {"load_seconds": 0.5}
