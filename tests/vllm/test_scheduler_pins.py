@@ -24,8 +24,10 @@ from conftest import EC, HIDDEN, Step
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
+from ecshare import protocol as p
 from ecshare.store import EntryState, Store, StoreFull
 from ecshare.vllm import ECShareConnector, ECShareStats
+from ecshare.vllm.pins import ENGINE_PIN_OWNER
 
 SMALL_REGION = {"region_bytes": 1 << 20, "block_bytes": 4096}  # 256 blocks
 
@@ -210,3 +212,17 @@ def test_aborted_request_leaves_no_fetch_and_no_pin_behind(ec: EC, outcome: str)
     ec.step(consumer)
     assert side.store.stats().pins == 0
     assert totals(ec, consumer)["fetches_abandoned"] == 1
+
+
+def test_no_session_id_can_name_the_engines_pin_owner() -> None:
+    """A producer session's pins are owned by its session id, which the client chooses; the
+    engine's own pins share the entry table, and ending a session releases its owner's pins.
+    No session id may be the engine's owner name (it is longer than any can be)."""
+
+    def hello(session_id: str) -> bytes:
+        message = p.Hello(versions=[1], session_id=session_id, client_name="c", fingerprint="f")
+        return p.encode(message)
+
+    p.decode(hello("x" * (len(ENGINE_PIN_OWNER) - 1)))  # the longest session id there is
+    with pytest.raises(p.ProtocolError):
+        p.decode(hello(ENGINE_PIN_OWNER))
