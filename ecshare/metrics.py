@@ -157,6 +157,12 @@ SPECS: Final[tuple[Spec, ...]] = (
         "Age of the oldest fenced read: growing, it means a peer that never ends its reads "
         "(their blocks are kept, not reused).",
     ),
+    Spec(
+        "healthy",
+        _G,
+        "1 while each producer and consumer network thread serves; 0 once one has died "
+        "(its fetches then fail as internal; the log says why).",
+    ),
     Spec("lease_renewals", _C, "Grants whose lease a slow read had renewed."),
     Spec("leases_run_out", _C, "Reads given up because the producer's lease was ending."),
 )
@@ -228,6 +234,12 @@ def _add(out: Samples, name: str, value: float, labels: tuple[str, ...] = ()) ->
     series[labels] = series.get(labels, 0) + value
 
 
+def _worst(out: Samples, name: str, value: float) -> None:
+    """A gauge that is as good as its worst part (healthy: 0 if any part is not)."""
+    series = out[name]
+    series[()] = min(series.get((), value), value)
+
+
 def _read_store(store: Store, out: Samples) -> None:
     s = store.stats()
     _add(out, "region_size_bytes", s.total_blocks * s.block_size)
@@ -259,6 +271,7 @@ def _read_producer(producer: Producer, out: Samples) -> None:
             _add(out, "refusals", n, (key.removeprefix("refused_"),))
         elif key == "no_session":
             _add(out, "refusals", n, ("no_session",))
+    _worst(out, "healthy", float(producer.healthy))
     _add(out, "active_grants", producer.active_grants())
     _add(out, "sessions", producer.session_count())
     control = producer.control_stats
@@ -280,6 +293,7 @@ def _read_consumer(consumer: Consumer, out: Samples) -> None:
         for prefix, name in _CONSUMER_BY_REASON.items():
             if key.startswith(prefix):
                 _add(out, name, n, (key.removeprefix(prefix),))
+    _worst(out, "healthy", float(consumer.healthy))
     _add(out, "fetches_in_flight", consumer.pending())
     fenced, oldest_s = consumer.fenced_reads()
     _add(out, "fenced_reads", fenced)

@@ -103,6 +103,25 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         int,
         Meta(ge=1, le=65536, description="Most items in one batched request or grant."),
     ] = 256
+    max_peer_links: Annotated[
+        int,
+        Meta(
+            ge=1,
+            le=65536,
+            description="Most producers a consumer keeps a session with at once. A fetch "
+            "that needs another one closes the least recently used idle link, or fails "
+            "as peer_unreachable when every link is busy.",
+        ),
+    ] = 64
+    peer_link_idle_s: Annotated[
+        Seconds,
+        Meta(
+            gt=0,
+            le=86400,
+            description="A consumer closes its session with a producer it has not fetched "
+            "from for this long.",
+        ),
+    ] = 300.0
     max_sessions: Annotated[
         int,
         Meta(

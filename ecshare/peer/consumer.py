@@ -63,6 +63,10 @@ _MAX_IDLE_S = 0.1
 _LATENCY_SAMPLES = 4096
 
 
+def _died(exc: BaseException) -> str:
+    return f"the consumer's network thread died: {type(exc).__name__}: {exc}"
+
+
 def _lease_margin(lease_s: float) -> float:
     """How long before a lease ends a read still moving is given up: covers this
     thread's reaction time (a long synchronous read, a stall), not the clocks,
@@ -189,6 +193,11 @@ class Consumer(NetworkThread):
                 )
             )
             return future
+        if self.failure is not None:
+            future.set_exception(
+                FetchFailed(item.mm_hash, FailureReason.INTERNAL, _died(self.failure))
+            )
+            return future
         if self._stop.is_set():
             future.set_exception(FetchFailed(item.mm_hash, FailureReason.SHUTDOWN))
             return future
@@ -275,8 +284,10 @@ class Consumer(NetworkThread):
         try:
             while not self._stop.is_set():
                 self._step(self._wait())
-        except BaseException:
-            log.exception("consumer network thread failed")
+        except BaseException as exc:
+            log.exception("consumer network thread failed; every fetch now fails as internal")
+            with self._lock:
+                self.failure = exc  # new fetches fail at once from here on
             raise
         finally:
             self._shutdown()
@@ -320,13 +331,44 @@ class Consumer(NetworkThread):
         self._dispatch(now)
         self._expire(now)
         self._renew(now)
+        self._close_idle_links(now)
         for link in self._links.values():
             link.flush_releases()
 
     # -- peers -------------------------------------------------------------------------------
 
-    def _link(self, endpoint: str) -> PeerLink:
+    def _busy_endpoints(self) -> set[str]:
+        return {t.peer or "" for t in self._transfers} | {f.endpoint for f in self._fenced}
+
+    def _close_idle_links(self, now: float) -> None:
+        idle_s = self._config.peer_link_idle_s
+        stale = [
+            link
+            for link in self._links.values()
+            if now - max(link.last_used, link.created) > idle_s
+        ]
+        if not stale:
+            return
+        busy = self._busy_endpoints()
+        for link in stale:
+            if link.endpoint not in busy:
+                self._drop_link(link, "peer_links_closed_idle")
+
+    def _drop_link(self, link: PeerLink, counter: str) -> None:
+        link.flush_releases()
+        link.close()
+        del self._links[link.endpoint]
+        self._count(counter)
+
+    def _link(self, endpoint: str) -> PeerLink | None:
+        """The link to `endpoint`, made if need be; None when the bound leaves no room."""
         link = self._links.get(endpoint)
+        if link is None and len(self._links) >= self._config.max_peer_links:
+            busy = self._busy_endpoints() - {endpoint}
+            idle = [x for x in self._links.values() if x.endpoint not in busy]
+            if not idle:
+                return None
+            self._drop_link(min(idle, key=lambda x: x.last_used), "peer_links_evicted")
         if link is None:
             assert self._pool is not None
             link = PeerLink(
@@ -346,6 +388,7 @@ class Consumer(NetworkThread):
                     ),
                 ),
             )
+            link.created = time.monotonic()
             self._links[endpoint] = link
         return link
 
@@ -624,6 +667,14 @@ class Consumer(NetworkThread):
             endpoint = t.peer
             assert endpoint is not None
             link = self._link(endpoint)
+            if link is None:
+                self._count("refused_peer_links")
+                self._move_on(
+                    t,
+                    FailureReason.PEER_UNREACHABLE,
+                    f"every one of max_peer_links={self._config.max_peer_links} links is busy",
+                )
+                continue
             if link.state is PeerLinkState.QUARANTINED:
                 self._move_on(t, link.quarantine_reason, "peer quarantined")
                 continue
@@ -710,13 +761,17 @@ class Consumer(NetworkThread):
             t.renew_sent = 0.0
 
     def _shutdown(self) -> None:
+        if self.failure is not None:
+            why, detail = FailureReason.INTERNAL, _died(self.failure)
+        else:
+            why, detail = FailureReason.SHUTDOWN, "consumer stopping"
         for t in list(self._transfers):
-            self._fail(t, FailureReason.SHUTDOWN, "consumer stopping")
+            self._end_quietly(t, why, detail)
         with self._lock:
             stranded = list(self._incoming)
             self._incoming.clear()
         for t in stranded:
-            self._fail(t, FailureReason.SHUTDOWN, "consumer stopping")
+            self._end_quietly(t, why, detail)
         deadline = time.monotonic() + self._config.shutdown_timeout_s
         while self._fenced and time.monotonic() < deadline:
             self._poll_fenced()
@@ -733,6 +788,15 @@ class Consumer(NetworkThread):
             self._pool.close_all()
         if self._waker is not None:
             self._waker.close()
+
+    def _end_quietly(self, t: Transfer, reason: FailureReason, detail: str) -> None:
+        """Fail `t`, even from state the error that killed the thread left broken."""
+        try:
+            self._fail(t, reason, detail)
+        except Exception:
+            log.exception("while failing %s", t.mm_hash)
+            if not t.future.done():
+                t.future.set_exception(FetchFailed(t.mm_hash, reason, detail))
 
     def _count(self, key: str) -> None:
         with self._counters_lock:

@@ -74,6 +74,8 @@ class PeerLink:
         self._renewals: collections.deque[frozenset[str]] = collections.deque()
         # When the peer last said anything (monotonic; 0: never), for liveness metrics.
         self.last_heard = 0.0
+        self.last_used = 0.0  # when a fetch last went to this peer
+        self.created = 0.0
 
     # -- the session -------------------------------------------------------------------------
 
@@ -228,6 +230,7 @@ class PeerLink:
         assert self.client is not None and self.state is PeerLinkState.READY
         self.pending[request_id] = transfers
         self._sent_at[request_id] = now
+        self.last_used = now
         self.client.send(
             p.FetchRequest(session_id=self.session_id, request_id=request_id, items=items)
         )

@@ -48,6 +48,14 @@ _REPLY_CACHE_ITEMS_PER_SESSION = 1024
 _ACTIVE_POLL_S = 0.0002
 
 
+SESSION_OWNER_PREFIX = "session:"
+
+
+def pin_owner(session_id: str) -> str:
+    """The entry-table owner of a session's grants."""
+    return SESSION_OWNER_PREFIX + session_id
+
+
 @dataclass(eq=False)
 class _Session:
     session_id: str
@@ -58,6 +66,14 @@ class _Session:
     version: int
     last_seen: float
     grants: dict[str, int] = field(default_factory=dict)  # grant id -> bytes it pins
+    # Pins are held under this owner name in the entry table: session ids are
+    # chosen by clients, so they get a namespace of their own that no other
+    # owner (the engine's own load pins, say) can share.
+    owner: str = ""
+
+    def __post_init__(self) -> None:
+        self.owner = pin_owner(self.session_id)
+
     pinned_bytes: int = 0  # the sum of `grants`, kept as they come and go
     replies: OrderedDict[str, p.FetchReply] = field(default_factory=OrderedDict)
     cached_items: int = 0  # items in `replies`
@@ -223,8 +239,9 @@ class Producer(NetworkThread):
                     self._on_notification(agent, note)
                 if active and not events:
                     select.select(wait_fds, [], [], _ACTIVE_POLL_S)
-        except BaseException:
-            log.exception("producer network thread failed")
+        except BaseException as exc:
+            log.exception("producer network thread failed; it serves no grants any more")
+            self.failure = exc
             raise
         finally:
             self._server.close()
@@ -368,7 +385,7 @@ class Producer(NetworkThread):
         now = time.monotonic()
         sessions = []
         for s in self._sessions.values():
-            pinned = (self._table.pinned_entry(s.session_id, g) for g in s.grants)
+            pinned = (self._table.pinned_entry(s.owner, g) for g in s.grants)
             sessions.append(
                 SessionView(
                     user=s.user,
@@ -465,7 +482,7 @@ class Producer(NetworkThread):
             )
         grant_id = f"g{next(self._grant_ids)}"
         try:
-            self._table.pin(req.mm_hash, session.session_id, grant_id, cfg.lease_s)
+            self._table.pin(req.mm_hash, session.owner, grant_id, cfg.lease_s)
         except NotReady:
             self._count("refused_not_ready")
             return p.ItemReply(mm_hash=req.mm_hash, status=p.ItemStatus.NOT_READY)
@@ -473,7 +490,7 @@ class Producer(NetworkThread):
             self._count("refused_missing")
             return p.ItemReply(mm_hash=req.mm_hash, status=p.ItemStatus.MISSING)
         # Re-read under the pin: the entry cannot change or move from here on.
-        pinned = self._table.pinned_entry(session.session_id, grant_id)
+        pinned = self._table.pinned_entry(session.owner, grant_id)
         assert pinned is not None
         with self._lock:
             session.grants[grant_id] = pinned.nbytes
@@ -502,7 +519,7 @@ class Producer(NetworkThread):
         """Extend one of the session's grants; False if it is not (or no longer) live."""
         if grant_id not in session.grants:
             return False
-        if self._table.renew(session.session_id, grant_id, self._config.lease_s):
+        if self._table.renew(session.owner, grant_id, self._config.lease_s):
             return True
         # The lease ran out before the reaper saw it, and the table has just let the
         # pin go: forget the grant too, or it would count against the session's
@@ -532,7 +549,7 @@ class Producer(NetworkThread):
             with self._lock:
                 if not session.forget(grant_id):
                     continue  # another session's grant, or already released: no effect
-            if self._table.unpin(session.session_id, grant_id):
+            if self._table.unpin(session.owner, grant_id):
                 released.append(grant_id)
         self._add("released", len(released))
         return released
@@ -554,13 +571,19 @@ class Producer(NetworkThread):
     # -- expiry ------------------------------------------------------------------------------
 
     def _reap(self, now: float) -> None:
+        # Every expired pin of the table, not only our sessions': an engine sharing
+        # this store (vLLM's connector) leaves its own lost pins to this reaper.
         for owner, grant_id in self._table.reap_expired():
-            session = self._sessions.get(owner)
+            if not owner.startswith(SESSION_OWNER_PREFIX):
+                continue
+            session = self._sessions.get(owner.removeprefix(SESSION_OWNER_PREFIX))
             if session is not None:
                 with self._lock:
                     session.forget(grant_id)
             self._lingering.discard((owner, grant_id))
             self._count("leases_expired")
+        # Anyone may end a pin whose lease ran out (the table does, on sight).
+        self._lingering = {k for k in self._lingering if self._table.pinned_entry(*k)}
         dead_after = self._config.heartbeat_timeout_s
         for session in list(self._sessions.values()):
             if now - session.last_seen > dead_after:
@@ -569,10 +592,10 @@ class Producer(NetworkThread):
     def _end_session(self, session: _Session, why: str, *, keep_leases: bool) -> None:
         grants = list(session.grants)
         if keep_leases:
-            self._lingering.update((session.session_id, g) for g in grants)
+            self._lingering.update((session.owner, g) for g in grants)
             self._add("grants_left_to_lease", len(grants))
         else:
-            self._table.unpin_owner(session.session_id)
+            self._table.unpin_owner(session.owner)
         with self._lock:
             self._sessions.pop(session.session_id, None)
             session.grants.clear()

@@ -38,6 +38,9 @@ class NetworkThread:
         self._waker: Waker | None = None
         self._ready = threading.Event()
         self._startup_error: BaseException | None = None
+        # What killed the thread after start-up: set (by the thread, before it
+        # cleans up) so that callers fail loudly instead of waiting on it.
+        self.failure: BaseException | None = None
         self._metrics: Exposure | None = None
 
     def _run(self) -> None:
@@ -66,6 +69,12 @@ class NetworkThread:
                 self.stop()
                 raise
         return self
+
+    @property
+    def healthy(self) -> bool:
+        """Started, serving, and not killed by an error (see `failure` and the log)."""
+        thread = self._thread
+        return thread is not None and thread.is_alive() and self.failure is None
 
     @property
     def metrics_url(self) -> str | None:

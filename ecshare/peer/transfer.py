@@ -62,6 +62,7 @@ class FailureReason(enum.Enum):
     TRANSPORT = "transport"  # the data plane failed on every peer tried
     RETRIES_EXHAUSTED = "retries_exhausted"  # peers stayed busy or not ready
     SHUTDOWN = "shutdown"  # the consumer is stopping
+    INTERNAL = "internal"  # the consumer's network thread died (a bug; see its log)
 
 
 class IllegalTransition(RuntimeError):

@@ -476,17 +476,22 @@ class EntryTable:
                 self._release(self._pins[(owner, grant_id)], reaped=False)
             return len(grant_ids)
 
-    def reap_expired(self, now: float | None = None) -> list[tuple[str, str]]:
-        """Release every pin whose lease has run out; returns their (owner, grant_id)."""
+    def reap_expired(
+        self, now: float | None = None, *, owner_prefix: str = ""
+    ) -> list[tuple[str, str]]:
+        """Release every pin whose lease has run out; returns their (owner, grant_id).
+
+        With ``owner_prefix``, only pins whose owner starts with it: each holder of
+        pins (a producer's sessions, an engine's loads) reaps its own.
+        """
         with self._lock:
             if now is None:
                 now = self._clock()
-            reaped: list[tuple[str, str]] = []
-            while self._expiry and self._expiry[0][0] <= now:
-                _, owner, grant_id = self._expiry[0]
+            expired = self._expiry.irange(maximum=(now, chr(0x10FFFF), chr(0x10FFFF)))
+            due = [(o, g) for _, o, g in expired if o.startswith(owner_prefix)]
+            for owner, grant_id in due:
                 self._release(self._pins[(owner, grant_id)], reaped=True)
-                reaped.append((owner, grant_id))
-            return reaped
+            return due
 
     def next_expiry(self) -> float | None:
         """When the earliest lease runs out (clock time), for the reaper's sleep."""

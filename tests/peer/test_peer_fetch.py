@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 from concurrent.futures import Future
 
@@ -14,13 +15,15 @@ from peer_testing import (
     FINGERPRINT,
     Keyring,
     MakeConsumer,
+    MakeProducer,
     SpawnProducer,
     expected,
     stored_bytes,
     wait_until,
 )
 
-from ecshare.peer import FetchResult
+from ecshare.metrics import read_samples
+from ecshare.peer import FailureReason, FetchFailed, FetchResult
 from ecshare.store import EntryState
 
 pytestmark = pytest.mark.timeout(60)
@@ -111,3 +114,68 @@ def test_concurrent_fetches_of_one_hash_share_one_transfer(
     joined = consumer.counters["single_flight_joins"] + consumer.counters["local_hits"]
     assert joined == threads_n - 1
     assert producer.stats()["counters"]["granted"] == 1
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_dead_network_thread_fails_every_fetch_loudly(
+    make_consumer: MakeConsumer, keyring: Keyring
+) -> None:
+    _node, consumer = make_consumer(keyring.consumer_config())
+    assert consumer.healthy
+    # A producer that never answers: the fetch waits in the consumer's thread.
+    with socket.socket() as quiet:
+        quiet.bind(("127.0.0.1", 0))
+        quiet.listen()
+        waiting = consumer.fetch(["a"], peers=[f"tcp://127.0.0.1:{quiet.getsockname()[1]}"])[0]
+
+        def broken(now: float) -> None:
+            raise RuntimeError("a bug in the loop")
+
+        consumer._dispatch = broken  # type: ignore[method-assign]  # the fault: a bug
+        consumer.fetch(["b"], peers=["tcp://127.0.0.1:1"])  # wakes the thread into it
+        with pytest.raises(FetchFailed) as failed:
+            waiting.result(timeout=10)
+    assert failed.value.reason is FailureReason.INTERNAL
+    assert "a bug in the loop" in failed.value.detail
+    assert wait_until(lambda: not consumer.healthy, 5.0)
+    # New work fails at once, never queued for a thread that is gone.
+    late = consumer.fetch(["c"], peers=["tcp://127.0.0.1:1"])[0]
+    assert late.done() and late.exception() is not None
+    assert late.exception().reason is FailureReason.INTERNAL  # type: ignore[union-attr]
+    assert read_samples(consumers=[consumer])["healthy"] == {(): 0.0}
+
+
+def test_peer_links_are_bounded_and_idle_ones_closed(
+    make_producer: MakeProducer, make_consumer: MakeConsumer, keyring: Keyring
+) -> None:
+    h = "linked"
+    _pnode, producer = make_producer(keyring.producer_config(), entries={h: 4096})
+    _cnode, consumer = make_consumer(
+        keyring.consumer_config(), {"max_peer_links": 2, "peer_link_idle_s": 0.5}
+    )
+    consumer.fetch([h], peers=[producer.address])[0].result(timeout=10)
+    assert producer.session_count() == 1
+    # Endpoints nobody answers, as a hostile request body could name them: each
+    # holds a link for its handshake timeout (1 s).
+    with socket.socket() as quiet:
+        quiet.bind(("127.0.0.1", 0))
+        quiet.listen()
+        first = consumer.fetch(["x"], peers=[f"tcp://127.0.0.1:{quiet.getsockname()[1]}"])[0]
+        assert wait_until(lambda: len(consumer.peer_liveness()) == 2, 1.0)
+        # A third endpoint takes the place of the idle producer link...
+        second = consumer.fetch(["y"], peers=["tcp://127.0.0.1:1"])[0]
+        assert wait_until(lambda: producer.session_count() == 0, 1.0)  # we said Bye
+        # ...and a fourth, with both links busy, fails at once instead of adding one.
+        third = consumer.fetch(["z"], peers=["tcp://127.0.0.1:2"])[0]
+        refused = third.exception(timeout=0.5)
+        assert isinstance(refused, FetchFailed), refused
+        assert refused.reason is FailureReason.PEER_UNREACHABLE
+        assert "max_peer_links=2" in refused.detail
+        assert len(consumer.peer_liveness()) == 2
+        for pending in (first, second):
+            assert isinstance(pending.exception(timeout=10), FetchFailed)
+    counters = consumer.counter_snapshot()
+    assert counters["peer_links_evicted"] == 1 and counters["refused_peer_links"] == 1
+    # Links nothing uses are closed once idle.
+    assert wait_until(lambda: not consumer.peer_liveness(), 5.0)
+    assert consumer.counter_snapshot()["peer_links_closed_idle"] >= 1

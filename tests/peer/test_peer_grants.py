@@ -241,3 +241,24 @@ def test_stalled_producer_keeps_live_sessions_and_their_pins(
     # The session still works.
     reply = session.fetch("r2", h)
     assert isinstance(reply, p.FetchReply) and reply.items[0].status is p.ItemStatus.GRANTED
+
+
+def test_session_named_like_another_pin_owner_cannot_touch_its_pins(
+    make_producer: MakeProducer, raw_session: MakeRawSession, keyring: Keyring
+) -> None:
+    h = "shared-entry"
+    lease = {"lease_s": 1.0, "fetch_deadline_base_s": 0.5, "fetch_deadline_max_s": 0.8}
+    node, producer = make_producer(keyring.producer_config(), lease, entries={h: MiB})
+    engine = "ecshare.vllm.load"  # an engine sharing the store pins under its own owner
+    node.store.table.pin(h, engine, "load-1", lease_s=60.0)
+    session = raw_session(producer.address)
+    session.session_id = engine  # client-chosen: the same string as that owner
+    assert isinstance(session.hello(), p.Welcome)
+    assert granted(session.fetch("r1", h)).grant_id
+    released = session.call(p.Release(session_id=engine, grant_ids=["load-1"]))
+    assert isinstance(released, p.Released) and released.released == []
+    session.client.send(p.Bye(session_id=engine))
+    assert wait_until(lambda: producer.session_count() == 0, 1.0)
+    # The session's own grant runs out with its lease; the engine's pin stays.
+    assert wait_until(lambda: node.store.stats().pins == 1, 3.0)
+    assert node.store.table.pinned_entry(engine, "load-1") is not None

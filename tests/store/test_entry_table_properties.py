@@ -491,3 +491,16 @@ def test_byte_extents_sum_to_nbytes() -> None:
     assert [off for off, _ in extents] == [r.start * BLOCK for r in entry.runs]
     assert sum(n for _, n in extents) == entry.nbytes
     assert list(entry.extents) == extents
+
+
+def test_reaping_by_owner_prefix_leaves_other_owners_pins() -> None:
+    table, clock = make_table()
+    put(table, "a", 1)
+    put(table, "b", 1)
+    table.pin("a", "session:s1", "g1", lease_s=1.0)
+    table.pin("b", "engine", "g1", lease_s=1.0)
+    clock.now += 1.0  # both leases run out exactly now
+    assert table.reap_expired(owner_prefix="session:") == [("session:s1", "g1")]
+    assert table.pinned_entry("engine", "g1") is not None
+    assert table.reap_expired() == [("engine", "g1")]
+    table.check_invariants()
