@@ -509,6 +509,8 @@ class SchedulerSide:
                 for h, grant in list(waiter.holds.items()):
                     if not self._pins.renew(grant, _HOLD_LEASE_S):
                         del waiter.holds[h]  # reaped: found again, or fetched again, if needed
+            for grant in [g for g in self._loads if self._pins.entry(g) is None]:
+                del self._loads[grant]  # its report was lost and its pin reaped
         if self.producer is None and now >= self._reap_due:
             self._reap_due = now + self._config.reap_interval_s
             reaped = self._store.table.reap_expired()
