@@ -61,6 +61,7 @@ HISTOGRAMS = {
 # Core metrics shown on vLLM's endpoint too; those the connector counts itself
 # (fetched items and bytes, the latency histogram) are in COUNTERS and HISTOGRAMS.
 CORE_METRICS = (
+    "healthy",
     "refusals",
     "grants",
     "granted_bytes",

@@ -25,7 +25,8 @@ its own, so that releasing one never touches another:
 
 Every pin has a lease, the safety net for lost bookkeeping: a pin whose
 release never comes is reaped when the lease runs out (by the Producer's
-reaper, or on a consumer-only instance by the scheduler side itself).
+reaper, which reaps every owner's, or on an instance without a Producer by
+the scheduler side itself, which reaps only its own).
 """
 
 from __future__ import annotations
@@ -46,9 +47,10 @@ def _longest_session_id() -> int:
     raise RuntimeError("protocol.Token has no max_length")
 
 
-# Producer sessions pin under their session id, which the client chooses (a
-# protocol.Token). This owner is longer than any session id may be, so no
-# session can share it and release the engine's pins when it ends.
+# Producer sessions pin under "session:" and their session id, which the client
+# chooses (a protocol.Token); ending a session releases its owner's pins. This
+# owner has another prefix, and is longer than any session id may be besides, so
+# no session can share it and release the engine's pins.
 _OWNER_PREFIX = "ecshare.vllm.engine:"
 ENGINE_PIN_OWNER = _OWNER_PREFIX + "~" * (_longest_session_id() + 1 - len(_OWNER_PREFIX))
 

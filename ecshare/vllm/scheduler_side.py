@@ -513,13 +513,12 @@ class SchedulerSide:
                 del self._loads[grant]  # its report was lost and its pin reaped
         if self.producer is None and now >= self._reap_due:
             self._reap_due = now + self._config.reap_interval_s
-            reaped = self._store.table.reap_expired()
+            reaped = self._store.table.reap_expired(owner_prefix=ENGINE_PIN_OWNER)
             if reaped:
                 self._tally.add("pins_reaped", len(reaped))
                 log.warning("ecshare: %d pins reaped after their lease ran out", len(reaped))
-                for owner, grant in reaped:
-                    if owner == ENGINE_PIN_OWNER:
-                        self._loads.pop(grant, None)
+                for _, grant in reaped:
+                    self._loads.pop(grant, None)
 
     def _new_plan(self) -> StepPlan:
         route = self._listener.route if self._listener is not None else None

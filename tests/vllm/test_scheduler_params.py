@@ -11,6 +11,7 @@ settles ends too.
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from typing import Any
 
@@ -166,10 +167,10 @@ def test_fetch_of_the_wrong_size_is_never_loaded(ec: EC, lie: str) -> None:
     assert totals(ec, consumer)["size_mismatch"] == 1
 
 
-# -- a consumer that stops answering -----------------------------------------------------------
+# -- a consumer that stops answering ---------------------------------------------------------
 
 
-def test_fetch_a_dead_consumer_thread_never_settles_ends_in_local_encoding(
+def test_fetches_of_a_dead_consumer_thread_end_in_local_encoding_and_report_unhealthy(
     ec: EC, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     producer = ec.scheduler("ec_producer")
@@ -186,11 +187,45 @@ def test_fetch_a_dead_consumer_thread_never_settles_ends_in_local_encoding(
     time.sleep(0.3)  # the loop wakes at least every 0.1 s
     consumer.add_request(ec.request("c1", "h-dead", params=params))
 
-    started = time.monotonic()
     seen = run_until_done(ec, consumer, "c1", {"h-dead": embedding()})
 
     assert seen == {"encoded": 1, "loaded": 0}
-    assert time.monotonic() - started < 10
+    time.sleep(1.1)  # the core metrics are read at most once a second
+    ec.step(consumer)
     counts = totals(ec, consumer)
     assert counts["local_encode_fallbacks"] == 1
     assert counts["fetch_failed"] == 1
+    assert counts["healthy"] == 0  # reported to vLLM's metrics as vllm:ecshare_healthy
+
+
+def test_fetch_a_hung_consumer_thread_never_settles_is_given_up(
+    ec: EC, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    producer = ec.scheduler("ec_producer")
+    consumer = ec.scheduler("ec_consumer", **QUICK_FAILURE)
+    side = ec.side(consumer)
+    assert side.consumer is not None
+    params = ec.encode(producer, "p1", "h-hung", embedding())
+    release = threading.Event()
+
+    def hang(*_: object) -> None:
+        release.wait()
+
+    # A fault injected into the real Consumer: its loop stops in the middle of a step,
+    # alive but answering nothing (a deadlock, a blocking call that never returns).
+    monkeypatch.setattr(side.consumer, "_step", hang)
+    try:
+        time.sleep(0.3)
+        consumer.add_request(ec.request("c1", "h-hung", params=params))
+        started = time.monotonic()
+        seen = run_until_done(ec, consumer, "c1", {"h-hung": embedding()})
+        elapsed = time.monotonic() - started
+    finally:
+        release.set()
+
+    assert seen == {"encoded": 1, "loaded": 0}
+    # Given up past the consumer's own longest deadline: 1.0 + 0.3 + 1 s.
+    assert 2.3 <= elapsed < 10
+    counts = totals(ec, consumer)
+    assert counts["fetches_overdue"] == 1
+    assert counts["local_encode_fallbacks"] == 1
