@@ -122,7 +122,7 @@ class Fleet(RunState):
         try:
             stats = child.stats(_STATS_TIMEOUT_S, verify=verify)
         except ChildGone as exc:
-            if child.answers():
+            if child.answers() and not child.exited(1.0):  # a crash counts as one
                 self.hangs += 1
                 self.tally.violations.append(f"no stats: {exc}")
             return None

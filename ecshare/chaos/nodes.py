@@ -417,6 +417,12 @@ class Child:
     def alive(self) -> bool:
         return not self.killed and self.process.is_alive()
 
+    def exited(self, within_s: float) -> bool:
+        """Whether the process has exited, waiting up to `within_s` for it: a crashing
+        child closes its pipe a moment before it can be reaped."""
+        self.process.join(timeout=within_s)
+        return self.process.exitcode is not None
+
     def crashed(self) -> bool:
         """It exited by itself: neither killed nor told to stop."""
         return not self.killed and not self.stopping and self.process.exitcode is not None

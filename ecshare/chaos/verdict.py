@@ -55,8 +55,9 @@ class Verdict(Load, SoakSampling):
                 try:
                     c.call(Quiesce(), _STATS_TIMEOUT_S)
                 except ChildGone as exc:
-                    self.hangs += 1
-                    self.tally.violations.append(f"no answer to Quiesce: {exc}")
+                    if not c.exited(1.0):  # a crash is counted as one (reap_crashes)
+                        self.hangs += 1
+                        self.tally.violations.append(f"no answer to Quiesce: {exc}")
         cfg = self.config
         quiet_by = time.monotonic() + cfg.lease_s + cfg.heartbeat_timeout_s + 5.0
         final: dict[str, NodeStats] = {}
