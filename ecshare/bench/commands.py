@@ -41,6 +41,16 @@ def _percent(text: str) -> float:
     return value
 
 
+def _gap_ms(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected milliseconds, not {text!r}") from None
+    if not 0 <= value <= 10_000:
+        raise argparse.ArgumentTypeError(f"{text} ms is not between 0 and 10000")
+    return value
+
+
 def _common(parser: argparse.ArgumentParser, sizes: bool) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
@@ -65,7 +75,23 @@ def _common(parser: argparse.ArgumentParser, sizes: bool) -> None:
 def add_bench_arguments(bench: argparse.ArgumentParser) -> None:
     sub = bench.add_subparsers(dest="bench_command", required=True)
     _common(sub.add_parser("store", help="region put/get against memcpy, allocator cost"), True)
-    _common(sub.add_parser("fetch", help="fetch throughput against raw NIXL and memcpy"), True)
+    fetch = sub.add_parser("fetch", help="fetch throughput against raw NIXL and memcpy")
+    _common(fetch, True)
+    fetch.add_argument(
+        "--mode",
+        choices=("all", "back-to-back", "sporadic"),
+        default="all",
+        help="back-to-back (single, batch, 64 KiB latency), sporadic (a fresh entry and an "
+        "idle gap before each fetch), or all (default)",
+    )
+    fetch.add_argument(
+        "--gap-ms",
+        type=_gap_ms,
+        default=5.0,
+        metavar="MS",
+        help="sporadic mode: idle milliseconds between writing an entry and fetching it "
+        "(default 5)",
+    )
     proxy = sub.add_parser("proxy", help="the proxy's added latency over stub backends")
     _common(proxy, False)
     proxy.add_argument(
@@ -114,7 +140,15 @@ def run_bench(args: argparse.Namespace) -> int:
     if command == "fetch":
         from ecshare.bench.fetch import run_fetch_bench
 
-        return run_fetch_bench(args.json, args.quick, args.sizes, args.out, args.quiet)
+        return run_fetch_bench(
+            args.json,
+            args.quick,
+            args.sizes,
+            args.out,
+            args.quiet,
+            mode=args.mode,
+            gap_s=args.gap_ms / 1000,
+        )
     if command == "proxy":
         from ecshare.bench.proxy import run_proxy_bench
 

@@ -67,6 +67,8 @@ def figures(result: BenchResult) -> list[Figure]:
         for r in result.rows:
             row = f"{format_size(r.size_bytes)} {r.mode}"
             out.append(Figure(row, "fetch GB/s", r.ecshare_gbps, r.raw_nixl_gbps, "raw NIXL", True))
+            if r.ecshare_p99_ms is not None:
+                out.append(Figure(row, "p99 ms", r.ecshare_p99_ms, None, "", False))
         if result.latency_64k_p50_ms is not None and result.raw_nixl_64k_p50_ms is not None:
             out.append(
                 Figure(

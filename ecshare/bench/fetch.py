@@ -25,6 +25,12 @@ Each mode is warmed up before it is timed, and figures are medians. A last
 loop of sequential single 64 KiB fetches gives the latency p50 and p99.
 Entries carry no checksum, so the figures are the transfer path alone.
 
+Mode ``sporadic`` (``--mode sporadic``, and in the default run) times fetches
+as real traffic comes: a fresh entry, an idle gap, one fetch, with the raw READ
+timed the same way and the time of each step recorded on both sides (see
+`ecshare.bench.sporadic`). It runs first, before the back-to-back loops warm
+everything up. ``--mode back-to-back`` runs the other modes alone.
+
 What limits ecshare against raw NIXL (measured on a 2-vCPU VM). A raw
 same-host READ runs synchronously in the caller's thread and wakes nobody. A
 fetch crosses about eight threads: the caller, the consumer's network thread,
@@ -57,11 +63,23 @@ import numpy.typing as npt
 
 from ecshare.bench.progress import BenchProgress
 from ecshare.bench.schema import ReportHeader, load_average, machine_info, utc_now
+from ecshare.bench.sporadic import (
+    DEFAULT_GAP_S,
+    SPORADIC_SIZES,
+    SPORADIC_WARMUP,
+    ProducerCpu,
+    SporadicFigures,
+    fill_value,
+    hold_grant_cpu,
+    measure_sporadic,
+    sporadic_samples,
+)
 from ecshare.bench.synthetic import format_size
 from ecshare.config import Config
-from ecshare.control import generate_keypair
+from ecshare.control import generate_keypair, load_keypair, load_public_key
 from ecshare.peer import Consumer, Node, start_consumer, start_producer
-from ecshare.store import Region
+from ecshare.peer.phases import PhaseLog
+from ecshare.store import Entry, Region, Store
 from ecshare.transport.base import PeerInfo, ReadState, Segment, pair_segments
 from ecshare.transport.nixl import NixlTransport
 
@@ -89,6 +107,13 @@ TARGET_SINGLE_RATIO = 0.8  # single fetch of >= 4 MiB against raw NIXL
 TARGET_SINGLE_MIN_BYTES = 4 * MiB
 TARGET_BATCH_RATIO = 0.9
 TARGET_P50_MS = 1.0
+# Sporadic fetches (issue 14): from 1 MiB at most this much above the raw READ's
+# p50, and a 64 KiB fetch within this p50.
+TARGET_SPORADIC_MIN_BYTES = 1 * MiB
+TARGET_SPORADIC_EXCESS_MS = 0.3
+TARGET_SPORADIC_SMALL = 64 * KiB
+TARGET_SPORADIC_SMALL_P50_MS = 0.5
+MODES = ("all", "back-to-back", "sporadic")
 
 Bytes = npt.NDArray[np.uint8]
 Extents = list[tuple[int, int]]
@@ -109,6 +134,17 @@ class Row(msgspec.Struct, frozen=True):
     ecshare_ms: float
     raw_nixl_ms: float
     memcpy_ms: float
+    # Mode "sporadic" only (see ecshare/bench/sporadic.py): each sample a fresh
+    # entry and an idle gap before it is fetched; the figures above are of the
+    # p50, and `ratio_vs_raw_nixl` is raw p50 / ecshare p50.
+    gap_ms: float | None = None
+    ecshare_p50_ms: float | None = None
+    ecshare_p99_ms: float | None = None
+    raw_nixl_p50_ms: float | None = None
+    raw_nixl_p99_ms: float | None = None
+    # Median milliseconds of each step of a fetch (and of the raw read), in order.
+    ecshare_phases_ms: dict[str, float] | None = None
+    raw_nixl_phases_ms: dict[str, float] | None = None
 
 
 class FetchParameters(msgspec.Struct, frozen=True):
@@ -119,6 +155,10 @@ class FetchParameters(msgspec.Struct, frozen=True):
     warmup: int
     block_bytes: int
     quick: bool
+    mode: str = "back-to-back"  # or "sporadic", or "all" (both)
+    sporadic_sizes: list[int] = []
+    sporadic_samples: list[int] = []  # per sporadic size
+    gap_ms: float | None = None
 
 
 class FetchBenchResult(ReportHeader, tag_field="bench", tag="fetch"):
@@ -129,6 +169,8 @@ class FetchBenchResult(ReportHeader, tag_field="bench", tag="fetch"):
     latency_64k_p99_ms: float | None
     latency_64k_samples: int
     raw_nixl_64k_p50_ms: float | None
+    # The producer's network thread under sporadic traffic; None without it.
+    producer_cpu: ProducerCpu | None
     targets: dict[str, Any]
     meets_targets: bool
     environment: dict[str, Any]
@@ -147,8 +189,12 @@ def _producer_main(conn: Connection, settings: dict[str, Any]) -> None:
     config = Config.from_dict(settings)
     node = Node.create(config, "producer")
     producer = start_producer(node, fingerprint=FINGERPRINT)
+    producer.phases = PhaseLog()
+    assert producer._thread is not None and producer._thread.ident is not None
+    cpu_clock = time.pthread_getcpuclockid(producer._thread.ident)
     store = node.store
     held: list[str] = []
+    fresh = ""
     try:
         conn.send((producer.address, node.transport.local_info()))
         while True:
@@ -163,6 +209,28 @@ def _producer_main(conn: Connection, settings: dict[str, Any]) -> None:
                     held.append(h)
                     out.append((h, entry.byte_extents(store.block_size)))
                 conn.send(out)
+            elif cmd == "fresh":
+                # Sporadic mode: a new entry in newly allocated blocks, written in place.
+                size, seq = arg
+                if fresh:
+                    store.remove(fresh)
+                fresh = f"sporadic-{size}-{seq}"
+                entry = store.allocate(fresh, size)
+                _fill(store, entry, fill_value(seq))
+                store.commit(entry)
+                conn.send((fresh, entry.byte_extents(store.block_size), producer.phases.take()))
+            elif cmd == "refill":
+                # Fresh bytes over the blocks of an entry no grant holds any more, for
+                # the raw read of the same extents (the harness knows no one reads it).
+                mm_hash, value = arg
+                written = store.get(mm_hash)
+                assert written is not None
+                _fill(store, written, value)
+                conn.send(None)
+            elif cmd == "marks":
+                conn.send(producer.phases.take())
+            elif cmd == "cpu":
+                conn.send((time.clock_gettime(cpu_clock), time.monotonic()))
             elif cmd == "counters":
                 conn.send(dict(producer.counters))
             elif cmd == "stop":
@@ -171,6 +239,11 @@ def _producer_main(conn: Connection, settings: dict[str, Any]) -> None:
         producer.stop()
         node.close()
         conn.send("stopped")
+
+
+def _fill(store: Store, entry: Entry, value: int) -> None:
+    for view in store.views(entry):
+        np.frombuffer(view, dtype=np.uint8).fill(value)
 
 
 def _clear(store: Any, held: list[str]) -> None:
@@ -429,9 +502,18 @@ def _targets(rows: list[Row], p50_ms: float | None) -> tuple[dict[str, Any], boo
         if r.mode == "single" and r.size_bytes >= TARGET_SINGLE_MIN_BYTES
     ]
     batches = [r.ratio_vs_raw_nixl for r in rows if r.mode == "batch"]
+    sporadic = [r for r in rows if r.mode == "sporadic"]
+    excess = [
+        (r.ecshare_p50_ms or 0.0) - (r.raw_nixl_p50_ms or 0.0)
+        for r in sporadic
+        if r.size_bytes >= TARGET_SPORADIC_MIN_BYTES
+    ]
+    small = [r.ecshare_p50_ms or 0.0 for r in sporadic if r.size_bytes <= TARGET_SPORADIC_SMALL]
     single_ok = min(singles) >= TARGET_SINGLE_RATIO if singles else None
     batch_ok = min(batches) >= TARGET_BATCH_RATIO if batches else None
     p50_ok = p50_ms <= TARGET_P50_MS if p50_ms is not None else None
+    excess_ok = max(excess) <= TARGET_SPORADIC_EXCESS_MS if excess else None
+    small_ok = max(small) <= TARGET_SPORADIC_SMALL_P50_MS if small else None
     targets = {
         "single_ge_4mib_min_ratio": min(singles) if singles else None,
         "single_ge_4mib_target": TARGET_SINGLE_RATIO,
@@ -441,8 +523,14 @@ def _targets(rows: list[Row], p50_ms: float | None) -> tuple[dict[str, Any], boo
         "batch_met": batch_ok,
         "latency_64k_p50_target_ms": TARGET_P50_MS,
         "latency_64k_p50_met": p50_ok,
+        "sporadic_ge_1mib_max_excess_ms": max(excess) if excess else None,
+        "sporadic_ge_1mib_excess_target_ms": TARGET_SPORADIC_EXCESS_MS,
+        "sporadic_ge_1mib_met": excess_ok,
+        "sporadic_64k_p50_ms": max(small) if small else None,
+        "sporadic_64k_p50_target_ms": TARGET_SPORADIC_SMALL_P50_MS,
+        "sporadic_64k_met": small_ok,
     }
-    judged = [ok for ok in (single_ok, batch_ok, p50_ok) if ok is not None]
+    judged = [ok for ok in (single_ok, batch_ok, p50_ok, excess_ok, small_ok) if ok is not None]
     return targets, bool(judged) and all(judged)
 
 
@@ -471,6 +559,7 @@ def _print_table(result: FetchBenchResult) -> None:
             f"p50 {result.latency_64k_p50_ms:.3f} ms, p99 {result.latency_64k_p99_ms:.3f} ms "
             f"(raw NIXL read p50 {result.raw_nixl_64k_p50_ms:.3f} ms)"
         )
+    _print_sporadic(result)
     load = env["load_average_1m"]
     if max(load["start"], load["end"]) > 0.5 * (env["cpus"] or 1):
         print(
@@ -490,8 +579,43 @@ def _print_table(result: FetchBenchResult) -> None:
         f"(worst {worst(t['single_ge_4mib_min_ratio'])}): {verdict(t['single_ge_4mib_met'])}; "
         f"batch >= {t['batch_target']}x (worst {worst(t['batch_min_ratio'])}): "
         f"{verdict(t['batch_met'])}; 64 KiB p50 <= {t['latency_64k_p50_target_ms']} ms: "
-        f"{verdict(t['latency_64k_p50_met'])}"
+        f"{verdict(t['latency_64k_p50_met'])}; sporadic >= 1 MiB p50 <= raw + "
+        f"{t['sporadic_ge_1mib_excess_target_ms']} ms: {verdict(t['sporadic_ge_1mib_met'])}; "
+        f"sporadic 64 KiB p50 <= {t['sporadic_64k_p50_target_ms']} ms: "
+        f"{verdict(t['sporadic_64k_met'])}"
     )
+
+
+def _print_sporadic(result: FetchBenchResult) -> None:
+    rows = [r for r in result.rows if r.mode == "sporadic"]
+    if not rows:
+        return
+    print(
+        f"sporadic: per sample a fresh entry, {rows[0].gap_ms:g} ms idle, one fetch "
+        "(and the same for one raw NIXL READ of the same extents); every byte checked"
+    )
+    heads = ("eco p50", "eco p99", "raw p50", "raw p99", "eco-raw", "eco/raw")
+    print(f"{'size':>7} {'samples':>8} " + " ".join(f"{h:>8}" for h in heads) + "   (ms)")
+    for r in rows:
+        eco, raw = r.ecshare_p50_ms or 0.0, r.raw_nixl_p50_ms or 0.0
+        print(
+            f"{_size_label(r.size_bytes):>7} {r.samples:>8} {eco:8.3f} "
+            f"{r.ecshare_p99_ms or 0.0:8.3f} {raw:8.3f} {r.raw_nixl_p99_ms or 0.0:8.3f} "
+            f"{eco - raw:8.3f} {r.ratio_vs_raw_nixl:7.2f}x"
+        )
+    for r in rows:
+        steps = ", ".join(f"{k} {v:.3f}" for k, v in (r.ecshare_phases_ms or {}).items())
+        raw_steps = ", ".join(f"{k} {v:.3f}" for k, v in (r.raw_nixl_phases_ms or {}).items())
+        print(f"  {_size_label(r.size_bytes)} ecshare steps (median ms): {steps}")
+        print(f"  {_size_label(r.size_bytes)} raw NIXL steps (median ms): {raw_steps}")
+    cpu = result.producer_cpu
+    if cpu is not None:
+        held = "-" if cpu.held_grant_share is None else f"{cpu.held_grant_share:.2%}"
+        print(
+            f"producer network thread CPU: {cpu.sporadic_share:.2%} of a core over the "
+            f"sporadic run ({cpu.sporadic_us_per_fetch:.0f} us per fetch); {held} while a "
+            "grant is held and nothing moves"
+        )
 
 
 def _batch_for(size: int, quick: bool) -> int:
@@ -503,22 +627,110 @@ def _blocks_bytes(size: int) -> int:
     return -(-size // BLOCK_BYTES) * BLOCK_BYTES
 
 
+def _sporadic_row(fig: SporadicFigures) -> Row:
+    def pct(xs: list[float], q: float) -> float:
+        return float(np.percentile(xs, q)) * 1000
+
+    eco, raw, mem = (_median(x) for x in (fig.ecshare_s, fig.raw_s, fig.memcpy_s))
+    moved = fig.size_bytes / 1e9
+    return Row(
+        size_bytes=fig.size_bytes,
+        mode="sporadic",
+        items=1,
+        samples=fig.samples,
+        ecshare_gbps=moved / eco,
+        raw_nixl_gbps=moved / raw,
+        memcpy_gbps=moved / mem,
+        ratio_vs_raw_nixl=raw / eco,
+        ratio_paired=_median([r / e for e, r in zip(fig.ecshare_s, fig.raw_s, strict=True)]),
+        ecshare_ms=eco * 1000,
+        raw_nixl_ms=raw * 1000,
+        memcpy_ms=mem * 1000,
+        gap_ms=fig.gap_ms,
+        ecshare_p50_ms=pct(fig.ecshare_s, 50),
+        ecshare_p99_ms=pct(fig.ecshare_s, 99),
+        raw_nixl_p50_ms=pct(fig.raw_s, 50),
+        raw_nixl_p99_ms=pct(fig.raw_s, 99),
+        ecshare_phases_ms=fig.ecshare_phases_ms,
+        raw_nixl_phases_ms=fig.raw_phases_ms,
+    )
+
+
+def _run_sporadic(
+    b: _Bench,
+    sizes: Sequence[int],
+    quick: bool,
+    gap_s: float,
+    bar: BenchProgress,
+    hold: Callable[[], float],
+) -> tuple[list[Row], ProducerCpu]:
+    rows = []
+    fetches = 0
+    cpu0, wall0 = b.producer.call(("cpu", None))
+    for size in sizes:
+        bar.advance(0, step=f"{_size_label(size)}, sporadic")
+        memcpy_dst = np.ones(size, dtype=np.uint8)
+        samples = sporadic_samples(size, quick)
+        fig = measure_sporadic(
+            size=size,
+            samples=samples,
+            gap_s=gap_s,
+            consumer=b.consumer,
+            store=b.node.store,
+            peers=b.peers,
+            call=b.producer.call,
+            raw=b.raw,
+            raw_peer=b.raw_peer,
+            raw_buf=b.raw_buf,
+            memcpy_dst=memcpy_dst,
+            advance=bar.advance,
+        )
+        fetches += samples + SPORADIC_WARMUP
+        rows.append(_sporadic_row(fig))
+    cpu1, wall1 = b.producer.call(("cpu", None))
+    cpu = ProducerCpu(
+        sporadic_share=(cpu1 - cpu0) / (wall1 - wall0),
+        sporadic_us_per_fetch=(cpu1 - cpu0) / max(1, fetches) * 1e6,
+        held_grant_share=hold(),
+    )
+    return rows, cpu
+
+
 def run_fetch_bench(
     json_output: bool = False,
     quick: bool = False,
     sizes: Sequence[int] | None = None,
     out_dir: Path | None = None,
     quiet: bool = False,
+    mode: str = "all",
+    gap_s: float = DEFAULT_GAP_S,
 ) -> int:
-    """Run the bench over `sizes` (default `SIZES`); print it, and write files to `out_dir`."""
+    """Run the bench over `sizes`; print it, and write files to `out_dir`.
+
+    `mode` is "back-to-back" (single, batch and 64 KiB latency over `sizes`,
+    default `SIZES`), "sporadic" (over `sizes`, default `SPORADIC_SIZES`, with
+    `gap_s` idle before each fetch) or "all" (both).
+    """
     from ecshare.bench.report import emit
 
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+    if not 0 <= gap_s <= 10:
+        raise ValueError(f"the gap must be between 0 and 10 s, not {gap_s}")
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     load_start = load_average()
-    sizes = sorted(set(sizes or SIZES))
-    step_bytes = max(_blocks_bytes(size) * _batch_for(size, quick) for size in sizes)
+    b2b_sizes = sorted(set(sizes or SIZES)) if mode != "sporadic" else []
+    spor_sizes = sorted(set(sizes or SPORADIC_SIZES)) if mode != "back-to-back" else []
+    step_bytes = max(
+        [_blocks_bytes(size) * _batch_for(size, quick) for size in b2b_sizes]
+        + [_blocks_bytes(size) for size in spor_sizes]
+    )
     region_bytes = step_bytes + 64 * MiB
-    bar = BenchProgress(sum(_steps(size, quick) for size in sizes), "fetch", quiet=quiet)
+    steps = sum(_steps(size, quick) for size in b2b_sizes) + sum(
+        sporadic_samples(size, quick) + SPORADIC_WARMUP for size in spor_sizes
+    )
+    bar = BenchProgress(steps, "fetch", quiet=quiet)
+    producer_cpu: ProducerCpu | None = None
     with tempfile.TemporaryDirectory(prefix="ecshare-bench-fetch-") as tmp:
         workdir = Path(tmp)
         keys = {r: generate_keypair(workdir, r) for r in ("producer", "consumer")}
@@ -553,8 +765,27 @@ def run_fetch_bench(
             rows: list[Row] = []
             latencies: list[float] = []
             raw_latencies: list[float] = []
+            consumer_keys = load_keypair(keys["consumer"].secret_path)
+            server_key = load_public_key(keys["producer"].public_path)
+            address = producer.address
+
+            def hold() -> float:
+                return hold_grant_cpu(
+                    address=address,
+                    keys=consumer_keys,
+                    server_key=server_key,
+                    fingerprint=FINGERPRINT,
+                    call=bench.producer.call,
+                    size=64 * KiB,
+                )
+
             with bar:
-                for size in sizes:
+                if spor_sizes:
+                    # First, while nothing else has run: as a new instance would see it.
+                    spor_rows, producer_cpu = _run_sporadic(
+                        bench, spor_sizes, quick, gap_s, bar, hold
+                    )
+                for size in b2b_sizes:
                     batch = _batch_for(size, quick)
                     memcpy_dst = np.ones(size * batch, dtype=np.uint8)
                     size_rows, lat, raw_lat = _bench_size(
@@ -564,6 +795,8 @@ def run_fetch_bench(
                     rows.extend(size_rows)
                     latencies.extend(lat)
                     raw_latencies.extend(raw_lat)
+                if spor_sizes:
+                    rows.extend(spor_rows)
             environment = _environment()
             environment["load_average_1m"] = {"start": load_start, "end": load_average()}
             environment["consumer_counters"] = dict(consumer.counters)
@@ -584,24 +817,29 @@ def run_fetch_bench(
 
     p50 = ms(latencies, 50)
     targets, meets = _targets(rows, p50)
-    samples = [_samples_for(size, quick) for size in sizes]
+    samples = [_samples_for(size, quick) for size in b2b_sizes]
     result = FetchBenchResult(
         created_at=utc_now(),
         machine=machine_info(load_start),
         parameters=FetchParameters(
-            sizes=sizes,
-            batch_items=[_batch_for(size, quick) for size in sizes],
+            sizes=b2b_sizes,
+            batch_items=[_batch_for(size, quick) for size in b2b_sizes],
             single_samples=[single for single, _ in samples],
             batch_samples=[batch for _, batch in samples],
             warmup=WARMUP,
             block_bytes=BLOCK_BYTES,
             quick=quick,
+            mode=mode,
+            sporadic_sizes=spor_sizes,
+            sporadic_samples=[sporadic_samples(size, quick) for size in spor_sizes],
+            gap_ms=gap_s * 1000 if spor_sizes else None,
         ),
         rows=rows,
         latency_64k_p50_ms=p50,
         latency_64k_p99_ms=ms(latencies, 99),
         latency_64k_samples=len(latencies),
         raw_nixl_64k_p50_ms=ms(raw_latencies, 50),
+        producer_cpu=producer_cpu,
         targets=targets,
         meets_targets=meets,
         environment=environment,

@@ -28,7 +28,11 @@ _COLOURS = {
     "store get": "tab:purple",
 }
 _STYLES = ("-", "--", ":", "-.")
-_MODES = {"single": "one item at a time", "batch": "a batch of items at a time"}
+_MODES = {
+    "single": "one item at a time",
+    "batch": "a batch of items at a time",
+    "sporadic": "a fresh item after an idle gap (p50)",
+}
 
 
 def _pyplot() -> Any:

@@ -137,6 +137,42 @@ def _fetch_markdown(r: FetchBenchResult) -> list[str]:
             f"p50 {_ms(r.latency_64k_p50_ms)} ms, p99 {_ms(r.latency_64k_p99_ms)} ms "
             f"(raw NIXL read p50 {_ms(r.raw_nixl_64k_p50_ms)} ms).",
         ]
+    sporadic = [row for row in r.rows if row.mode == "sporadic"]
+    if sporadic:
+        lines += [
+            "",
+            f"Sporadic: per sample a fresh entry, {sporadic[0].gap_ms:g} ms idle, then one "
+            "fetch (and one raw NIXL READ of the same extents after the same pattern).",
+            "",
+        ]
+        lines += _table(
+            ["size", "samples", "ecshare p50 ms", "ecshare p99 ms", "raw NIXL p50 ms",
+             "ecshare - raw ms", "raw / ecshare"],
+            [
+                [
+                    format_size(row.size_bytes),
+                    str(row.samples),
+                    _ms(row.ecshare_p50_ms),
+                    _ms(row.ecshare_p99_ms),
+                    _ms(row.raw_nixl_p50_ms),
+                    _ms((row.ecshare_p50_ms or 0.0) - (row.raw_nixl_p50_ms or 0.0)),
+                    _x(row.ratio_vs_raw_nixl),
+                ]
+                for row in sporadic
+            ],
+        )  # fmt: skip
+        for row in sporadic:
+            steps = ", ".join(f"{k} {v:.3f}" for k, v in (row.ecshare_phases_ms or {}).items())
+            lines += ["", f"{format_size(row.size_bytes)} fetch, median ms per step: {steps}."]
+    if r.producer_cpu is not None:
+        cpu = r.producer_cpu
+        held = "-" if cpu.held_grant_share is None else f"{cpu.held_grant_share:.2%}"
+        lines += [
+            "",
+            f"Producer network thread CPU: {cpu.sporadic_share:.2%} of a core under the "
+            f"sporadic fetches ({cpu.sporadic_us_per_fetch:.0f} us per fetch), {held} while "
+            "a grant is held and nothing moves.",
+        ]
     lines += ["", f"Targets: {'met' if r.meets_targets else 'MISSED'}."]
     return lines
 

@@ -43,6 +43,7 @@ from ecshare import protocol as p
 from ecshare.config import Config
 from ecshare.control import AuthenticationFailed, ClientPool, KeyPair, LinkSettings, Waker
 from ecshare.peer.link import PeerLink, PeerLinkState
+from ecshare.peer.phases import PhaseLog
 from ecshare.peer.thread import NetworkThread
 from ecshare.peer.transfer import (
     LATENCY_BUCKETS_S,
@@ -150,6 +151,8 @@ class Consumer(NetworkThread):
         # Every latency ever, in buckets (under `_counters_lock`): the deque above forgets.
         self._latency_counts = [0] * (len(LATENCY_BUCKETS_S) + 1)
         self._latency_sum_s = 0.0
+        # Per-item timestamps of each step (see peer/phases.py); off unless set.
+        self.phases: PhaseLog | None = None
 
     # -- engine-facing -----------------------------------------------------------------------
 
@@ -217,6 +220,8 @@ class Consumer(NetworkThread):
         )
         self._inflight[item.mm_hash] = transfer
         self._incoming.append(transfer)
+        if self.phases is not None:
+            self.phases.mark(item.mm_hash, "call", now)
         self._count("fetches")
         return future
 
@@ -320,7 +325,10 @@ class Consumer(NetworkThread):
         now = time.monotonic()
         with self._lock:
             while self._incoming:
-                self._transfers.append(self._incoming.popleft())
+                t = self._incoming.popleft()
+                self._transfers.append(t)
+                if self.phases is not None:
+                    self.phases.mark(t.mm_hash, "picked")
         for link in list(self._links.values()):
             if link.client is not None and any(s in events for s in link.client.pollables):
                 for msg in link.receive():
@@ -448,6 +456,8 @@ class Consumer(NetworkThread):
     def _on_item(self, link: PeerLink, t: Transfer, item: p.ItemReply, now: float) -> None:
         status = item.status
         if status is p.ItemStatus.GRANTED:
+            if self.phases is not None:
+                self.phases.mark(t.mm_hash, "granted")
             t.move(TransferState.GRANTED)
             t.grant_id = item.grant_id
             if self._config.checksum != "none" and item.checksum is None:
@@ -524,7 +534,11 @@ class Consumer(NetworkThread):
         t.dest = dest
         segments = pair_segments(dest.byte_extents(self._store.block_size), t.remote_extents)
         t.move(TransferState.READING)
+        if self.phases is not None:
+            self.phases.mark(t.mm_hash, "read_start")
         t.read_handle = self._transport.read(link.agent, segments)
+        if self.phases is not None:
+            self.phases.mark(t.mm_hash, "read_return")
         self._count("reads_started")
         self._poll_read(t)
 
@@ -537,6 +551,8 @@ class Consumer(NetworkThread):
         status = self._transport.poll(t.read_handle)
         if status.state is ReadState.PENDING:
             return
+        if self.phases is not None:
+            self.phases.mark(t.mm_hash, "done")
         self._transport.release(t.read_handle)
         t.read_handle = None
         link = self._links[t.candidates[t.peer_index]]
@@ -586,6 +602,8 @@ class Consumer(NetworkThread):
         t.future.set_result(
             FetchResult(t.mm_hash, t.nbytes, t.dtype, t.shape, peer, latency, t.attempts)
         )
+        if self.phases is not None:
+            self.phases.mark(t.mm_hash, "result")
 
     def _fail(self, t: Transfer, reason: FailureReason, detail: str) -> None:
         if t.state is TransferState.READING:
@@ -693,6 +711,10 @@ class Consumer(NetworkThread):
                     t.request_id = request_id
                     t.requested_at = now
                     t.attempts += 1
+                if self.phases is not None:
+                    sent = time.monotonic()  # before the send, so before the producer's marks
+                    for t in chunk:
+                        self.phases.mark(t.mm_hash, "sent", sent)
                 link.request(
                     request_id,
                     [p.ItemRequest(t.mm_hash, t.max_nbytes) for t in chunk],

@@ -27,6 +27,7 @@ import zmq
 from ecshare import protocol as p
 from ecshare.config import Config
 from ecshare.control import ControlServer, KeyPair, Waker
+from ecshare.peer.phases import PhaseLog
 from ecshare.peer.status import SessionView, status_reply
 from ecshare.peer.thread import NetworkThread
 from ecshare.store import EntryState, NotFound, NotReady, Store, StoreError
@@ -131,6 +132,8 @@ class Producer(NetworkThread):
         self.counters: Counter[str] = Counter()
         self._counters_lock = threading.Lock()
         self.started_at = time.time()
+        # Per-item timestamps of each step (see peer/phases.py); off unless set.
+        self.phases: PhaseLog | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -253,12 +256,18 @@ class Producer(NetworkThread):
             inbound = self._server.recv(timeout_ms=0)
             if inbound is None:
                 return
+            received = time.monotonic() if self.phases is not None else 0.0
             try:
                 reply = self._handle(inbound.peer, inbound.user, inbound.message)
             except StoreError as exc:  # a bug, not the peer's fault: answer, count, go on
                 log.exception("store error while serving %s", type(inbound.message).__name__)
                 self._count("internal_error")
                 reply = p.Error(code=p.ErrorCode.INTERNAL, message=str(exc)[:4000])
+            if self.phases is not None and isinstance(reply, p.FetchReply):
+                replied = time.monotonic()  # before the send, so before the consumer's marks
+                for item in reply.items:
+                    self.phases.mark(item.mm_hash, "recv", received)
+                    self.phases.mark(item.mm_hash, "replied", replied)
             if reply is not None:
                 self._server.send(inbound.peer, reply)
 

@@ -1,7 +1,9 @@
 """`ecshare bench fetch --quick --json` runs end to end and prints one well-formed object.
 
 Only the shape is checked, never the speed: timings on a shared machine say
-nothing about correctness.
+nothing about correctness. What is checked is that the figures are of real
+transfers: every sporadic fetch was granted and read, its steps lie in the order
+they happened, and the producer's CPU clock moved.
 """
 
 from __future__ import annotations
@@ -18,11 +20,14 @@ import pytest
 from ecshare.bench.fetch import FetchBenchResult
 from ecshare.bench.report import decode_report
 from ecshare.bench.schema import SCHEMA_VERSION
+from ecshare.bench.sporadic import ECSHARE_STEPS, RAW_STEPS, SPORADIC_WARMUP
 
 pytest.importorskip("nixl._api")
 
 SIZES = {64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20}
 MODES = {"single", "batch"}
+SPORADIC_SIZES = {64 << 10, 1 << 20, 4_505_600, 16 << 20}
+SPORADIC_STEPS = [name for _, name in ECSHARE_STEPS]
 ROW_NUMBERS = ("ecshare_gbps", "raw_nixl_gbps", "memcpy_gbps", "ratio_vs_raw_nixl")
 
 
@@ -57,7 +62,9 @@ def test_rows_cover_every_size_and_mode(report: dict[str, Any]) -> None:
     rows = report["rows"]
     assert isinstance(rows, list)
     seen = {(row["size_bytes"], row["mode"]) for row in rows}
-    assert seen == {(size, mode) for size in SIZES for mode in MODES}
+    assert seen == {(size, mode) for size in SIZES for mode in MODES} | {
+        (size, "sporadic") for size in SPORADIC_SIZES
+    }
     assert len(rows) == len(seen)
 
 
@@ -88,3 +95,57 @@ def test_extras(report: dict[str, Any]) -> None:
     assert isinstance(report["targets"], dict)
     assert isinstance(report["meets_targets"], bool)
     assert report["quick"] is True
+
+
+def _sporadic(report: dict[str, Any]) -> list[dict[str, Any]]:
+    return [row for row in report["rows"] if row["mode"] == "sporadic"]
+
+
+def test_sporadic_rows_give_percentiles_against_raw_nixl(report: dict[str, Any]) -> None:
+    assert report["parameters"]["mode"] == "all"
+    assert report["parameters"]["gap_ms"] == 5.0
+    for row in _sporadic(report):
+        assert row["gap_ms"] == 5.0 and row["items"] == 1 and row["samples"] > 0
+        for key in ("ecshare_p50_ms", "ecshare_p99_ms", "raw_nixl_p50_ms", "raw_nixl_p99_ms"):
+            assert _positive(row[key]), (key, row)
+        assert row["ecshare_p99_ms"] >= row["ecshare_p50_ms"]
+        assert row["raw_nixl_p99_ms"] >= row["raw_nixl_p50_ms"]
+        ratio = row["raw_nixl_p50_ms"] / row["ecshare_p50_ms"]
+        assert math.isclose(row["ratio_vs_raw_nixl"], ratio, rel_tol=1e-6)
+        assert math.isclose(row["ecshare_ms"], row["ecshare_p50_ms"], rel_tol=1e-6)
+
+
+def test_sporadic_steps_are_all_there_and_in_the_order_they_happened(
+    report: dict[str, Any],
+) -> None:
+    # Every step is a difference of two marks on the host's one monotonic clock, and
+    # each side marks before it sends: a negative step would be a mark out of place.
+    for row in _sporadic(report):
+        assert list(row["ecshare_phases_ms"]) == SPORADIC_STEPS, row["ecshare_phases_ms"]
+        assert list(row["raw_nixl_phases_ms"]) == [name for _, name in RAW_STEPS]
+        for steps in (row["ecshare_phases_ms"], row["raw_nixl_phases_ms"]):
+            for name, ms in steps.items():
+                assert isinstance(ms, float) and math.isfinite(ms) and ms >= 0, (name, row)
+
+
+def test_sporadic_fetches_were_real_transfers(report: dict[str, Any]) -> None:
+    """Each sample was granted by the producer and read into the consumer's region."""
+    rows = _sporadic(report)
+    fetches = sum(row["samples"] + SPORADIC_WARMUP for row in rows)
+    moved = sum((row["samples"] + SPORADIC_WARMUP) * row["size_bytes"] for row in rows)
+    consumer = report["environment"]["consumer_counters"]
+    producer = report["environment"]["producer_counters"]
+    # The back-to-back modes fetch too, so these are lower bounds.
+    assert consumer["fetched"] >= fetches
+    assert consumer["fetched_bytes"] >= moved
+    assert producer["granted"] >= fetches
+    assert consumer.get("local_hits", 0) == 0  # each sample's entry was fresh
+
+
+def test_producer_thread_cpu_is_measured(report: dict[str, Any]) -> None:
+    cpu = report["producer_cpu"]
+    assert isinstance(cpu, dict)
+    for key in ("sporadic_share", "held_grant_share"):
+        # A share of one core: the thread's CPU clock over wall time.
+        assert isinstance(cpu[key], float) and 0 <= cpu[key] <= 1.5, (key, cpu)
+    assert _positive(cpu["sporadic_us_per_fetch"])

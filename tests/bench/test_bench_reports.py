@@ -30,6 +30,7 @@ from ecshare.bench.synthetic import format_size
 SIZES = (64 << 10, 256 << 10)
 SIZES_ARG = "64KiB,256KiB"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+MODES = ("single", "batch", "sporadic")
 
 
 def _ecshare(*args: str, timeout: float = 240, **kw: Any) -> subprocess.CompletedProcess[str]:
@@ -113,15 +114,18 @@ def test_fetch_bench_files_hold_ecshare_raw_nixl_and_memcpy_per_size(fetch_dir: 
     result = read_report(fetch_dir / "fetch.json")
     assert isinstance(result, FetchBenchResult)
     assert result.parameters.sizes == list(SIZES)
-    assert {(r.size_bytes, r.mode) for r in result.rows} == {
-        (s, m) for s in SIZES for m in ("single", "batch")
-    }
+    assert result.parameters.sporadic_sizes == list(SIZES)
+    assert {(r.size_bytes, r.mode) for r in result.rows} == {(s, m) for s in SIZES for m in MODES}
     for r in result.rows:
         assert min(r.ecshare_gbps, r.raw_nixl_gbps, r.memcpy_gbps) > 0
-    rows = _table_rows((fetch_dir / "fetch.md").read_text())
+    markdown = (fetch_dir / "fetch.md").read_text()
+    rows = _table_rows(markdown.split("\n\nSporadic:")[0])
     assert sorted((r[0], r[1]) for r in rows) == sorted(
-        (format_size(s), m) for s in SIZES for m in ("single", "batch")
+        (format_size(s), m) for s in SIZES for m in MODES
     )
+    sporadic = _table_rows(markdown.split("\n\nSporadic:")[1])
+    assert [r[0] for r in sporadic] == [format_size(s) for s in SIZES]
+    assert "Producer network thread CPU" in markdown
     _check_png(fetch_dir / "fetch.png")
 
 
@@ -167,7 +171,8 @@ def test_compare_passes_identical_files(fetch_dir: Path) -> None:
     assert "0 regression(s)" in proc.stdout
     assert "REGRESSION" not in proc.stdout
     rows = _table_rows(proc.stdout)
-    assert len(rows) == 2 * len(SIZES) + 1  # every row, and the 64 KiB latency
+    # every row, each sporadic one's p99 too, and the 64 KiB latency
+    assert len(rows) == 4 * len(SIZES) + 1
     assert all(r[4] == "1.000x" for r in rows)
 
 

@@ -1,0 +1,41 @@
+"""Opt-in timestamps of where a fetch spends its time, for `ecshare bench fetch`.
+
+A `Producer` or `Consumer` whose `phases` is a `PhaseLog` records, per item,
+when each step of a fetch happened; with `phases` None (the default) a step
+costs one attribute test. The clock is `time.monotonic`, which on Linux is
+CLOCK_MONOTONIC and shared by every process of a host, so the producer's and
+the consumer's marks of one fetch lie on one time line.
+
+Consumer marks: ``call`` (fetch() entered), ``picked`` (its network thread
+took the item), ``sent`` (the FetchRequest is about to go), ``granted`` (the
+reply was read), ``read_start`` and ``read_return`` (around the transport's
+read call, which on one host copies synchronously), ``done`` (the transport
+said DONE), ``result`` (the future was resolved). Producer marks: ``recv``
+(the request was read off the socket) and ``replied`` (the answer is about to
+go). Each side marks before it sends, so no step comes out negative.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+
+class PhaseLog:
+    """A bounded record of (item, phase, monotonic time); any thread may take it."""
+
+    def __init__(self, maxlen: int = 65536) -> None:
+        self._records: collections.deque[tuple[str, str, float]] = collections.deque(maxlen=maxlen)
+        self._lock = threading.Lock()
+
+    def mark(self, key: str, phase: str, at: float | None = None) -> None:
+        self._records.append((key, phase, time.monotonic() if at is None else at))
+
+    def take(self) -> list[tuple[str, str, float]]:
+        """Every record so far, oldest first; the log is left empty."""
+        with self._lock:
+            out = []
+            while self._records:
+                out.append(self._records.popleft())
+            return out
