@@ -1,14 +1,21 @@
-"""The connector's counters, safe to add to from any thread.
+"""The connector's counters, safe to add to from any thread, and its throttled warnings.
 
 The scheduler thread, the consumer's network thread (fetch completions) and, on
 an encode-only instance, the report listener's thread all count; vLLM takes the
-totals on its scheduler thread once per step.
+totals on its scheduler thread once per step. What a hostile or broken client
+can repeat at will is counted every time but logged only once in a while
+(`Tally.warn`).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections import Counter
+
+log = logging.getLogger("ecshare.vllm")
+WARN_EVERY_S = 10.0
 
 
 class Tally:
@@ -16,6 +23,7 @@ class Tally:
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter()
         self._latencies: list[float] = []
+        self._warned_at: dict[str, float] = {}
 
     def add(self, key: str, n: int = 1) -> None:
         with self._lock:
@@ -31,3 +39,12 @@ class Tally:
             counts, self._counts = dict(self._counts), Counter()
             latencies, self._latencies = self._latencies, []
         return counts, latencies
+
+    def warn(self, kind: str, message: str) -> None:
+        """Log a warning of `kind` at most every WARN_EVERY_S."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._warned_at.get(kind, -WARN_EVERY_S) < WARN_EVERY_S:
+                return
+            self._warned_at[kind] = now
+        log.warning("ecshare: %s (logged at most every %g s)", message, WARN_EVERY_S)
