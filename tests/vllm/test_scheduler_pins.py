@@ -81,8 +81,9 @@ def totals(ec: EC, scheduler: Scheduler) -> dict[str, Any]:
     return stats.reduce()
 
 
-def test_item_reported_present_stays_until_its_load_is_planned(ec: EC) -> None:
-    consumer = ec.scheduler("ec_consumer", **SMALL_REGION)
+@pytest.mark.parametrize("role", ["ec_consumer", "ec_both"])
+def test_item_reported_present_stays_until_its_load_is_planned(ec: EC, role: str) -> None:
+    consumer = ec.scheduler(role, **SMALL_REGION)
     store = ec.side(consumer).store
     emb = embedding()
     store.put("h-present", emb)
