@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 # The whole vLLM stack is part of the test environment (`make venv` installs
@@ -52,7 +53,8 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from ecshare.control import generate_keypair
-from ecshare.vllm import ECShareConnector
+from ecshare.store import EntryState, Store, StoreFull
+from ecshare.vllm import ECShareConnector, ECShareStats
 from ecshare.vllm.connector import ECShareWorkerMetadata
 from ecshare.vllm.ops import StepPlan, StepReport
 from ecshare.vllm.scheduler_side import SchedulerSide
@@ -374,6 +376,13 @@ class EC:
             assert time.monotonic() < deadline, f"not reached in {timeout_s} s"
             time.sleep(0.002)
 
+    def totals(self, scheduler: Scheduler) -> dict[str, Any]:
+        """The connector stats `scheduler` emitted so far, aggregated and reduced as vLLM does."""
+        stats = ECShareStats(data={})
+        for sample in self.stats[id(scheduler)]:
+            stats.aggregate(ECShareConnector.build_ec_connector_stats(sample))
+        return stats.reduce()
+
     def encode(
         self, producer: Scheduler, request_id: str, mm_hash: str, tensor: torch.Tensor
     ) -> dict[str, Any]:
@@ -390,6 +399,41 @@ class EC:
             scheduler.shutdown()
         for worker in self._workers.values():
             worker.close()
+
+
+# -- small helpers the tests share ---------------------------------------------------------------
+
+
+def embedding(rows: int = 12, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """An encoder output of `rows` embeddings for the tiny model."""
+    return torch.randn(rows, HIDDEN).to(dtype)
+
+
+def ready(store: Store, mm_hash: str) -> bool:
+    entry = store.get(mm_hash)
+    return entry is not None and entry.state is EntryState.READY
+
+
+def fill_region(store: Store, name: str) -> bool:
+    """Allocate as another fetch would, needing every block but one: True if it got them
+    (evicting whatever was evictable; the blocks then hold bytes of its own), False if
+    the region refused."""
+    stats = store.stats()
+    try:
+        entry = store.allocate(name, (stats.total_blocks - 1) * stats.block_size)
+    except StoreFull:
+        return False
+    for view in store.views(entry):
+        np.frombuffer(view, dtype=np.uint8)[:] = 0xAB
+    store.commit(entry)
+    return True
+
+
+def wait_until(predicate: Callable[[], object], what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
+        time.sleep(0.002)
 
 
 @pytest.fixture

@@ -22,11 +22,11 @@ import time
 
 import pytest
 import torch
-from conftest import EC, HIDDEN, Step, free_port
+from conftest import EC, HIDDEN, Step, embedding, free_port
 from vllm.v1.engine import FinishReason
 
 from ecshare.store import EntryMeta, EntryState
-from ecshare.vllm import ECShareConnector, ECShareStats
+from ecshare.vllm import ECShareStats
 
 # A consumer that gives up on an unreachable producer within about a second.
 QUICK_FAILURE = {
@@ -35,10 +35,6 @@ QUICK_FAILURE = {
     "fetch_deadline_base_s": 0.5,
     "fetch_deadline_max_s": 1.0,
 }
-
-
-def embedding(dtype: torch.dtype = torch.float32, rows: int = 12) -> torch.Tensor:
-    return torch.randn(rows, HIDDEN).to(dtype)
 
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -59,14 +55,6 @@ def unreachable_params(ec: EC, consumer_side_fingerprint: str, h: str) -> dict[s
 
 
 # -- producer --------------------------------------------------------------------------------
-
-
-def _total(samples: list[dict[str, object]]) -> ECShareStats:
-    """The connector stats of all steps so far, aggregated as vLLM does."""
-    stats = ECShareStats(data={})
-    for sample in samples:
-        stats.aggregate(ECShareConnector.build_ec_connector_stats(sample))
-    return stats
 
 
 def test_producer_params_name_peer_and_item_never_memory(ec: EC) -> None:
@@ -160,7 +148,7 @@ def test_copy_never_reported_is_abandoned_after_a_lease_and_frees_its_blocks(
 
     assert side.store.get("h-lost") is None
     assert side.store.stats().free_blocks == free_before
-    assert _total(ec.stats[id(producer)]).reduce()["save_abandoned"] == 1
+    assert ec.totals(producer)["save_abandoned"] == 1
     assert any("h-lost" in r.getMessage() and "lease_s" in r.getMessage() for r in caplog.records)
 
 
@@ -172,7 +160,7 @@ def test_consumer_defers_until_fetched_then_loads_byte_exact(ec: EC, dtype: torc
     name = str(dtype).removeprefix("torch.")
     producer = ec.scheduler("ec_producer", dtype=name)
     consumer = ec.scheduler("ec_consumer", dtype=name)
-    emb = embedding(dtype)
+    emb = embedding(dtype=dtype)
     params = ec.encode(producer, "p1", "h-fetch", emb)
     assert params["h-fetch"]["dtype"] == name
 
@@ -240,12 +228,10 @@ def test_failed_fetch_falls_back_to_local_encoding(ec: EC, why: str) -> None:
     while step.finished("c1") is None:
         step = ec.step(consumer)
         assert "c1" in step.scheduled
-    data = ECShareStats(data={})
-    for sample in ec.stats[id(consumer)]:
-        data.aggregate(ECShareConnector.build_ec_connector_stats(sample))
-    assert data.data["fetches_started"] == 1
-    assert data.data["fetch_failed"] == 1
-    assert data.data["local_encode_fallbacks"] == 1
+    counts = ec.totals(consumer)
+    assert counts["fetches_started"] == 1
+    assert counts["fetch_failed"] == 1
+    assert counts["local_encode_fallbacks"] == 1
 
 
 def test_request_without_media_fails_when_fetch_fails(
@@ -341,7 +327,7 @@ def test_stats_report_fetches_saves_loads_failures_and_latency(ec: EC) -> None:
 
     ec.step_until(consumer, both_scheduled, encoder_outputs={"h-lost": embedding()})
 
-    consumed = _total(ec.stats[id(consumer)]).reduce()
+    consumed = ec.totals(consumer)
     assert consumed["fetches_started"] == 2
     assert consumed["fetched_items"] == 1
     assert consumed["fetched_bytes"] == nbytes
@@ -351,7 +337,7 @@ def test_stats_report_fetches_saves_loads_failures_and_latency(ec: EC) -> None:
     assert 0 < consumed["fetch_latency_p50_ms"] <= consumed["fetch_latency_max_ms"]
     assert all(isinstance(v, int | float) for v in consumed.values())
 
-    produced = _total(ec.stats[id(producer)]).reduce()
+    produced = ec.totals(producer)
     assert produced["saved_items"] == 1
     assert produced["saved_bytes"] == nbytes
     assert ECShareStats(data={}).is_empty()

@@ -10,46 +10,20 @@ needed, and fetched no more often than needed.
 from __future__ import annotations
 
 import time
-from typing import Any
 
-import numpy as np
 import torch
-from conftest import EC, HIDDEN, Step
+from conftest import EC, Step, embedding, fill_region, ready
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from ecshare.store import EntryState, Store, StoreFull
-from ecshare.vllm import ECShareConnector, ECShareStats
+from ecshare.store import Store
 
 SMALL_REGION = {"region_bytes": 1 << 20, "block_bytes": 4096}
 
 
-def embedding() -> torch.Tensor:
-    return torch.randn(12, HIDDEN)
-
-
-def totals(ec: EC, scheduler: Scheduler) -> dict[str, Any]:
-    stats = ECShareStats(data={})
-    for sample in ec.stats[id(scheduler)]:
-        stats.aggregate(ECShareConnector.build_ec_connector_stats(sample))
-    return stats.reduce()
-
-
 def evict_all(store: Store) -> None:
-    """Take every block an allocation can get, as other fetches would."""
-    stats = store.stats()
-    try:
-        entry = store.allocate("other", (stats.total_blocks - 1) * stats.block_size)
-    except StoreFull:
-        raise AssertionError("something is still pinned") from None
-    for view in store.views(entry):
-        np.frombuffer(view, dtype=np.uint8)[:] = 0xCD
-    store.commit(entry)
+    """Take every block an allocation can get, as other fetches would, and give them back."""
+    assert fill_region(store, "other"), "something is still pinned"
     store.remove("other")
-
-
-def ready(store: Store, mm_hash: str) -> bool:
-    entry = store.get(mm_hash)
-    return entry is not None and entry.state is EntryState.READY
 
 
 def run(ec: EC, scheduler: Scheduler, until: str, timeout_s: float = 15.0) -> list[Step]:
@@ -82,7 +56,7 @@ def test_item_split_across_prefill_chunks_is_fetched_and_loaded_once(ec: EC) -> 
     assert [op.mm_hash for op in loads] == ["h-chunk"]
     loaded = next(s.encoder_cache["h-chunk"] for s in steps if s.plan.loads)
     assert torch.equal(loaded, emb)
-    assert totals(ec, consumer)["fetches_started"] == 1
+    assert ec.totals(consumer)["fetches_started"] == 1
     assert side.store.stats().pins == 0
 
 
@@ -104,7 +78,7 @@ def test_item_covered_by_a_prefix_cache_hit_is_not_fetched_again(ec: EC) -> None
     steps = run(ec, consumer, "again")
 
     assert all(not s.plan.loads for s in steps)
-    assert totals(ec, consumer)["fetches_started"] == 1
+    assert ec.totals(consumer)["fetches_started"] == 1
     assert consumer.requests.get("again") is None
 
 
@@ -147,5 +121,5 @@ def test_preempted_request_gets_its_evicted_item_again(ec: EC) -> None:
 
     assert preempted, "no preemption: the KV cache was not short enough"
     assert victim_loads == 2  # once at first, once after it was preempted
-    assert totals(ec, consumer)["fetches_started"] == 3
+    assert ec.totals(consumer)["fetches_started"] == 3
     assert side.store.stats().pins == 0

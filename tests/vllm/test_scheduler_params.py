@@ -13,14 +13,11 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from typing import Any
 
 import pytest
 import torch
-from conftest import EC, HIDDEN
+from conftest import EC, HIDDEN, embedding
 from vllm.v1.core.sched.scheduler import Scheduler
-
-from ecshare.vllm import ECShareConnector, ECShareStats
 
 QUICK_FAILURE = {
     "handshake_timeout_s": 0.3,
@@ -28,17 +25,6 @@ QUICK_FAILURE = {
     "fetch_deadline_base_s": 0.5,
     "fetch_deadline_max_s": 1.0,
 }
-
-
-def embedding(rows: int = 12) -> torch.Tensor:
-    return torch.randn(rows, HIDDEN)
-
-
-def totals(ec: EC, scheduler: Scheduler) -> dict[str, Any]:
-    stats = ECShareStats(data={})
-    for sample in ec.stats[id(scheduler)]:
-        stats.aggregate(ECShareConnector.build_ec_connector_stats(sample))
-    return stats.reduce()
 
 
 def run_until_done(
@@ -97,7 +83,7 @@ def test_untrusted_producer_in_params_is_refused_and_counted(ec: EC) -> None:
             trap.accept()
     assert seen["c1"] == {"encoded": 0, "loaded": 1}
     assert seen["c2"]["encoded"] == 1
-    counts = totals(ec, consumer)
+    counts = ec.totals(consumer)
     assert counts["peer_refused"] == 1
     assert counts["fetches_started"] == 1
     assert counts["local_encode_fallbacks"] == 1
@@ -127,7 +113,7 @@ def test_malformed_params_are_counted_and_the_item_encoded_locally(ec: EC, param
     seen = run_until_done(ec, consumer, "c1", {"h-bad": embedding()})
 
     assert seen == {"encoded": 1, "loaded": 0}
-    counts = totals(ec, consumer)
+    counts = ec.totals(consumer)
     assert counts["params_unusable"] == 1
     assert "fetches_started" not in counts
 
@@ -145,7 +131,7 @@ def test_local_entry_of_the_wrong_size_is_never_loaded(ec: EC) -> None:
 
     assert seen == {"encoded": 1, "loaded": 0}
     assert side.store.get("h-size") is None  # wrong for everyone: removed
-    assert totals(ec, consumer)["size_mismatch"] == 1
+    assert ec.totals(consumer)["size_mismatch"] == 1
 
 
 @pytest.mark.parametrize("lie", ["params_name_another_shape", "producer_holds_another_shape"])
@@ -164,7 +150,7 @@ def test_fetch_of_the_wrong_size_is_never_loaded(ec: EC, lie: str) -> None:
 
     assert seen == {"encoded": 1, "loaded": 0}
     assert ec.side(consumer).store.get("h-size") is None
-    assert totals(ec, consumer)["size_mismatch"] == 1
+    assert ec.totals(consumer)["size_mismatch"] == 1
 
 
 # -- a consumer that stops answering ---------------------------------------------------------
@@ -192,7 +178,7 @@ def test_fetches_of_a_dead_consumer_thread_end_in_local_encoding_and_report_unhe
     assert seen == {"encoded": 1, "loaded": 0}
     time.sleep(1.1)  # the core metrics are read at most once a second
     ec.step(consumer)
-    counts = totals(ec, consumer)
+    counts = ec.totals(consumer)
     assert counts["local_encode_fallbacks"] == 1
     assert counts["fetch_failed"] == 1
     assert counts["healthy"] == 0  # reported to vLLM's metrics as vllm:ecshare_healthy
@@ -226,6 +212,6 @@ def test_fetch_a_hung_consumer_thread_never_settles_is_given_up(
     assert seen == {"encoded": 1, "loaded": 0}
     # Given up past the consumer's own longest deadline: 1.0 + 0.3 + 1 s.
     assert 2.3 <= elapsed < 10
-    counts = totals(ec, consumer)
+    counts = ec.totals(consumer)
     assert counts["fetches_overdue"] == 1
     assert counts["local_encode_fallbacks"] == 1

@@ -17,44 +17,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
-from conftest import EC, HIDDEN, Step
+from conftest import EC, Step, embedding, fill_region, ready
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
 from ecshare import protocol as p
-from ecshare.store import EntryState, Store, StoreFull
-from ecshare.vllm import ECShareConnector, ECShareStats
 from ecshare.vllm.pins import ENGINE_PIN_OWNER
 
 SMALL_REGION = {"region_bytes": 1 << 20, "block_bytes": 4096}  # 256 blocks
-
-
-def embedding(rows: int = 12) -> torch.Tensor:
-    return torch.randn(rows, HIDDEN)
-
-
-def squeeze(store: Store, name: str) -> bool:
-    """Allocate as another fetch would, needing every block but one: True if it got them
-    (evicting whatever was evictable), False if the region refused."""
-    stats = store.stats()
-    nbytes = (stats.total_blocks - 1) * stats.block_size
-    try:
-        entry = store.allocate(name, nbytes)
-    except StoreFull:
-        return False
-    # Bytes of its own, so that a reader of reused blocks would see them.
-    for view in store.views(entry):
-        np.frombuffer(view, dtype=np.uint8)[:] = 0xAB
-    store.commit(entry)
-    return True
-
-
-def ready(store: Store, mm_hash: str) -> bool:
-    entry = store.get(mm_hash)
-    return entry is not None and entry.state is EntryState.READY
 
 
 def on_allocate_slots(scheduler: Scheduler, hook: Callable[[], None]) -> None:
@@ -74,13 +46,6 @@ def on_allocate_slots(scheduler: Scheduler, hook: Callable[[], None]) -> None:
     manager.allocate_slots = allocate_slots  # type: ignore[method-assign]
 
 
-def totals(ec: EC, scheduler: Scheduler) -> dict[str, Any]:
-    stats = ECShareStats(data={})
-    for sample in ec.stats[id(scheduler)]:
-        stats.aggregate(ECShareConnector.build_ec_connector_stats(sample))
-    return stats.reduce()
-
-
 @pytest.mark.parametrize("role", ["ec_consumer", "ec_both"])
 def test_item_reported_present_stays_until_its_load_is_planned(ec: EC, role: str) -> None:
     consumer = ec.scheduler(role, **SMALL_REGION)
@@ -89,7 +54,7 @@ def test_item_reported_present_stays_until_its_load_is_planned(ec: EC, role: str
     store.put("h-present", emb)
     consumer.add_request(ec.request("c1", "h-present"))
     refused: list[bool] = []
-    on_allocate_slots(consumer, lambda: refused.append(not squeeze(store, "other-fetch")))
+    on_allocate_slots(consumer, lambda: refused.append(not fill_region(store, "other-fetch")))
 
     step = ec.step(consumer, {})  # nothing to encode with: the item must be loaded
 
@@ -121,7 +86,7 @@ def test_fetched_item_stays_pinned_while_its_request_waits(ec: EC) -> None:
         time.sleep(0.002)
     step = ec.step(consumer)  # its fetch settles while it waits for KV blocks
     assert "c1" not in step.scheduled and "running" in step.scheduled
-    assert not squeeze(side.store, "other-fetch"), "a waiting request's item was evicted"
+    assert not fill_region(side.store, "other-fetch"), "a waiting request's item was evicted"
 
     seen: list[Step] = []
     while not seen or "c1" not in seen[-1].scheduled:
@@ -151,7 +116,7 @@ def test_report_of_one_step_never_releases_the_pin_planned_for_the_next(ec: EC) 
     assert [op.mm_hash for op in second_out.ec_connector_metadata.plan.loads] == ["h-async"]
 
     ec.finish_step(consumer, first)  # step N's report: its own load copied
-    assert not squeeze(store, "other-fetch"), "step N's report released step N+1's pin"
+    assert not fill_region(store, "other-fetch"), "step N's report released step N+1's pin"
 
     second = ec.run_workers(consumer, second_out)
     assert torch.equal(second.encoder_cache["h-async"], emb)
@@ -184,9 +149,9 @@ def test_consumer_only_instance_reaps_pins_whose_report_was_lost(ec: EC) -> None
     ec.step(consumer)
 
     assert side.store.stats().pins == 0
-    assert totals(ec, consumer)["pins_reaped"] == 1
+    assert ec.totals(consumer)["pins_reaped"] == 1
     # With its pin gone the entry is evictable again: the region is not lost for good.
-    assert squeeze(side.store, "next-fetch")
+    assert fill_region(side.store, "next-fetch")
 
 
 @pytest.mark.parametrize("outcome", ["in_flight", "completes_later"])
@@ -212,7 +177,7 @@ def test_aborted_request_leaves_no_fetch_and_no_pin_behind(ec: EC, outcome: str)
             time.sleep(0.005)
     ec.step(consumer)
     assert side.store.stats().pins == 0
-    assert totals(ec, consumer)["fetches_abandoned"] == 1
+    assert ec.totals(consumer)["fetches_abandoned"] == 1
 
 
 def test_no_session_id_can_name_the_engines_pin_owner() -> None:

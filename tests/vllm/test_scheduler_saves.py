@@ -10,18 +10,13 @@ again when the region had lost it. Reports travel on the real side channel
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import torch
-from conftest import EC, HIDDEN
+from conftest import EC, embedding, wait_until
 
 from ecshare.store import Entry, EntryState, Store
 from ecshare.vllm.ops import StepPlan, StepReport
 from ecshare.vllm.reports import ReportOutbox
-
-
-def embedding(rows: int = 12) -> torch.Tensor:
-    return torch.randn(rows, HIDDEN)
 
 
 def as_bytes(tensor: torch.Tensor) -> bytes:
@@ -30,13 +25,6 @@ def as_bytes(tensor: torch.Tensor) -> bytes:
 
 def stored(store: Store, entry: Entry) -> bytes:
     return b"".join(bytes(v) for v in store.views(entry))
-
-
-def wait_for(predicate: Any, what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what} not within {timeout_s} s"
-        time.sleep(0.002)
 
 
 def send(plan: StepPlan, report: StepReport) -> None:
@@ -70,7 +58,7 @@ def test_finished_request_never_waits_for_a_late_report(ec: EC) -> None:
     assert entry is not None and entry.state is EntryState.ALLOCATED
     # The report lands with no further engine step (the engine may well be idle now).
     send(step.plan, late)
-    wait_for(lambda: entry.state is EntryState.READY, "the commit")
+    wait_until(lambda: entry.state is EntryState.READY, "the commit")
     assert stored(store, entry) == as_bytes(emb)
 
 
@@ -103,7 +91,7 @@ def test_late_report_of_an_abandoned_save_never_commits_a_new_one(ec: EC) -> Non
     assert fresh is not None and fresh.state is EntryState.ALLOCATED
     send(out.ec_connector_metadata.plan, late)  # the first save's report arrives only now
     seen: dict[str, int] = {}
-    wait_for(
+    wait_until(
         lambda: bool(seen.update(side.take_stats()) or seen.get("stale_reports")),
         "the late report recognised as stale",
     )
