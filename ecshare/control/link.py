@@ -1,7 +1,8 @@
 """What both ends of a control connection share: socket settings, directions, events.
 
 A server and a client configure their sockets the same way (frame limit,
-ZMTP heartbeats, handshake deadline), accept messages of one direction only,
+ZMTP heartbeats, handshake deadline; only the client sends PINGs, the server
+answers them), accept messages of one direction only,
 and learn about handshakes from a libzmq socket monitor. Keeping that in one
 place keeps the two ends from drifting apart.
 """
@@ -70,12 +71,19 @@ class LinkSettings:
         if self.linger_ms < 0:
             raise ControlConfigError(f"linger_ms must be >= 0, got {self.linger_ms}")
 
-    def apply(self, sock: zmq.Socket[bytes]) -> None:
-        """Set the frame limit, ZMTP heartbeats and handshake deadline on `sock`."""
+    def apply(self, sock: zmq.Socket[bytes], *, sends_pings: bool = True) -> None:
+        """Set the frame limit, ZMTP heartbeats and handshake deadline on `sock`.
+
+        With `sends_pings` False the socket sends no ZMTP PINGs of its own (and
+        so has no heartbeat timer); it still answers its peers' PINGs and drops
+        a peer whose PINGs stop for their TTL. The server runs so: libzmq 4.3.5
+        aborts when a heartbeat timer fires on a connection that stopped reading
+        and then failed (see `ControlServer`).
+        """
         # libzmq disconnects a peer that sends a larger frame before buffering it,
         # so a hostile peer cannot make us allocate more than this per frame.
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
-        sock.setsockopt(zmq.HEARTBEAT_IVL, _ms(self.heartbeat_ivl_s))
+        sock.setsockopt(zmq.HEARTBEAT_IVL, _ms(self.heartbeat_ivl_s) if sends_pings else 0)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _ms(self.heartbeat_timeout_s))
         # TTL asks the other end to drop us too if our heartbeats stop arriving.
         sock.setsockopt(zmq.HEARTBEAT_TTL, min(_ms(self.heartbeat_timeout_s), _MAX_TTL_MS))

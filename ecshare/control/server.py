@@ -72,6 +72,20 @@ class ControlServer:
     Use from one thread (ZMQ sockets are not thread-safe). Register `socket` with
     a `zmq.Poller` for POLLIN; when it is readable, call `recv(0)` until it
     returns None.
+
+    The ROUTER sends no ZMTP PINGs: a consumer's PINGs carry a TTL
+    (`heartbeat_timeout_s`) after which we drop a consumer that went silent,
+    and we answer them, so the consumer still notices a dead producer. Our own
+    PINGs would arm a heartbeat timer per connection, and libzmq 4.3.5 (pyzmq
+    27.3.0 bundles it; no release has a fix, zeromq/libzmq#4841) aborts the
+    process with ``Assertion failed: !_io_error (stream_engine_base.cpp:310)``
+    when that timer fires on a connection that had stopped reading and then
+    failed: ``in_event_internal`` marks it failed but keeps it and its timers,
+    and ``timer_event`` calls ``out_event``, which asserts. ROUTER_HANDOVER
+    leaves the connection a consumer reconnected from without a pipe, so
+    whatever still arrives on it stops its reading, and a reset fails it (the
+    chaos harness's ``delay_control``). `heartbeat_ivl_s` is kept in `settings`
+    for the consumers, who send at that interval.
     """
 
     def __init__(
@@ -116,7 +130,7 @@ class ControlServer:
         context = context if context is not None else zmq.Context.instance()
         sock: zmq.Socket[bytes] = context.socket(zmq.ROUTER)
         try:
-            self.settings.apply(sock)
+            self.settings.apply(sock, sends_pings=False)  # see the class docstring
             # Unroutable replies raise EHOSTUNREACH instead of vanishing, so they can
             # be counted; sends are non-blocking, so a slow peer never stalls us.
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
