@@ -1,7 +1,8 @@
-"""A producer in another process: a region with a known pattern, served over NIXL.
+"""A producer in another process: a region with a known pattern, served over NIXL,
+and a reader in another process, which a test can kill in the middle of a read.
 
 Imported by the transport tests and run in spawned children; the parent talks
-to it through a pipe.
+to them through a pipe.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ecshare.transport import NixlTransport, PeerInfo
+from ecshare.transport import NixlTransport, PeerInfo, ReadState, Segment
 
 LOOPBACK = {"UCX_NET_DEVICES": "lo"}
 
@@ -92,3 +93,54 @@ class Producer:
             with contextlib.suppress(OSError, EOFError, TimeoutError):
                 self.call("stop")
         self.kill()
+
+
+def _read(conn: Connection, info: PeerInfo, size: int, env: dict[str, str]) -> None:
+    os.environ.update(env)
+    mm = mmap.mmap(-1, size)
+    t = NixlTransport(f"reader-{os.getpid()}")
+    t.register(address(mm), size)
+    t.add_peer(info)
+    # One read first, so that the connection is wired up before any fault.
+    handle = t.read(info.agent_name, [Segment(0, 0, 4096)])
+    while t.poll(handle).state is ReadState.PENDING:
+        time.sleep(0.0005)
+    conn.send(t.poll(handle).state.value)
+    conn.recv()  # "read": post a read of the whole region, then keep it moving
+    handle = t.read(info.agent_name, [Segment(0, 0, size)])
+    conn.send("posted")
+    while True:
+        t.poll(handle)
+        t.progress()
+        time.sleep(0.0005)
+
+
+class Reader:
+    """A consumer in another process, so that a test can SIGKILL it mid-read."""
+
+    def __init__(self, info: PeerInfo, size: int, env: Mapping[str, str] | None = None) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(
+            target=_read, args=(child, info, size, {**LOOPBACK, **(env or {})}), daemon=True
+        )
+        self.proc.start()
+        child.close()
+        if not self.conn.poll(30):
+            self.kill()
+            raise TimeoutError("reader did not start")
+        warm = self.conn.recv()
+        if warm != ReadState.DONE.value:
+            self.kill()
+            raise RuntimeError(f"reader's first read ended {warm}")
+
+    def post_read(self) -> None:
+        """Post a read of the whole region; returns once it has been handed to NIXL."""
+        self.conn.send("read")
+        if not self.conn.poll(30):
+            raise TimeoutError("reader did not post its read")
+        self.conn.recv()
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.join(10)
