@@ -359,10 +359,14 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     nixl_progress_thread: Annotated[
         bool,
         Meta(
-            description="Run NIXL's own progress thread. Off by default: it busy-spins a "
-            "CPU core even when idle, and ecshare progresses transfers from its own thread.",
+            description="Run NIXL's own progress thread on instances that serve reads "
+            "(producers), asleep on the UCX worker's event fd until there is work, so that "
+            "reads from them (over TCP they need the target's progress) move without "
+            "ecshare's threads polling. Off: the producer's network thread polls the data "
+            "plane every 0.2 ms while it has grants outstanding. Consumer-only instances "
+            "never run it: they progress their own reads.",
         ),
-    ] = False
+    ] = True
     ucx_tls: Annotated[
         Annotated[str, Meta(min_length=1)] | None,
         Meta(

@@ -73,7 +73,11 @@ def consumer_keys(config: Config) -> tuple[KeyPair | None, bytes | None]:
     return keys, load_public_key(source)
 
 
-def make_transport(config: Config, name: str) -> DataTransport:
+def make_transport(config: Config, name: str, *, serves_reads: bool = True) -> DataTransport:
+    """The node's data plane. NIXL's progress thread runs (when configured) only
+    where peers read from us: a consumer-only node progresses its own reads as it
+    polls them, and a thread there competes with those polls (measured over
+    UCX_TLS=tcp on 2 cores: a 1 MiB read 2 to 4 ms slower)."""
     from ecshare.transport.nixl import NixlTransport
 
     ucx_env = {}
@@ -84,7 +88,7 @@ def make_transport(config: Config, name: str) -> DataTransport:
     return NixlTransport(
         name,
         backends=tuple(config.nixl_backends),
-        progress_thread=config.nixl_progress_thread,
+        progress_thread=config.nixl_progress_thread and serves_reads,
         ucx_env=ucx_env,
     )
 
@@ -112,7 +116,9 @@ class Node:
         )
         try:
             store = Store(region, config.block_bytes, canary=config.store_canary)
-            transport = make_transport(config, node_name(config, role))
+            transport = make_transport(
+                config, node_name(config, role), serves_reads=role != "consumer"
+            )
         except BaseException:
             region.close()
             raise

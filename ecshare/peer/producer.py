@@ -43,9 +43,11 @@ log = logging.getLogger(__name__)
 _REPLY_CACHE_PER_SESSION = 256
 _REPLY_CACHE_ITEMS_PER_SESSION = 1024
 # While grants are outstanding the data plane may need target-side progress
-# (UCX over TCP does), so the loop drives it at least this often; between
-# grants the thread sleeps in poll. The wait between progress calls ends early
-# when a message or wake-up arrives (see `_run`).
+# (UCX over TCP does). A transport that progresses by itself (NIXL's progress
+# thread, asleep until UCX has an event) needs nothing from this loop, which then
+# sleeps in poll whatever is outstanding. Otherwise the loop drives progress at
+# least this often while grants are outstanding; the wait between progress calls
+# ends early when a message or wake-up arrives (see `_run`).
 _ACTIVE_POLL_S = 0.0002
 
 
@@ -222,9 +224,10 @@ class Producer(NetworkThread):
         wait_fds = [int(s.getsockopt(zmq.FD)) for s in self._server.pollables]
         wait_fds.append(self._waker.fileno())
         next_reap = 0.0
+        polled = not self._transport.self_progressing
         try:
             while not self._stop.is_set():
-                active = bool(self.active_grants() or self._lingering)
+                active = polled and bool(self.active_grants() or self._lingering)
                 timeout_ms = 0 if active else int(cfg.reap_interval_s * 1000)
                 events = dict(poller.poll(timeout_ms))
                 if self._waker.fileno() in events:  # zmq.Poller reports it by descriptor

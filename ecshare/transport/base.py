@@ -103,6 +103,11 @@ class DataTransport(Protocol):
         """Drive target-side progress; returns (peer name, message) notifications."""
 
     @property
+    def self_progressing(self) -> bool:
+        """Reads from us move without `progress` calls (the transport has its own
+        event-driven progress); `progress` is then needed only for notifications."""
+
+    @property
     def in_flight(self) -> int:
         """Reads not yet ended by the backend, abandoned ones included."""
 

@@ -55,7 +55,7 @@ def test_defaults_form_a_valid_config() -> None:
     config = Config()
     assert config.fetch_deadline_max_s < config.lease_s
     assert config.insecure is False
-    assert config.nixl_progress_thread is False
+    assert config.nixl_progress_thread is True
     assert config.advertised_host == config.listen_host
     assert Config.from_dict({}) == config
 

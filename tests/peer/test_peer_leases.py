@@ -39,7 +39,9 @@ from ecshare.peer.producer import pin_owner
 pytestmark = pytest.mark.timeout(90)
 
 MiB = 1 << 20
-TCP: dict[str, Any] = {"ucx_tls": "tcp", "store_canary": True}
+# The stalls below hold back the producer's own progress calls, so its data plane must
+# move by them alone: no NIXL progress thread.
+TCP: dict[str, Any] = {"ucx_tls": "tcp", "store_canary": True, "nixl_progress_thread": False}
 
 
 def _throttle(node: Node, producer: Producer, pause: Callable[[], None]) -> None:
