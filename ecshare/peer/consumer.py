@@ -61,6 +61,10 @@ log = logging.getLogger(__name__)
 # The loop never sleeps longer than this, so stop() and new work are prompt
 # even if a wake-up were lost.
 _MAX_IDLE_S = 0.1
+# While reads are moving, the loop polls them for this long before it looks at its
+# sockets again, napping this long between polls (see `_wait_reads`).
+_READ_WAIT_S = 0.0005
+_READ_NAP_S = 0.00005
 _LATENCY_SAMPLES = 4096
 
 
@@ -307,10 +311,14 @@ class Consumer(NetworkThread):
                     poller.register(pollable, zmq.POLLIN)
         now = time.monotonic()
         wake_at = now + _MAX_IDLE_S
+        reading = []
         for t in self._transfers:
             wake_at = min(wake_at, t.deadline, t.not_before if t.not_before > now else wake_at)
-            if t.state is TransferState.READING:
-                wake_at = now  # poll reads that did not finish synchronously
+            if t.state is TransferState.READING and t.read_handle is not None:
+                reading.append(t.read_handle)
+        if reading:
+            self._wait_reads(reading)
+            wake_at = now  # look at the reads (and the sockets) again at once
         for link in self._links.values():
             wake_at = min(wake_at, link.next_deadline(now))
         # Rounded up: a timer due in under 1 ms must not turn into a busy loop.
@@ -320,6 +328,27 @@ class Consumer(NetworkThread):
         if self._waker.fileno() in events:
             self._waker.clear()
         return events
+
+    def _wait_reads(self, handles: list[object]) -> None:
+        """Poll reads still moving (TCP, RDMA) for up to `_READ_WAIT_S`, napping between.
+
+        Each poll also progresses our side of the data plane, which an asynchronous
+        read needs as much as the target's, so waiting for the next pass of the
+        whole loop left TCP reads stalled. A nap between polls leaves a core to the
+        other side's progress on a small host. Measured over UCX_TLS=tcp on 2 cores
+        (excess over a raw READ, p50): 1.7 ms at 1 MiB polling without naps, 0.6 ms
+        with 50 us naps. Returns when one read has ended, or when the time is up so
+        that the sockets get their turn.
+        """
+        poll = self._transport.poll
+        until = time.monotonic() + _READ_WAIT_S
+        while True:
+            for handle in handles:
+                if poll(handle).state is not ReadState.PENDING:
+                    return
+            if time.monotonic() >= until:
+                return
+            time.sleep(_READ_NAP_S)
 
     def _step(self, events: dict[object, int]) -> None:
         now = time.monotonic()
