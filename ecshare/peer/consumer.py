@@ -370,7 +370,8 @@ class Consumer(NetworkThread):
         self._renew(now)
         self._close_idle_links(now)
         for link in self._links.values():
-            link.flush_releases()
+            if link.releases_due(now):
+                link.flush_releases()
 
     # -- peers -------------------------------------------------------------------------------
 
@@ -512,6 +513,8 @@ class Consumer(NetworkThread):
             t.deadline = max(t.deadline, t.started + self._config.fetch_deadline_s(item.nbytes))
             self._start_read(link, t)
         elif status.retryable:
+            if status is p.ItemStatus.OVERLOADED:
+                link.releases_ahead()  # our finished grants may be what fills the session
             t.move(TransferState.QUEUED)
             t.retries_here += 1
             if t.retries_here > self._config.max_retries:

@@ -13,6 +13,7 @@ import collections
 import enum
 import logging
 import math
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -26,6 +27,19 @@ from ecshare.transport.base import DataTransport, PeerInfo
 log = logging.getLogger(__name__)
 
 Problem = tuple[FailureReason, str]
+
+# A Release waits up to this long for another message to this producer (the next
+# FetchRequest, a heartbeat) and goes out right after it, so that the producer
+# wakes once for both and the tail of a fetch is not spent on a round trip whose
+# answer nobody waits for. Measured on 2 cores with a fetch every ~12 ms
+# (benchmarks/ab_sporadic.py): the producer's thread spends about a quarter less
+# CPU per fetch (530 against 700 us), with fetch latency unchanged; sent ahead of
+# the request instead, the Release and its answer delayed the grant by 0.35 ms.
+# Holding a finished grant a little longer only keeps the producer's pin that
+# much longer; its lease still bounds it. It also counts against the session's
+# limits on the producer for that long, so once a producer refuses for load, the
+# link's Releases go at once and ahead of requests (`releases_ahead`).
+RELEASE_DELAY_S = 0.05
 
 
 class PeerLinkState(enum.Enum):
@@ -70,6 +84,8 @@ class PeerLink:
         self._ping_seq = 0
         self._quarantined_until = 0.0
         self._releases: list[str] = []
+        self._releases_since = 0.0  # when the oldest queued release was queued
+        self._releases_first = False  # see `releases_ahead`
         # Grant ids of each Renew sent, oldest first: the session answers in order.
         self._renewals: collections.deque[frozenset[str]] = collections.deque()
         # When the peer last said anything (monotonic; 0: never), for liveness metrics.
@@ -177,6 +193,7 @@ class PeerLink:
                 return (FailureReason.PEER_UNREACHABLE, f"silent for {cfg.heartbeat_timeout_s} s")
             if now >= self._next_ping:
                 assert self.client is not None
+                self.flush_releases()  # the producer wakes for the ping anyway
                 self._ping_seq += 1
                 self.client.send(p.Heartbeat(session_id=self.session_id, seq=self._ping_seq))
                 self._next_ping = now + self._ping_interval_s
@@ -190,6 +207,8 @@ class PeerLink:
             return self._hello_at + self._config.handshake_timeout_s
         if self.state is PeerLinkState.READY:
             soonest = self._next_ping
+            if self._releases:
+                soonest = min(soonest, self._releases_since + RELEASE_DELAY_S)
             if self._unanswered_since:
                 soonest = min(soonest, self._unanswered_since + self._config.heartbeat_timeout_s)
             for sent in self._sent_at.values():
@@ -213,6 +232,7 @@ class PeerLink:
     def close(self) -> None:
         if self.client is not None:
             if self.session_id and self.state is PeerLinkState.READY:
+                self.flush_releases()
                 self.client.send(p.Bye(session_id=self.session_id))
             self._pool.close(self.endpoint)
             self.client = None
@@ -231,9 +251,14 @@ class PeerLink:
         self.pending[request_id] = transfers
         self._sent_at[request_id] = now
         self.last_used = now
+        if self._releases_first:
+            self.flush_releases()
         self.client.send(
             p.FetchRequest(session_id=self.session_id, request_id=request_id, items=items)
         )
+        # After the request, which the producer then answers first; its Released
+        # answer follows the grant back, with no wake-up of its own on either side.
+        self.flush_releases()
 
     def expired_requests(self, now: float) -> list[tuple[str, list[Any]]]:
         timeout = self._config.request_timeout_s
@@ -252,7 +277,24 @@ class PeerLink:
         self._sent_at.pop(request_id, None)
 
     def release(self, grant_ids: list[str]) -> None:
+        """Queue Releases of grants whose reads have ended (see `RELEASE_DELAY_S`)."""
+        if not self._releases:
+            self._releases_since = time.monotonic()
         self._releases.extend(g for g in grant_ids if g)
+
+    def releases_ahead(self) -> None:
+        """The producer refused for load: from now on queued Releases go out at once
+        and ahead of each request, so that its per-session limits see them first."""
+        self._releases_first = True
+        self.flush_releases()
+
+    def releases_due(self, now: float) -> bool:
+        """Queued releases have waited long enough, or fill a message."""
+        return bool(self._releases) and (
+            self._releases_first
+            or now - self._releases_since >= RELEASE_DELAY_S
+            or len(self._releases) >= p.MAX_BATCH_ITEMS
+        )
 
     def renew(self, grant_ids: list[str]) -> None:
         """Ask for longer leases on grants still being read (the caller checked `renews`)."""

@@ -1,0 +1,93 @@
+"""A Release rides with the next message to its producer, and never holds up a grant.
+
+Releases of finished grants wait (up to `RELEASE_DELAY_S`) for the next
+FetchRequest or heartbeat and go out right after it, so that the producer wakes
+once for both and answers the request first. Once a producer refuses for load,
+the link's Releases go out at once and ahead of each request, so that the
+session's limits there see them first.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ecshare import protocol as p
+from ecshare.config import Config
+from ecshare.peer.link import RELEASE_DELAY_S, PeerLink, PeerLinkState
+
+
+class _Wire:
+    """Stands in for the link's control client: keeps what is sent, in order."""
+
+    def __init__(self) -> None:
+        self.sent: list[p.Message] = []
+
+    def send(self, message: p.Message) -> bool:
+        self.sent.append(message)
+        return True
+
+
+def _ready_link() -> tuple[PeerLink, _Wire]:
+    link = PeerLink(
+        "tcp://127.0.0.1:1",
+        config=Config(insecure=True),
+        pool=Any,  # type: ignore[arg-type]  # never reached: the link is made READY by hand
+        transport=Any,  # type: ignore[arg-type]
+        hello=lambda session_id: p.Hello(
+            versions=[1], session_id=session_id, client_name="t", fingerprint="f"
+        ),
+    )
+    wire = _Wire()
+    link.client = wire  # type: ignore[assignment]
+    link.session_id = "s1"
+    link.state = PeerLinkState.READY
+    link._next_ping = time.monotonic() + 3600  # as a Welcome would set it: no ping due
+    return link, wire
+
+
+def _kinds(wire: _Wire) -> list[str]:
+    return [type(m).__name__ for m in wire.sent]
+
+
+def test_release_waits_for_the_next_request_and_goes_out_after_it() -> None:
+    link, wire = _ready_link()
+    link.release(["g1"])
+    assert not link.releases_due(time.monotonic())  # just queued
+    assert wire.sent == []
+
+    link.request("r2", [p.ItemRequest("next")], [], 0.0)
+
+    assert _kinds(wire) == ["FetchRequest", "Release"]
+    assert wire.sent[1] == p.Release(session_id="s1", grant_ids=["g1"])
+
+
+def test_a_lone_release_is_due_after_the_delay_and_wakes_the_loop_then() -> None:
+    link, _ = _ready_link()
+    before = time.monotonic()
+    link.release(["g1"])
+    due_at = link.next_deadline(time.monotonic())  # the loop sleeps until then at the latest
+    assert before + RELEASE_DELAY_S <= due_at <= time.monotonic() + RELEASE_DELAY_S
+    assert link.releases_due(due_at)
+    assert not link.releases_due(due_at - RELEASE_DELAY_S / 2)
+
+
+def test_after_a_refusal_for_load_releases_go_at_once_and_ahead_of_requests() -> None:
+    link, wire = _ready_link()
+    link.release(["g1"])
+    link.releases_ahead()  # what the consumer does on OVERLOADED
+    assert _kinds(wire) == ["Release"]
+
+    link.release(["g2"])
+    assert link.releases_due(0.0)
+    link.request("r3", [p.ItemRequest("next")], [], 0.0)
+    assert _kinds(wire) == ["Release", "Release", "FetchRequest"]
+
+
+def test_closing_the_link_sends_queued_releases_before_bye() -> None:
+    link, wire = _ready_link()
+    link.release(["g1"])
+    pool = type("Pool", (), {"close": lambda self, endpoint: None})()
+    link._pool = pool  # type: ignore[assignment]
+    link.close()
+    assert _kinds(wire) == ["Release", "Bye"]
