@@ -157,6 +157,8 @@ class Consumer(NetworkThread):
         self._latency_sum_s = 0.0
         # Per-item timestamps of each step (see peer/phases.py); off unless set.
         self.phases: PhaseLog | None = None
+        # Successes of this pass of the loop, resolved just before it blocks (`_deliver`).
+        self._results: list[tuple[Future[FetchResult], FetchResult]] = []
 
     # -- engine-facing -----------------------------------------------------------------------
 
@@ -317,12 +319,14 @@ class Consumer(NetworkThread):
             if t.state is TransferState.READING and t.read_handle is not None:
                 reading.append(t.read_handle)
         if reading:
+            self._deliver()
             self._wait_reads(reading)
             wake_at = now  # look at the reads (and the sockets) again at once
         for link in self._links.values():
             wake_at = min(wake_at, link.next_deadline(now))
         # Rounded up: a timer due in under 1 ms must not turn into a busy loop.
         timeout_ms = max(0, math.ceil((wake_at - now) * 1000))
+        self._deliver()
         events = dict(poller.poll(timeout_ms))
         # zmq.Poller reports a non-socket (the waker) by its file descriptor.
         if self._waker.fileno() in events:
@@ -631,11 +635,21 @@ class Consumer(NetworkThread):
             self._latency_counts[bisect.bisect_left(LATENCY_BUCKETS_S, latency)] += 1
             self._latency_sum_s += latency
         self._finish(t)
-        t.future.set_result(
-            FetchResult(t.mm_hash, t.nbytes, t.dtype, t.shape, peer, latency, t.attempts)
-        )
-        if self.phases is not None:
-            self.phases.mark(t.mm_hash, "result")
+        result = FetchResult(t.mm_hash, t.nbytes, t.dtype, t.shape, peer, latency, t.attempts)
+        self._results.append((t.future, result))
+
+    def _deliver(self) -> None:
+        """Resolve the futures of fetches that succeeded in this pass of the loop.
+
+        Done last, just before the thread blocks: a caller woken by its future needs
+        the GIL, which this thread holds until it blocks, and a caller that wakes to
+        find it held sleeps again and needs a second wake-up.
+        """
+        results, self._results = self._results, []
+        for future, result in results:
+            future.set_result(result)
+            if self.phases is not None:
+                self.phases.mark(result.mm_hash, "result")
 
     def _fail(self, t: Transfer, reason: FailureReason, detail: str) -> None:
         if t.state is TransferState.READING:
@@ -815,6 +829,7 @@ class Consumer(NetworkThread):
             t.renew_sent = 0.0
 
     def _shutdown(self) -> None:
+        self._deliver()  # fetches that succeeded before the end keep their results
         if self.failure is not None:
             why, detail = FailureReason.INTERNAL, _died(self.failure)
         else:
