@@ -53,7 +53,17 @@ from ecshare.peer.transfer import (
     Transfer,
     TransferState,
 )
-from ecshare.store import Entry, EntryExists, EntryMeta, EntryState, Store, StoreFull
+from ecshare.store import (
+    Entry,
+    EntryExists,
+    EntryMeta,
+    EntryState,
+    Hold,
+    NotFound,
+    NotReady,
+    Store,
+    StoreFull,
+)
 from ecshare.transport.base import DataTransport, FailureKind, ReadState, pair_segments
 
 log = logging.getLogger(__name__)
@@ -112,12 +122,19 @@ class LatencyHistogram:
 
 @dataclass(frozen=True)
 class FetchItem:
-    """One item to fetch. `nbytes` (when known) scales the deadline before a grant."""
+    """One item to fetch. `nbytes` (when known) scales the deadline before a grant.
+
+    `hold` is a pin the caller wants on the entry from the moment it is READY
+    here: taken in the same step as the commit (or the local hit), so that
+    nothing can evict the entry before the caller sees its future resolved.
+    The caller releases it (`EntryTable.unpin`), or its lease ends it.
+    """
 
     mm_hash: str
     nbytes: int = 0
     max_nbytes: int = 0
     peers: tuple[str, ...] = ()
+    hold: Hold | None = None
 
 
 class Consumer(NetworkThread):
@@ -184,11 +201,13 @@ class Consumer(NetworkThread):
         running = self._inflight.get(item.mm_hash)
         if running is not None:
             self._count("single_flight_joins")
+            if item.hold is not None:
+                running.holds.append(item.hold)  # the network thread reads it at commit
             return running.future
         future: Future[FetchResult] = Future()
         future.set_running_or_notify_cancel()
         entry = self._table.get(item.mm_hash)
-        if entry is not None and entry.state is EntryState.READY:
+        if entry is not None and entry.state is EntryState.READY and self._held(item):
             self._count("local_hits")
             future.set_result(
                 FetchResult(
@@ -223,6 +242,7 @@ class Consumer(NetworkThread):
             deadline=now + self._config.fetch_deadline_s(item.nbytes),
             nbytes_hint=item.nbytes,
             max_nbytes=item.max_nbytes,
+            holds=[item.hold] if item.hold is not None else [],
         )
         self._inflight[item.mm_hash] = transfer
         self._incoming.append(transfer)
@@ -557,7 +577,11 @@ class Consumer(NetworkThread):
         except EntryExists:
             link.release([t.grant_id])
             existing = self._table.get(t.mm_hash)
-            if existing is not None and existing.state is EntryState.READY:
+            if (
+                existing is not None
+                and existing.state is EntryState.READY
+                and all(self._take_hold(t.mm_hash, h) for h in t.holds)
+            ):
                 t.move(TransferState.READING)
                 self._succeed(t, link.endpoint)
             else:
@@ -615,9 +639,12 @@ class Consumer(NetworkThread):
             self._count("checksum_failures")
             self._move_on(t, FailureReason.CHECKSUM_MISMATCH, "checksum differs")
             return
-        self._table.commit(t.mm_hash, expect=t.dest)
+        holds = list(t.holds)
+        self._table.commit(t.mm_hash, expect=t.dest, holds=holds)
         self._count_add("fetched_bytes", t.nbytes)
-        self._succeed(t, link.endpoint)
+        self._succeed(t, link.endpoint)  # no caller joins the transfer after this
+        for late in t.holds[len(holds) :]:  # joined between the commit and _succeed
+            self._take_hold(t.mm_hash, late)
 
     def _verify(self, t: Transfer) -> bool:
         if self._config.checksum == "none" or t.dest is None:
@@ -625,6 +652,17 @@ class Consumer(NetworkThread):
         if t.checksum is None:  # refused at grant time; never accepted unchecked
             return False
         return self._store.checksum(t.dest) == t.checksum
+
+    def _held(self, item: FetchItem) -> bool:
+        """Pin a local hit for the caller, if it asked; False if it is gone meanwhile."""
+        return item.hold is None or self._take_hold(item.mm_hash, item.hold)
+
+    def _take_hold(self, mm_hash: str, hold: Hold) -> bool:
+        try:
+            self._table.pin(mm_hash, hold.owner, hold.grant_id, hold.lease_s)
+        except (NotFound, NotReady):
+            return False
+        return True
 
     def _succeed(self, t: Transfer, peer: str) -> None:
         t.move(TransferState.DONE)

@@ -19,7 +19,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Final
 
-from ecshare.store import Entry
+from ecshare.store import Entry, Hold
 
 
 class TransferState(enum.Enum):
@@ -149,6 +149,7 @@ class Transfer:
     read_handle: object | None = None
     dest: Entry | None = None  # the local entry being written
     reasons: list[FailureReason] = field(default_factory=list)  # per failed peer
+    holds: list[Hold] = field(default_factory=list)  # pins to take as it commits
 
     @property
     def peer(self) -> str | None:

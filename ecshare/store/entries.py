@@ -51,6 +51,7 @@ __all__ = [
     "EntryMeta",
     "EntryState",
     "EntryTable",
+    "Hold",
     "IllegalTransition",
     "NotFound",
     "NotReady",
@@ -161,6 +162,14 @@ def _byte_extents(runs: Sequence[Run], block_size: int, nbytes: int) -> list[tup
     slack = sum(n for _, n in extents) - nbytes
     extents[-1] = (off, length - slack)
     return extents
+
+
+class Hold(msgspec.Struct, frozen=True):
+    """A pin to take under ``owner`` and ``grant_id`` as soon as an entry is READY."""
+
+    owner: str
+    grant_id: str
+    lease_s: float
 
 
 class Pin(msgspec.Struct, frozen=True):
@@ -302,13 +311,22 @@ class EntryTable:
             return entry
 
     def commit(
-        self, mm_hash: str, *, expect: Entry | None = None, checksum: int | None = None
+        self,
+        mm_hash: str,
+        *,
+        expect: Entry | None = None,
+        checksum: int | None = None,
+        holds: Sequence[Hold] = (),
     ) -> Entry:
         """ALLOCATED -> READY: all bytes are written. ``expect`` guards against a stale Entry.
 
         ``checksum`` records the digest of the bytes just written, for writers
-        that learn it only once the bytes are in place.
+        that learn it only once the bytes are in place. ``holds`` are pins taken
+        in the same step, so that no eviction can come between the entry turning
+        READY and its readers holding it.
         """
+        for hold in holds:
+            _check_lease(hold.lease_s)
         with self._lock:
             entry = self._live(mm_hash, expect)
             self._fire(entry, "commit")
@@ -316,6 +334,8 @@ class EntryTable:
                 entry.meta = msgspec.structs.replace(entry.meta, checksum=checksum)
             entry.last_used = self._clock()
             self._lru_add(entry)
+            for hold in holds:
+                self._pin(mm_hash, hold.owner, hold.grant_id, hold.lease_s)
             return entry
 
     def abort(self, mm_hash: str, *, expect: Entry | None = None) -> None:
@@ -411,33 +431,37 @@ class EntryTable:
         """
         _check_lease(lease_s)
         with self._lock:
-            now = self._clock()
-            rec = self._pins.get((owner, grant_id))
-            if rec is not None and rec.expires_at <= now:
-                self._release(rec, reaped=True)  # it is dead, whoever notices first
-                rec = None
-            if rec is not None:
-                if rec.entry.mm_hash != mm_hash:
-                    raise PinConflict(
-                        f"({owner}, {grant_id}) already pins {rec.entry.mm_hash}, not {mm_hash}"
-                    )
-                self._set_expiry(rec, now + lease_s)
-                return rec.as_pin()
-            entry = self._entries.get(mm_hash)
-            if entry is None:
-                raise NotFound(f"{mm_hash} is not stored (or is being evicted)")
-            if entry.state is not EntryState.READY:
-                raise NotReady(f"{mm_hash} is {entry.state.name}, only READY entries are pinned")
-            rec = _PinRecord(owner, grant_id, entry, now + lease_s)
-            self._pins[(owner, grant_id)] = rec
-            self._owner_pins.setdefault(owner, set()).add(grant_id)
-            self._expiry.add((rec.expires_at, owner, grant_id))
-            if entry.pins == 0:
-                self._lru_discard(entry)
-                self._pinned_entries += 1
-            entry.pins += 1
-            entry.last_used = now
+            return self._pin(mm_hash, owner, grant_id, lease_s)
+
+    def _pin(self, mm_hash: str, owner: str, grant_id: str, lease_s: float) -> Pin:
+        """`pin` with the lock held."""
+        now = self._clock()
+        rec = self._pins.get((owner, grant_id))
+        if rec is not None and rec.expires_at <= now:
+            self._release(rec, reaped=True)  # it is dead, whoever notices first
+            rec = None
+        if rec is not None:
+            if rec.entry.mm_hash != mm_hash:
+                raise PinConflict(
+                    f"({owner}, {grant_id}) already pins {rec.entry.mm_hash}, not {mm_hash}"
+                )
+            self._set_expiry(rec, now + lease_s)
             return rec.as_pin()
+        entry = self._entries.get(mm_hash)
+        if entry is None:
+            raise NotFound(f"{mm_hash} is not stored (or is being evicted)")
+        if entry.state is not EntryState.READY:
+            raise NotReady(f"{mm_hash} is {entry.state.name}, only READY entries are pinned")
+        rec = _PinRecord(owner, grant_id, entry, now + lease_s)
+        self._pins[(owner, grant_id)] = rec
+        self._owner_pins.setdefault(owner, set()).add(grant_id)
+        self._expiry.add((rec.expires_at, owner, grant_id))
+        if entry.pins == 0:
+            self._lru_discard(entry)
+            self._pinned_entries += 1
+        entry.pins += 1
+        entry.last_used = now
+        return rec.as_pin()
 
     def renew(self, owner: str, grant_id: str, lease_s: float) -> bool:
         """Extend a live pin to now + lease_s. False if unknown, released, or already expired."""

@@ -5,11 +5,12 @@
        +--no answer by overdue_at--> settled: error (deadline), counted fetches_overdue
        \\--every waiting request ended--> abandoned (a late result pins nothing)
 
-The future's callback runs on the consumer's network thread right after it
-commits the entry, before that thread allocates anything else, so the entry is
-pinned (and its shape checked against what the model expects) before any
-eviction can take it. The scheduler thread reads the outcome once `settled`,
-and hands the pin on to the waiting requests as holds (see `pins`).
+The fetch asks the consumer for a hold (`FetchItem.hold`): the consumer pins
+the entry in the same step as it commits it (or finds it local), so no
+eviction can come before the scheduler sees it. The future's callback then
+checks the pinned entry's shape against what the model expects. The scheduler
+thread reads the outcome once `settled`, and hands the pin on to the waiting
+requests as holds (see `pins`).
 
 A consumer whose network thread died would never complete the future; the
 scheduler side then gives up on it at `overdue_at` (past the longest deadline
@@ -23,7 +24,7 @@ from collections.abc import Callable
 from concurrent.futures import CancelledError, Future
 
 from ecshare.peer import FailureReason, FetchFailed, FetchResult
-from ecshare.store import Entry
+from ecshare.store import Entry, Hold
 from ecshare.vllm.pins import EnginePins
 
 # Returns why an entry is unfit for the model (wrong shape or dtype), or None.
@@ -37,7 +38,7 @@ class Fetch:
         future: Future[FetchResult],
         *,
         pins: EnginePins,
-        lease_s: float,
+        hold: Hold,
         check: Check,
         overdue_at: float,
         on_unfit: Callable[[str, str], None],
@@ -47,7 +48,7 @@ class Fetch:
         self.overdue_at = overdue_at
         self.requests: set[str] = set()  # ids of the requests waiting for it
         self._pins = pins
-        self._lease_s = lease_s
+        self._grant = hold.grant_id  # pinned by the consumer as the entry turns READY
         self._check = check
         self._on_unfit = on_unfit
         self._lock = threading.Lock()
@@ -77,6 +78,7 @@ class Fetch:
         with self._lock:
             if self._abandoned:
                 self._settled = True
+                self._pins.release(self._grant)  # a late result keeps nothing
                 return
             try:
                 error = future.exception()
@@ -88,12 +90,12 @@ class Fetch:
             self._settled = True
 
     def _pin(self) -> BaseException | None:
-        pinned = self._pins.pin(self.mm_hash, "fetch", self._lease_s)
-        if pinned is None:
+        grant = self._grant
+        entry = self._pins.entry(grant)
+        if entry is None:  # only a lease of HOLD_LEASE_S run out could end it
             return FetchFailed(
-                self.mm_hash, FailureReason.LOCAL_STORE_FULL, "evicted as soon as it arrived"
+                self.mm_hash, FailureReason.LOCAL_STORE_FULL, "its hold ended as it arrived"
             )
-        grant, entry = pinned
         unfit = self._check(entry)
         if unfit is not None:
             self._pins.release(grant)

@@ -37,7 +37,7 @@ import typing
 import msgspec
 
 from ecshare import protocol as p
-from ecshare.store import Entry, EntryTable, NotFound, NotReady
+from ecshare.store import Entry, EntryTable, Hold, NotFound, NotReady
 
 
 def _longest_session_id() -> int:
@@ -74,6 +74,10 @@ class EnginePins:
         entry = self._table.pinned_entry(ENGINE_PIN_OWNER, grant)
         assert entry is not None  # pinned just now, and only we release it
         return grant, entry
+
+    def hold(self, kind: str, lease_s: float) -> Hold:
+        """A pin for the consumer to take as it commits a fetched entry (`FetchItem.hold`)."""
+        return Hold(ENGINE_PIN_OWNER, f"{kind}-{next(self._ids)}", lease_s)
 
     def entry(self, grant: str) -> Entry | None:
         return self._table.pinned_entry(ENGINE_PIN_OWNER, grant)

@@ -173,7 +173,10 @@ class WaitingRequests:
             self._fall_back(waiter, h, refusal)
             return None
         assert param is not None
-        item = FetchItem(h, nbytes=param.nbytes, max_nbytes=param.nbytes, peers=(param.peer,))
+        hold = self._pins.hold("fetch", HOLD_LEASE_S)
+        item = FetchItem(
+            h, nbytes=param.nbytes, max_nbytes=param.nbytes, peers=(param.peer,), hold=hold
+        )
         try:
             future = self._consumer.fetch([item])[0]
         except Exception as exc:  # a consumer that cannot take work: encode instead
@@ -183,7 +186,7 @@ class WaitingRequests:
             h,
             future,
             pins=self._pins,
-            lease_s=HOLD_LEASE_S,
+            hold=hold,
             check=lambda entry: self._expect.unfit(h, entry),
             overdue_at=time.monotonic() + self._overdue_s,
             on_unfit=self.drop_unfit,

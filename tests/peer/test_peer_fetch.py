@@ -23,8 +23,8 @@ from peer_testing import (
 )
 
 from ecshare.metrics import read_samples
-from ecshare.peer import FailureReason, FetchFailed, FetchResult
-from ecshare.store import EntryState
+from ecshare.peer import FailureReason, FetchFailed, FetchItem, FetchResult
+from ecshare.store import EntryState, Hold
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -179,3 +179,23 @@ def test_peer_links_are_bounded_and_idle_ones_closed(
     # Links nothing uses are closed once idle.
     assert wait_until(lambda: not consumer.peer_liveness(), 5.0)
     assert consumer.counter_snapshot()["peer_links_closed_idle"] >= 1
+
+
+def test_a_hold_is_pinned_as_the_entry_turns_ready_and_on_a_local_hit(
+    make_producer: MakeProducer, make_consumer: MakeConsumer, keyring: Keyring
+) -> None:
+    h = "held"
+    _pnode, producer = make_producer(keyring.producer_config(), entries={h: 3 * 4096})
+    cnode, consumer = make_consumer(keyring.consumer_config())
+    table = cnode.store.table
+    first = FetchItem(h, peers=(producer.address,), hold=Hold("engine", "fetch-1", 30.0))
+    consumer.fetch([first])[0].result(timeout=10)
+    # Pinned by the time the future is resolved, so no eviction can take it now.
+    assert table.pinned_entry("engine", "fetch-1") is not None
+    assert cnode.store.table.evict_bytes(cnode.store.stats().total_blocks * 4096) == 0
+    # A local hit pins in the same step as it finds the entry.
+    again = FetchItem(h, peers=(producer.address,), hold=Hold("engine", "fetch-2", 30.0))
+    assert consumer.fetch([again])[0].result(timeout=10).peer == "local"
+    assert table.pinned_entry("engine", "fetch-2") is not None
+    assert table.unpin("engine", "fetch-1") and table.unpin("engine", "fetch-2")
+    table.check_invariants()
