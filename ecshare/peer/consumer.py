@@ -160,6 +160,7 @@ class Consumer(NetworkThread):
         self._init_thread()
         self._lock = threading.Lock()
         self._incoming: collections.deque[Transfer] = collections.deque()
+        self._connects: list[str] = []  # endpoints `connect` asked for, not yet seen to
         self._inflight: dict[str, Transfer] = {}  # mm_hash -> transfer (single-flight)
         self._transfers: list[Transfer] = []  # owned by the network thread
         self._links: dict[str, PeerLink] = {}
@@ -194,6 +195,22 @@ class Consumer(NetworkThread):
         if self._waker is not None:
             self._waker.wake()
         return futures
+
+    def connect(self, peers: Sequence[str]) -> None:
+        """Open sessions to `peers` now, so that the first fetch from each does not
+        wait for them. Never blocks; peers already connected are left as they are.
+
+        A session's first use costs tens of milliseconds on one host (the CURVE
+        handshake, Hello and Welcome, loading the producer's NIXL metadata): call
+        this when peers become known (configuration, a router naming them), not
+        when their first item is needed.
+        """
+        if self._thread is None:
+            raise RuntimeError("consumer not started")
+        with self._lock:
+            self._connects.extend(peers)
+        if self._waker is not None:
+            self._waker.wake()
 
     def _start_one(
         self, item: FetchItem, peers: tuple[str, ...], now: float
@@ -382,6 +399,13 @@ class Consumer(NetworkThread):
                 self._transfers.append(t)
                 if self.phases is not None:
                     self.phases.mark(t.mm_hash, "picked")
+            connects, self._connects = self._connects, []
+        for endpoint in dict.fromkeys(connects):
+            # A warm-up never takes the room of a link in use or evicts one.
+            if endpoint in self._links or len(self._links) < self._config.max_peer_links:
+                link = self._link(endpoint)
+                if link is not None and link.state is PeerLinkState.IDLE:
+                    link.connect(now)
         for link in list(self._links.values()):
             if link.client is not None and any(s in events for s in link.client.pollables):
                 for msg in link.receive():
