@@ -10,7 +10,7 @@ import numpy as np
 from ecshare.chaos.fleet import _due
 from ecshare.chaos.load import Load
 from ecshare.chaos.messages import Fetch, NodeStats, Quiesce
-from ecshare.chaos.nodes import ChildGone
+from ecshare.chaos.nodes import Child, ChildGone
 from ecshare.chaos.options import _STATS_TIMEOUT_S
 from ecshare.chaos.report import ChaosReport, RegionCheck
 from ecshare.chaos.soak import SoakSampling
@@ -58,24 +58,11 @@ class Verdict(Load, SoakSampling):
                     if not c.exited(1.0):  # a crash is counted as one (reap_crashes)
                         self.hangs += 1
                         self.tally.violations.append(f"no answer to Quiesce: {exc}")
-        cfg = self.config
-        quiet_by = time.monotonic() + cfg.lease_s + cfg.heartbeat_timeout_s + 5.0
-        final: dict[str, NodeStats] = {}
-        while True:
-            final = {}
-            for c in live:
-                stats = self._stats(c)
-                if stats is not None:
-                    final[c.name] = stats
-            busy = [
-                n
-                for n, s in final.items()
-                if s.store.pins or s.store.allocated or s.store.quarantined
-            ]
-            if not busy or time.monotonic() >= quiet_by:
-                break
-            time.sleep(0.2)
+        final = self._quiet(live)
         unrecovered = self._probe_recovery(final)
+        # The probe's own grants go back with its consumers' next Releases, which
+        # may wait a moment (they ride with the next message): quiet again.
+        self._quiet(live)
         regions = []
         for c in live:
             stats = self._stats(c, verify=True)
@@ -96,13 +83,33 @@ class Verdict(Load, SoakSampling):
         # (d) Every process exits when told, and none exited by itself before.
         self.reap_crashes(replace=False)
         for c in [*live, *self.retired]:
-            if not c.stop(cfg.shutdown_timeout_s + 10.0):
+            if not c.stop(self.config.shutdown_timeout_s + 10.0):
                 self.hangs += 1
                 self.tally.violations.append(f"{c.name} did not exit when told to stop")
         self.producers = [None] * o.producers
         self.consumers = []
         self.retired = []
         return self._report(started, regions, hung_fetches, unrecovered, frozen_at_end)
+
+    def _quiet(self, live: list[Child]) -> dict[str, NodeStats]:
+        """Every live node's stats once nothing is pinned, written or quarantined any more
+        (or once leases and heartbeats would have ended it all, whichever comes first)."""
+        cfg = self.config
+        quiet_by = time.monotonic() + cfg.lease_s + cfg.heartbeat_timeout_s + 5.0
+        while True:
+            final = {}
+            for c in live:
+                stats = self._stats(c)
+                if stats is not None:
+                    final[c.name] = stats
+            busy = [
+                n
+                for n, s in final.items()
+                if s.store.pins or s.store.allocated or s.store.quarantined
+            ]
+            if not busy or time.monotonic() >= quiet_by:
+                return final
+            time.sleep(0.2)
 
     def _probe_recovery(self, final: dict[str, NodeStats]) -> int:
         """(e) Once the faults end, every consumer fetches from every producer again.

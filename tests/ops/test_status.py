@@ -29,6 +29,7 @@ from peer_testing import (
     child_env,
     expected,
     stored_bytes,
+    wait_until,
 )
 
 from ecshare import protocol as p
@@ -106,6 +107,9 @@ def busy(
     done = threading.Event()
     keeper = threading.Thread(target=raw.keep_alive_until, args=(done.is_set, 120.0), daemon=True)
     keeper.start()
+    # The consumer's Release of its own grant may ride with its next message a
+    # moment later: the raw session's grant is then the only one.
+    assert wait_until(lambda: producer.stats()["active_grants"] == 1, 5.0)
     yield Busy(producer, admin_secret, big, sizes[big])
     done.set()
     keeper.join(timeout=10)
