@@ -190,8 +190,8 @@ def _producer_main(conn: Connection, settings: dict[str, Any]) -> None:
     node = Node.create(config, "producer")
     producer = start_producer(node, fingerprint=FINGERPRINT)
     producer.phases = PhaseLog()
-    assert producer._thread is not None and producer._thread.ident is not None
-    cpu_clock = time.pthread_getcpuclockid(producer._thread.ident)
+    assert producer.thread_ident is not None
+    cpu_clock = time.pthread_getcpuclockid(producer.thread_ident)
     store = node.store
     held: list[str] = []
     fresh = ""

@@ -77,6 +77,13 @@ class NetworkThread:
         return thread is not None and thread.is_alive() and self.failure is None
 
     @property
+    def thread_ident(self) -> int | None:
+        """The network thread's `threading` ident while it runs (for its CPU clock:
+        `time.pthread_getcpuclockid`), else None."""
+        thread = self._thread
+        return thread.ident if thread is not None else None
+
+    @property
     def metrics_url(self) -> str | None:
         """Where this peer's Prometheus metrics are served (metrics_port), or None."""
         return self._metrics.url if self._metrics is not None else None
