@@ -94,7 +94,9 @@ class SchedulerSide:
         self._fingerprint = model_fingerprint(vllm_config)
         self._expect = Expectations(vllm_config)
         self._tally = Tally()
-        self._node = Node.create(config, "engine")
+        # A consume-only instance serves no reads: its node then runs no NIXL progress
+        # thread, which would only compete with its own polls of TCP reads.
+        self._node = Node.create(config, "engine" if produce else "consumer")
         self._store = self._node.store
         self._pins = EnginePins(self._store.table)
         self._saves = SaveBook(self._store, config, self._tally)
