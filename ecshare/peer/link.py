@@ -292,7 +292,7 @@ class PeerLink:
         """Queued releases have waited long enough, or fill a message."""
         return bool(self._releases) and (
             self._releases_first
-            or now - self._releases_since >= RELEASE_DELAY_S
+            or now >= self._releases_since + RELEASE_DELAY_S  # as next_deadline computes it
             or len(self._releases) >= p.MAX_BATCH_ITEMS
         )
 
