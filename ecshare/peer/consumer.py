@@ -474,7 +474,6 @@ class Consumer(NetworkThread):
                     ),
                 ),
             )
-            link.created = time.monotonic()
             self._links[endpoint] = link
         return link
 

@@ -91,7 +91,7 @@ class PeerLink:
         # When the peer last said anything (monotonic; 0: never), for liveness metrics.
         self.last_heard = 0.0
         self.last_used = 0.0  # when a fetch last went to this peer
-        self.created = 0.0
+        self.created = time.monotonic()  # idle since then, until a first fetch
 
     # -- the session -------------------------------------------------------------------------
 
