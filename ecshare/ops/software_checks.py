@@ -9,10 +9,11 @@ from ecshare.ops.versions import SUPPORTED, Supported, installed
 
 
 def check_nixl() -> Check:
+    """nixl imports, and which version it is against the supported range."""
+    spec = next(s for s in SUPPORTED if s.component == "nixl")
     try:
         import nixl._api as api
     except Exception as exc:  # ImportError, or a native library that fails to load
-        spec = next(s for s in SUPPORTED if s.component == "nixl")
         return Check(
             name="nixl",
             status="fail",
@@ -25,9 +26,26 @@ def check_nixl() -> Check:
             name="nixl",
             status="fail",
             finding=f"nixl {version} imports, but nixl._api has no nixl_agent",
-            fix="reinstall: " + next(s.install for s in SUPPORTED if s.component == "nixl"),
+            fix=f"reinstall: {spec.install}",
         )
-    return Check(name="nixl", status="ok", finding=f"nixl {version} imports (nixl._api)")
+    found = installed(spec)
+    if found.outside:
+        # It imports, so it may work; the version check below fails on it.
+        outside = ", ".join(f"{d} {v}" for d, v in found.outside.items())
+        return Check(
+            name="nixl",
+            status="warn",
+            finding=f"nixl {version} imports (nixl._api), but {outside} is outside the "
+            f"supported range {spec.specifier}",
+            fix=f"run: {spec.install}",
+            details={"installed": found.found, "supported": spec.specifier},
+        )
+    return Check(
+        name="nixl",
+        status="ok",
+        finding=f"nixl {version} imports (nixl._api), within the supported range {spec.specifier}",
+        details={"installed": found.found, "supported": spec.specifier},
+    )
 
 
 def check_versions() -> list[Check]:

