@@ -12,7 +12,9 @@ from ecshare.transport.base import (
     ReadStatus,
     Segment,
     TransportError,
+    WritingTransport,
     pair_segments,
+    writer_of,
 )
 from ecshare.transport.nixl import NixlTransport
 
@@ -26,5 +28,7 @@ __all__ = [
     "ReadStatus",
     "Segment",
     "TransportError",
+    "WritingTransport",
     "pair_segments",
+    "writer_of",
 ]

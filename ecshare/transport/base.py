@@ -2,12 +2,16 @@
 
 A transport knows regions, extents and peers, nothing about requests or
 mm_hashes. The consumer side READs a peer's extents into its own region; the
-producer side only registers its region and drives progress.
+producer side registers its region and drives progress, and for a push WRITEs
+its own extents into a peer's region.
 
-The lifetime rule every implementation keeps: a read's destination may be
-written until `poll` answers DONE or FAILED, and `poll` answers so only on the
-backend's word that the read has ended. Releasing a pending read, removing its
-peer or re-adding it does not end it; only the backend (or `close`) does.
+The lifetime rule every implementation keeps: a read's destination (a write's
+source, and the peer's destination) may be touched until `poll` answers DONE
+or FAILED, and `poll` answers so only on the backend's word that the transfer
+has ended. Releasing a pending transfer, removing its peer or re-adding it
+does not end it; only the backend (or `close`) does. The target of a write
+holds no handle: the write's notification, delivered once after the data has
+landed, is the one word its own backend gives it.
 """
 
 from __future__ import annotations
@@ -68,7 +72,7 @@ class ReadStatus:
 
 
 class ReadHandle(Protocol):
-    """An in-flight read; opaque to callers."""
+    """An in-flight read or write; opaque to callers."""
 
 
 class DataTransport(Protocol):
@@ -93,7 +97,7 @@ class DataTransport(Protocol):
         """Start reading `segments` from `peer`; never blocks on remote progress."""
 
     def poll(self, handle: ReadHandle) -> ReadStatus:
-        """DONE or FAILED once the backend has ended the read; PENDING until then."""
+        """DONE or FAILED once the backend has ended the transfer; PENDING until then."""
 
     def release(self, handle: ReadHandle) -> None:
         """The caller is done with a handle. A PENDING read is abandoned: the
@@ -144,3 +148,19 @@ def pair_segments(
         if r_used == r_len:
             ri, r_used = ri + 1, 0
     return segments
+
+
+class WritingTransport(DataTransport, Protocol):
+    """A transport that can also push: write our extents into a peer's region."""
+
+    def write(self, peer: str, segments: Sequence[Segment], notify: bytes = b"") -> ReadHandle:
+        """Start writing our `local_offset`s to `peer`'s `remote_offset`s; never blocks on
+        remote progress. Polled and released like a read; `notify` reaches the peer once
+        the data has landed."""
+
+
+def writer_of(transport: DataTransport) -> WritingTransport | None:
+    """`transport` if it can write (push), else None."""
+    if callable(getattr(transport, "write", None)):
+        return transport  # type: ignore[return-value]
+    return None

@@ -60,6 +60,15 @@ reads pending forever: the destination leaks (counted in `in_flight` and
 post (`transfer` raising): NIXL then cancels what it had posted itself, and
 we can only take its word, which comes with the endpoint's failure.
 
+Writes. `write` is the same transfer in the other direction (push): the
+local segments are the source, the peer's the destination, and every rule
+above holds for it unchanged. The source must stay as it is until `poll`
+answers DONE or FAILED (the backend may still be reading it), and the
+destination, in the peer's memory, may be written until then. The target has
+no handle of its own: the only word it gets from its own backend is the
+write's notification, delivered exactly once after the data has landed, and a
+write that fails brings none, so the initiator must report the end it saw.
+
 Descriptors. Each read goes through `initialize_xfer` by default. With
 `prepared_block_size` set, both regions are also prepared once (one
 descriptor per block) and reads whose segments are all block-aligned use
@@ -82,7 +91,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ecshare.transport.base import (
-    DataTransport,
     FailureKind,
     PeerInfo,
     ReadHandle,
@@ -90,6 +98,7 @@ from ecshare.transport.base import (
     ReadStatus,
     Segment,
     TransportError,
+    WritingTransport,
 )
 
 __all__ = ["NixlRead", "NixlTransport", "merge_segments"]
@@ -204,19 +213,24 @@ def _out_of_bounds(segments: Sequence[Segment], local_size: int, remote_size: in
 
 
 class NixlRead:
-    """One read; opaque to callers, who pass it back to `poll` and `release`."""
+    """One transfer (a read, or a write); opaque to callers, who pass it back to
+    `poll` and `release`."""
 
-    __slots__ = ("_xfer", "abandoned", "nbytes", "peer", "status")
+    __slots__ = ("_xfer", "abandoned", "nbytes", "op", "peer", "status")
 
-    def __init__(self, peer: str, nbytes: int) -> None:
+    def __init__(self, peer: str, nbytes: int, op: str = "READ") -> None:
         self.peer = peer
         self.nbytes = nbytes
+        self.op = op
         self.status = _PENDING
         self.abandoned = False  # released while PENDING: its end counts as cancelled
         self._xfer: Any = None  # the NIXL handle while it is ours to release
 
     def __repr__(self) -> str:
-        return f"NixlRead(peer={self.peer!r}, nbytes={self.nbytes}, {self.status.state.value})"
+        return (
+            f"NixlRead({self.op}, peer={self.peer!r}, nbytes={self.nbytes}, "
+            f"{self.status.state.value})"
+        )
 
 
 def _ours(handle: ReadHandle) -> NixlRead:
@@ -246,6 +260,7 @@ class NixlTransport:
     ``reads_started == reads_done + sum(reads_failed.values()) + reads_cancelled``
     once `in_flight` is 0. A read released while PENDING counts in
     `reads_abandoned` at once and in `reads_cancelled` when it has ended.
+    Writes keep the same books under `writes_*` (and `bytes_written`).
     """
 
     def __init__(
@@ -305,6 +320,12 @@ class NixlTransport:
         self.reads_abandoned = 0
         self.reads_prepped = 0
         self.bytes_read = 0
+        self.writes_started = 0
+        self.writes_done = 0
+        self.writes_failed: dict[FailureKind, int] = dict.fromkeys(FailureKind, 0)
+        self.writes_cancelled = 0
+        self.writes_abandoned = 0
+        self.bytes_written = 0
         self.notifications = 0
 
     # ---------------------------------------------------------------- set-up
@@ -444,12 +465,27 @@ class NixlTransport:
     # ----------------------------------------------------------------- reads
 
     def read(self, peer: str, segments: Sequence[Segment], notify: bytes = b"") -> NixlRead:
+        return self._post("READ", peer, segments, notify)
+
+    def write(self, peer: str, segments: Sequence[Segment], notify: bytes = b"") -> NixlRead:
+        """Start writing our `local_offset`s to the peer's `remote_offset`s.
+
+        Every rule of `read` holds: the source may be read by the backend until
+        `poll` answers DONE or FAILED, and a released PENDING write is abandoned,
+        not stopped. `notify` reaches the peer's `progress` once the data has landed.
+        """
+        return self._post("WRITE", peer, segments, notify)
+
+    def _post(self, op: str, peer: str, segments: Sequence[Segment], notify: bytes) -> NixlRead:
         with self._lock:
             self._check_open()
             if self._region is None:
                 raise TransportError("no region registered")
-            self.reads_started += 1
-            handle = NixlRead(peer, sum(s.length for s in segments))
+            if op == "WRITE":
+                self.writes_started += 1
+            else:
+                self.reads_started += 1
+            handle = NixlRead(peer, sum(s.length for s in segments), op)
             p = self._peers.get(peer)
             if p is None:
                 self._finish(handle, FailureKind.NOT_FOUND, f"unknown peer {peer!r}")
@@ -461,7 +497,7 @@ class NixlTransport:
                 return handle
             merged = merge_segments(segments)
             try:
-                handle._xfer = self._create(p, merged, laddr, notify)
+                handle._xfer = self._create(p, merged, laddr, notify, op)
                 state = self._agent.transfer(handle._xfer)
             except Exception as e:
                 self._finish(handle, *self._failure(e))
@@ -491,7 +527,10 @@ class NixlTransport:
                 self._release_xfer(handle)
             elif not handle.abandoned:
                 handle.abandoned = True
-                self.reads_abandoned += 1
+                if handle.op == "WRITE":
+                    self.writes_abandoned += 1
+                else:
+                    self.reads_abandoned += 1
                 self._abandoned.add(handle)
 
     def progress(self) -> list[tuple[str, bytes]]:
@@ -563,7 +602,9 @@ class NixlTransport:
         rows[:, 1] = self._block
         return rows
 
-    def _create(self, peer: _Peer, merged: list[Segment], laddr: int, notify: bytes) -> Any:
+    def _create(
+        self, peer: _Peer, merged: list[Segment], laddr: int, notify: bytes, op: str
+    ) -> Any:
         b = self._block
         if peer.prepped is not None and all(
             s.local_offset % b == 0 and s.remote_offset % b == 0 and s.length % b == 0
@@ -577,7 +618,7 @@ class NixlTransport:
                 ridx.extend(range(s.remote_offset // b, (s.remote_offset + s.length) // b))
             self.reads_prepped += 1
             return self._agent.make_prepped_xfer(
-                "READ", self._local_prepped, lidx, peer.prepped, ridx, notify
+                op, self._local_prepped, lidx, peer.prepped, ridx, notify
             )
         raddr = peer.info.region_address
         local = self._agent.get_xfer_descs(
@@ -586,7 +627,7 @@ class NixlTransport:
         remote = self._agent.get_xfer_descs(
             [(raddr + s.remote_offset, s.length, 0) for s in merged], "DRAM"
         )
-        return self._agent.initialize_xfer("READ", local, remote, peer.info.agent_name, notify)
+        return self._agent.initialize_xfer(op, local, remote, peer.info.agent_name, notify)
 
     def _check(self, handle: NixlRead) -> None:
         if handle.status.state is not ReadState.PENDING or handle._xfer is None:
@@ -604,7 +645,10 @@ class NixlTransport:
     def _settle(self, handle: NixlRead, state: str) -> None:
         if state == "DONE":
             if handle.abandoned:
-                self.reads_cancelled += 1
+                self._cancelled(handle)
+            elif handle.op == "WRITE":
+                self.writes_done += 1
+                self.bytes_written += handle.nbytes
             else:
                 self.reads_done += 1
                 self.bytes_read += handle.nbytes
@@ -613,9 +657,17 @@ class NixlTransport:
         elif state != "PROC":
             self._finish(handle, FailureKind.BACKEND, f"transfer state {state}")
 
+    def _cancelled(self, handle: NixlRead) -> None:
+        if handle.op == "WRITE":
+            self.writes_cancelled += 1
+        else:
+            self.reads_cancelled += 1
+
     def _finish(self, handle: NixlRead, kind: FailureKind, detail: str) -> None:
         if handle.abandoned:
-            self.reads_cancelled += 1
+            self._cancelled(handle)
+        elif handle.op == "WRITE":
+            self.writes_failed[kind] += 1
         else:
             self.reads_failed[kind] += 1
         handle.status = ReadStatus(ReadState.FAILED, kind, detail)
@@ -679,5 +731,5 @@ class NixlTransport:
 
 if TYPE_CHECKING:
 
-    def _implements(t: NixlTransport) -> DataTransport:
+    def _implements(t: NixlTransport) -> WritingTransport:
         return t

@@ -47,6 +47,9 @@ def _serve(conn: Connection, name: str, size: int, seed: int, env: dict[str, str
         if cmd == "notifs":
             conn.send(notifs)
             notifs = []
+        elif cmd == "slice":  # bytes [start, end) of the region, as they are now
+            start, end = arg
+            conn.send(bytes(mm[start:end]))
         elif cmd == "sleep":  # stop progressing for a while
             time.sleep(arg)
             conn.send(None)
