@@ -6,7 +6,9 @@ request that the engine's own encoder cache still holds but the region lost
 (the engine will not encode it again); the workers copy the encoder output in,
 and the entry becomes READY only once they report that copy done (`saves`).
 `request_finished` announces the request's READY entries and those whose copy
-ran in a step that has completed (waiting for their report briefly at most).
+ran in a step that has completed (waiting for their report briefly at most),
+each with the placeholder `metadata` and `item_indices` that let a proxy send
+prefill/decode the request without its media (`placeholders`).
 
 Consumer role: `ensure_cache_available` fetches the items a request's
 `ec_transfer_params` name, only from trusted producers, and defers the request
@@ -37,6 +39,7 @@ from ecshare.store import EntryMeta, EntryState, Store
 from ecshare.vllm.metrics import CORE_METRICS
 from ecshare.vllm.ops import LoadOp, StepPlan, StepReport, TransferParam
 from ecshare.vllm.pins import ENGINE_PIN_OWNER, EnginePins
+from ecshare.vllm.placeholders import Placeholders
 from ecshare.vllm.reports import ReportListener
 from ecshare.vllm.saves import SaveBook
 from ecshare.vllm.settings import ConnectorSettings
@@ -93,6 +96,7 @@ class SchedulerSide:
         self._consume = consume
         self._fingerprint = model_fingerprint(vllm_config)
         self._expect = Expectations(vllm_config)
+        self._placeholders = Placeholders(vllm_config.model_config)
         self._tally = Tally()
         # A consume-only instance serves no reads: its node then runs no NIXL progress
         # thread, which would only compete with its own polls of TCP reads.
@@ -126,6 +130,7 @@ class SchedulerSide:
                 config=config,
                 settings=self._settings,
                 fingerprint=self._fingerprint,
+                placeholders=self._placeholders,
             )
             if not self._settings.trusted_producers:
                 log.warning(
@@ -303,22 +308,26 @@ class SchedulerSide:
                     _REPORT_GRACE_S,
                 )
         params: dict[str, Any] = {}
+        items = self._placeholders.item_params(request.mm_features)
         for feature in request.mm_features:
             h = feature.identifier
+            if h in params:
+                continue  # a repeated item: one entry, all its indices in item_indices
             entry = self._store.get(h)
             if entry is None or entry.state is not EntryState.READY:
                 entry = self._saves.saving(h)  # its copy ran in a step that has completed
             if entry is None:
+                # Metadata without an entry would let a proxy drop the media of an item
+                # that no consumer can fetch: such an item is not announced at all.
                 continue
-            params[h] = msgspec.to_builtins(
-                TransferParam(
-                    peer=self.producer.address,
-                    fingerprint=self._fingerprint,
-                    nbytes=entry.nbytes,
-                    dtype=entry.meta.dtype,
-                    shape=tuple(entry.meta.shape),
-                )
+            where = TransferParam(
+                peer=self.producer.address,
+                fingerprint=self._fingerprint,
+                nbytes=entry.nbytes,
+                dtype=entry.meta.dtype,
+                shape=tuple(entry.meta.shape),
             )
+            params[h] = {**msgspec.to_builtins(where), **items.get(h, {})}
         return False, params or None
 
     # -- stats and shutdown ------------------------------------------------------------------

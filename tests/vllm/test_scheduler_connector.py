@@ -68,8 +68,13 @@ def test_producer_params_name_peer_and_item_never_memory(ec: EC) -> None:
     assert set(params) == {"h-params"}
     item = params["h-params"]
     # Exactly these keys: no region address, extents or NIXL agent metadata,
-    # which a peer only learns after it has authenticated.
-    assert set(item) == {"peer", "fingerprint", "shape", "dtype", "nbytes"}
+    # which a peer only learns after it has authenticated; the placeholder fields
+    # in the shape vLLM's own EC connectors publish them.
+    assert set(item) == {
+        "peer", "fingerprint", "shape", "dtype", "nbytes", "metadata", "item_indices",
+    }  # fmt: skip
+    assert item["item_indices"] == [0]
+    assert isinstance(item["metadata"], dict)
     assert item["peer"] == side.producer.address
     assert item["peer"].startswith("tcp://127.0.0.1:")
     assert item["fingerprint"] == side.fingerprint
