@@ -30,6 +30,8 @@ COUNTERS = {
     "fetched_bytes": "Bytes fetched from producers over the data plane (NIXL).",
     "fetch_failed": "Fetches that failed for good (the item is then encoded locally).",
     "local_encode_fallbacks": "Items encoded locally because their fetch failed.",
+    "media_free_items": "Items that arrived as placeholder metadata only, without their media "
+    "(media-free prefill/decode): their fetch must succeed, as there is nothing to encode.",
     "requests_unavailable": "Requests failed because an item could be neither fetched nor encoded.",
     "params_unusable": "Items whose ec_transfer_params were malformed or incompatible.",
     "loaded_items": "Items copied from the region into the engine's encoder cache.",

@@ -14,7 +14,10 @@ the request ends (`forget`); a preempted request, whose copies the engine
 dropped, gets its items again the same way. Falling back means encoding the
 item locally when the request carries its media, and failing the request
 (`take_unavailable`) when it does not: only that is honest, as the model must
-never run without the item.
+never run without the item. A request may carry an item as placeholder
+metadata only (media-free prefill/decode, `placeholders`): such an item is
+counted (`media_free_items`), and one that no params name and the region does
+not hold fails the request at once.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from ecshare.store import Store, StoreError
 from ecshare.vllm.fetches import Fetch
 from ecshare.vllm.ops import decode_param
 from ecshare.vllm.pins import EnginePins
+from ecshare.vllm.placeholders import Placeholders
 from ecshare.vllm.settings import ConnectorSettings
 from ecshare.vllm.shapes import Expectations
 from ecshare.vllm.tally import Tally
@@ -57,10 +61,8 @@ class Waiter:
     holds: dict[str, str] = field(default_factory=dict)  # mm_hash -> hold grant
     loaded: set[str] = field(default_factory=set)  # copied into the engine's encoder cache
     failed: set[str] = field(default_factory=set)  # left to local encoding
+    media_free: set[str] = field(default_factory=set)  # came as placeholder metadata only
     bad_params: bool = False
-
-    def feature(self, mm_hash: str) -> MultiModalFeatureSpec | None:
-        return next((f for f in self.request.mm_features if f.identifier == mm_hash), None)
 
 
 class WaitingRequests:
@@ -75,8 +77,10 @@ class WaitingRequests:
         config: Config,
         settings: ConnectorSettings,
         fingerprint: str,
+        placeholders: Placeholders | None = None,
     ) -> None:
         self._consumer = consumer
+        self._placeholders = placeholders
         self._store = store
         self._pins = pins
         self._expect = expect
@@ -102,23 +106,27 @@ class WaitingRequests:
             waiter.preemptions = request.num_preemptions
             waiter.loaded.clear()
         params = request.ec_transfer_params
-        if not params:
+        if not params and not waiter.media_free:
             return True
-        if not isinstance(params, dict):
+        if params and not isinstance(params, dict):
             if not waiter.bad_params:
                 waiter.bad_params = True
                 self._tally.add("params_unusable")
                 self._tally.warn("params", f"request {rid}: ec_transfer_params is not an object")
-            return True
+            params = None
         waiting = False
         for feature in request.mm_features:
             h = feature.identifier
-            raw = params.get(h)
-            if raw is None or h in waiter.holds or h in waiter.loaded or h in waiter.failed:
+            if h in waiter.holds or h in waiter.loaded or h in waiter.failed:
                 continue
             position = feature.mm_position
             if position.offset + position.length <= num_computed_tokens:
                 continue  # already computed (a prefix-cache hit): nothing to fetch
+            raw = params.get(h) if params else None
+            if raw is None:
+                if h in waiter.media_free and not self._hold(waiter, h):
+                    self._fall_back(waiter, h, "no ec_transfer_params name it")
+                continue
             if h not in waiter.waiting and self._hold(waiter, h):
                 continue  # already local
             fetch = self._fetches.get(h)
@@ -138,7 +146,16 @@ class WaitingRequests:
         self._waiters[request.request_id] = waiter
         for feature in request.mm_features:
             self._expect.add(feature)
+            if not self._carries_input(feature):
+                waiter.media_free.add(feature.identifier)
+        if waiter.media_free:
+            self._tally.add("media_free_items", len(waiter.media_free))
         return waiter
+
+    def _carries_input(self, feature: MultiModalFeatureSpec) -> bool:
+        if self._placeholders is None:
+            return feature.data is not None
+        return self._placeholders.carries_input(feature)
 
     def _hold(self, waiter: Waiter, h: str) -> bool:
         """Pin the local READY entry of `h` for the request until its load has copied."""
@@ -231,8 +248,7 @@ class WaitingRequests:
         """The item will not come from a producer: encode it here, or fail the request."""
         waiter.failed.add(h)
         rid = waiter.request.request_id
-        feature = waiter.feature(h)
-        if feature is not None and feature.data is None:
+        if h in waiter.media_free:
             log.error(
                 "ecshare: failing request %s: encoder output %s could not be fetched (%s) "
                 "and the request carries no media to encode it from",
