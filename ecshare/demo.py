@@ -38,6 +38,7 @@ def _start_producer(
         "--synthetic", SPEC,
         "--fingerprint", FINGERPRINT,
         "--entry-checksums",
+        "--checksum", "xxh3_64",
         "--region-bytes", str(256 << 20),
         "--server-secret-key-file", str(keys["producer"]),
         "--authorized-keys-file", str(workdir / "consumer.key"),
