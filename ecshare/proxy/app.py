@@ -3,7 +3,9 @@
 Routes:
 
 * ``POST /v1/chat/completions``: media items to the encoders first (`fanout`), then the
-  request, with the merged `ec_transfer_params`, to prefill/decode (`forward`); a request
+  request, with the merged `ec_transfer_params`, to prefill/decode (`forward`): each media
+  part as its placeholder metadata only where the encoder published it (`media`, unless
+  `--pd-media keep`), and once more with the media if that attempt fails; a request
   without media goes to prefill/decode byte for byte as it came;
 * ``POST /v1/completions``: straight to prefill/decode, byte for byte;
 * ``GET /v1/models``: a prefill/decode instance's answer;
@@ -41,8 +43,9 @@ from aiohttp import web
 from ecshare.proxy.backends import ENCODER, PREFILL_DECODE, Backend, BackendPool, watch_health
 from ecshare.proxy.config import ProxyConfig
 from ecshare.proxy.errors import ProxyError, error_response
-from ecshare.proxy.fanout import EncoderStage, media_parts
+from ecshare.proxy.fanout import EncoderStage, scan_media
 from ecshare.proxy.forward import PrefillDecodeStage
+from ecshare.proxy.media import media_free
 from ecshare.proxy.metrics import ProxyMetrics
 
 log = logging.getLogger(__name__)
@@ -199,17 +202,30 @@ class Proxy:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         raw, body = self._own_params_only(*await self._read_object(request))
         request_id = _request_id(request)
-        payload = raw
         # Without encoders configured, media is prefill/decode's by design, not a fallback.
-        parts = media_parts(body) if self.encoders.backends else []
-        if parts:
-            params = await self.stages.encode.encode(body, parts, request_id)
-            if params:
-                given = body.get("ec_transfer_params")
-                merged = {**given, **params} if isinstance(given, dict) else params
-                payload = msgspec.json.encode({**body, "ec_transfer_params": merged})
+        scan = scan_media(body) if self.encoders.backends else None
+        if scan is None or not scan.parts:
+            return await self.stages.prefill_decode.relay(
+                request, CHAT_PATH, raw, request_id=request_id
+            )
+        encoded = await self.stages.encode.encode(body, scan.parts, request_id)
+        payload: bytes = raw
+        with_media: dict[str, Any] | None = None  # the body to send again if media-free fails
+        media = "kept"
+        if encoded.params:
+            given = body.get("ec_transfer_params")
+            merged = {**given, **encoded.params} if isinstance(given, dict) else encoded.params
+            media_body = {**body, "ec_transfer_params": merged}
+            rendered = media_free(body, scan, encoded) if self.config.pd_media == "omit" else None
+            if rendered is not None and rendered.omitted:
+                rendered.body["ec_transfer_params"] = merged
+                payload, with_media = msgspec.json.encode(rendered.body), media_body
+                media = "kept" if rendered.kept else "omitted"
+            else:
+                payload = msgspec.json.encode(media_body)
+        self.metrics.pd_requests.labels(media).inc()
         return await self.stages.prefill_decode.relay(
-            request, CHAT_PATH, payload, request_id=request_id
+            request, CHAT_PATH, payload, request_id=request_id, with_media=with_media
         )
 
     async def completions(self, request: web.Request) -> web.StreamResponse:

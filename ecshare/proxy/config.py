@@ -26,6 +26,8 @@ from ecshare.config import ConfigError
 API_KEY_ENV = "ECSHARE_PROXY_API_KEY"
 MiB = 1 << 20
 MAX_WORKERS = 256
+# What a prefill/decode instance gets of a request's media once the encoders have answered.
+PD_MEDIA = ("omit", "keep")
 
 
 class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -57,6 +59,10 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     # prefill/decode instance fetches from: dropped (and counted) unless the operator
     # trusts every client with that.
     pass_ec_transfer_params: bool = False
+    # "omit": each media item whose params carry its placeholder metadata reaches
+    # prefill/decode as that metadata only (no download, decode or processing there);
+    # "keep": the request goes with its media as the client sent it.
+    pd_media: str = "omit"
 
     def __post_init__(self) -> None:
         if not self.prefill_decode:
@@ -78,6 +84,8 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ConfigError("--encoder-batch", f"got {self.encoder_batch_size}, expected >= 1")
         if self.eject_after_failures < 1:
             raise ConfigError("--eject-after", f"got {self.eject_after_failures}, expected >= 1")
+        if self.pd_media not in PD_MEDIA:
+            raise ConfigError("--pd-media", f"got {self.pd_media!r}, expected one of {PD_MEDIA}")
         if not 1 <= self.workers <= MAX_WORKERS:
             raise ConfigError("--workers", f"got {self.workers}, expected 1..{MAX_WORKERS}")
         for flag, value in (
@@ -164,6 +172,14 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.workers,
         help="proxy processes sharing the port, one event loop and core each (1)",
     )
+    parser.add_argument(
+        "--pd-media",
+        choices=PD_MEDIA,
+        default=d.pd_media,
+        help="omit: send prefill/decode each encoded item as its placeholder metadata only, "
+        "where the encoder published it (retried once with the media if a fetch fails); "
+        f"keep: always forward the media ({d.pd_media})",
+    )
     parser.add_argument("--access-log", action="store_true", help="log every request")
     parser.add_argument(
         "--pass-ec-transfer-params",
@@ -195,6 +211,7 @@ def config_from_args(
         "access_log": args.access_log,
         "workers": args.workers,
         "pass_ec_transfer_params": args.pass_ec_transfer_params,
+        "pd_media": args.pd_media,
     }
     return ProxyConfig(**values)
 

@@ -4,7 +4,9 @@ Each media content part goes to an encoder in a request of its own (or with up t
 `batch_size - 1` others): the same model and processor options as the original, the
 items as one user message, `max_tokens: 1`. The calls run concurrently, each to the
 healthy encoder with the fewest calls in flight, and the `ec_transfer_params` they
-return are merged by mm_hash.
+return are merged by mm_hash. Each item's `item_indices` (its positions among the
+call's items) tell which part of the request an mm_hash is, so that the parts can be
+sent on as their placeholder metadata only (`media`).
 
 An encoder that cannot be reached is ejected and the call tried once on another. A call
 that still fails, times out or answers without params costs only time: its items are
@@ -24,6 +26,7 @@ import logging
 import math
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -85,24 +88,48 @@ _NO_ENCODER_LOG_EVERY_S = 10.0
 _ENCODE = msgspec.json.Encoder(order="sorted")
 
 
-def media_parts(body: Mapping[str, Any]) -> list[JSON]:
-    """The media content parts of a chat request, in order, each distinct part once."""
+@dataclass
+class MediaScan:
+    """A chat request's media: each distinct part once, in order, and where each occurs."""
+
+    parts: list[JSON]
+    # (message index, content index, index in `parts`) of every media part, in order.
+    where: list[tuple[int, int, int]]
+
+
+@dataclass
+class Encoded:
+    """What the encoders answered for a request's distinct media parts."""
+
+    params: JSON  # merged ec_transfer_params, by mm_hash
+    hashes: list[str | None]  # each part's mm_hash, None where unknown (aligned with parts)
+
+
+def scan_media(body: Mapping[str, Any]) -> MediaScan:
+    """The media content parts of a chat request (see `MediaScan`)."""
+    scan = MediaScan([], [])
     messages = body.get("messages")
     if not isinstance(messages, list):
-        return []
-    parts: list[JSON] = []
-    seen: set[bytes] = set()
-    for message in messages:
+        return scan
+    seen: dict[bytes, int] = {}
+    for m, message in enumerate(messages):
         content = message.get("content") if isinstance(message, dict) else None
         if not isinstance(content, list):
             continue
-        for part in content:
+        for c, part in enumerate(content):
             if isinstance(part, dict) and part.get("type") in MEDIA_PART_TYPES:
                 key = _ENCODE.encode(part)  # one item sent twice is encoded once
-                if key not in seen:
-                    seen.add(key)
-                    parts.append(part)
-    return parts
+                index = seen.get(key)
+                if index is None:
+                    index = seen[key] = len(scan.parts)
+                    scan.parts.append(part)
+                scan.where.append((m, c, index))
+    return scan
+
+
+def media_parts(body: Mapping[str, Any]) -> list[JSON]:
+    """The media content parts of a chat request, in order, each distinct part once."""
+    return scan_media(body).parts
 
 
 def encoder_request(body: Mapping[str, Any], parts: list[JSON]) -> JSON:
@@ -134,8 +161,9 @@ class EncoderStage:
         self._timeout = aiohttp.ClientTimeout(total=timeout_s, connect=connect_timeout_s)
         self._warned_no_encoder_at = -math.inf
 
-    async def encode(self, body: Mapping[str, Any], parts: list[JSON], request_id: str) -> JSON:
-        """The merged `ec_transfer_params` for `parts` (empty when every call failed)."""
+    async def encode(self, body: Mapping[str, Any], parts: list[JSON], request_id: str) -> Encoded:
+        """The merged `ec_transfer_params` for `parts` (empty when every call failed), and
+        which mm_hash each part is."""
         started = time.perf_counter()
         size = self._batch_size
         batches = [parts[i : i + size] for i in range(0, len(parts), size)]
@@ -143,12 +171,15 @@ class EncoderStage:
             self._encode_batch(encoder_request(body, batch), len(batch), f"{request_id}-enc{i}")
             for i, batch in enumerate(batches)
         ]
-        merged: JSON = {}
-        for params in await asyncio.gather(*calls):
+        encoded = Encoded({}, [None] * len(parts))
+        for b, params in enumerate(await asyncio.gather(*calls)):
+            first, count = b * size, len(batches[b])
             for mm_hash, where in params.items():
-                merged.setdefault(mm_hash, where)
+                encoded.params.setdefault(mm_hash, where)
+                for i in _item_indices(where, count, len(params)):
+                    encoded.hashes[first + i] = mm_hash
         self._metrics.encode_seconds.observe(time.perf_counter() - started)
-        return merged
+        return encoded
 
     async def _encode_batch(self, request: JSON, items: int, call_id: str) -> JSON:
         payload = msgspec.json.encode(request)
@@ -221,3 +252,14 @@ class EncoderStage:
     def _fell_back(call_id: str, url: object, reason: str, detail: str) -> tuple[None, str]:
         log.warning("%s: encoder %s failed (%s: %s)", call_id, url, reason, detail)
         return None, reason
+
+
+def _item_indices(where: object, items: int, hashes: int) -> list[int]:
+    """The positions among a call's `items` that one mm_hash of its answer names: its
+    `item_indices`, or the only item of a call answered with one mm_hash."""
+    indices = where.get("item_indices") if isinstance(where, dict) else None
+    if indices is None:
+        return [0] if items == 1 and hashes == 1 else []
+    if not isinstance(indices, list):
+        return []
+    return [i for i in indices if type(i) is int and 0 <= i < items]

@@ -11,14 +11,25 @@ the instance writes it. The stage's outcomes, each honest about whose fault it i
 * a stream that breaks after its headers were sent ends with an SSE error event;
 * a client that goes away (a failed write, or the handler cancelled on disconnect) closes
   the upstream connection, which is how vLLM learns to abort the request.
+
+A request sent without its media (`media`) fails on the instance when an item's fetch
+fails, as there is nothing to encode it from: a 5xx answer, or a stream whose first event
+after the role preamble is an error. That answer is not passed on. The request is sent
+once more, with its media (the instance then encodes what it cannot fetch), logged and
+counted (`pd_requests{media="retried"}`); it is not held against the instance. To see a
+stream's outcome, its first events are held back until one carries more than the
+preamble, which is never later than the first token.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
+import msgspec
 from aiohttp import web
 
 from ecshare.proxy.backends import Backend, BackendPool, describe
@@ -28,6 +39,23 @@ from ecshare.proxy.metrics import ProxyMetrics
 log = logging.getLogger(__name__)
 
 _SSE = "text/event-stream"
+# A media-free stream's head held back to see whether the request failed: at most this much.
+_MAX_HEAD_BYTES = 1 << 20
+
+
+class _Choice(msgspec.Struct):
+    delta: dict[str, Any] | None = None
+    finish_reason: str | None = None
+
+
+class _Event(msgspec.Struct):
+    """What a streamed chat event says about its request's outcome (the rest is ignored)."""
+
+    error: Any = None
+    choices: list[_Choice] = []
+
+
+_DECODE_EVENT = msgspec.json.Decoder(_Event)
 
 
 class PrefillDecodeStage:
@@ -58,8 +86,11 @@ class PrefillDecodeStage:
         payload: bytes | None,
         *,
         request_id: str,
+        with_media: dict[str, Any] | None = None,
     ) -> web.StreamResponse:
-        """Answer `request` with a prefill/decode instance's answer to `payload` at `path`."""
+        """Answer `request` with a prefill/decode instance's answer to `payload` at `path`;
+        if `with_media` is given, `payload` went without the media, and a failure of it is
+        answered by sending `with_media` instead."""
         headers = {"X-Request-Id": request_id}
         if payload is not None:
             headers["Content-Type"] = "application/json"
@@ -74,9 +105,75 @@ class PrefillDecodeStage:
                 if resp is None:
                     continue  # refused: try another instance
                 try:
-                    return await self._answer(request, backend, resp, request_id)
+                    if with_media is None:
+                        return await self._answer(request, backend, resp, request_id)
+                    answered = await self._answer_media_free(request, backend, resp, request_id)
+                    if answered is not None:
+                        return answered
                 finally:
                     resp.close()  # no-op when released; else the instance sees the abort
+            # The media-free attempt failed: once more with the media, on any instance (the
+            # failure was the fetch's, not the instance's).
+            payload, with_media, tried = msgspec.json.encode(with_media), None, []
+            self._metrics.pd_requests.labels("retried").inc()
+
+    async def _answer_media_free(
+        self,
+        request: web.Request,
+        backend: Backend,
+        resp: aiohttp.ClientResponse,
+        request_id: str,
+    ) -> web.StreamResponse | None:
+        """The answer to a media-free request, or None (logged) when the request failed."""
+        content_type = resp.headers.get("Content-Type", "")
+        if resp.status == 200 and content_type.startswith(_SSE):
+            chunks = resp.content.iter_any()
+            head, broken = await self._stream_head(chunks)
+            if head is None:
+                self._retrying(request_id, backend, "its stream began with an error")
+                return None
+            self._pool.succeeded(backend)
+            return await self._stream(request, backend, resp, request_id, head, chunks, broken)
+        if resp.status < 500:
+            return await self._answer(request, backend, resp, request_id)
+        body = await self._read(backend, resp)
+        detail = body[:200].decode("utf-8", "replace")
+        self._retrying(request_id, backend, f"it answered {resp.status}: {detail}")
+        return None
+
+    @staticmethod
+    async def _stream_head(
+        chunks: AsyncIterator[bytes],
+    ) -> tuple[bytes | None, BaseException | None]:
+        """A stream's bytes up to its first event past the role preamble (None if that
+        event is an error), and the error that broke the stream before it, if any."""
+        head = b""
+        checked = 0
+        while len(head) < _MAX_HEAD_BYTES:
+            try:
+                chunk = await chunks.__anext__()
+            except StopAsyncIteration:
+                break
+            except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
+                return head, exc
+            head += chunk
+            while (end := head.find(b"\n\n", checked)) >= 0:
+                outcome = _event_outcome(head[checked:end])
+                if outcome == "error":
+                    return None, None
+                checked = end + 2
+                if outcome == "answer":
+                    return head, None
+        return head, None
+
+    def _retrying(self, request_id: str, backend: Backend, why: str) -> None:
+        log.warning(
+            "%s: prefill/decode %s failed the request sent without its media (%s); "
+            "sending it again with the media",
+            request_id,
+            backend.url,
+            why,
+        )
 
     async def _send(
         self, backend: Backend, path: str, payload: bytes | None, headers: dict[str, str]
@@ -156,12 +253,25 @@ class PrefillDecodeStage:
         backend: Backend,
         resp: aiohttp.ClientResponse,
         request_id: str,
+        head: bytes = b"",
+        chunks: AsyncIterator[bytes] | None = None,
+        broken: BaseException | None = None,
     ) -> web.StreamResponse:
         headers = _headers(resp, request_id)
         headers["Cache-Control"] = "no-cache"
         out = web.StreamResponse(status=200, headers=headers)
         await out.prepare(request)
-        chunks = resp.content.iter_any()
+        if chunks is None:
+            chunks = resp.content.iter_any()
+        if head:
+            try:
+                await out.write(head)
+            except ConnectionResetError:
+                self._metrics.client_disconnects.inc()
+                return out
+        if broken is not None:
+            await self._broken(out, backend, broken)
+            return out
         while True:
             try:
                 chunk = await chunks.__anext__()
@@ -201,3 +311,29 @@ def _headers(resp: aiohttp.ClientResponse, request_id: str) -> dict[str, str]:
         headers["Content-Encoding"] = encoding
     headers["X-Request-Id"] = request_id
     return headers
+
+
+def _event_outcome(event: bytes) -> str:
+    """What one SSE event of a chat stream says: "error", "preamble" (the role chunk, or
+    no data), or "answer" (anything else: a token, a finish, the end)."""
+    data = b"".join(line[5:].strip() for line in event.splitlines() if line.startswith(b"data:"))
+    if not data:
+        return "preamble"
+    if data == b"[DONE]":
+        return "answer"
+    try:
+        parsed = _DECODE_EVENT.decode(data)
+    except msgspec.DecodeError:
+        return "answer"  # not ours to judge: pass it on
+    if parsed.error is not None:
+        return "error"
+    for choice in parsed.choices:
+        if choice.finish_reason == "error":
+            return "error"
+        if choice.finish_reason is not None or _carries_output(choice.delta):
+            return "answer"
+    return "preamble" if parsed.choices else "answer"
+
+
+def _carries_output(delta: dict[str, Any] | None) -> bool:
+    return bool(delta) and any(v for k, v in delta.items() if k != "role")  # type: ignore[union-attr]

@@ -35,6 +35,9 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 
 FALLBACK_REASONS = ("unreachable", "timeout", "error", "status", "answer", "no_encoder")
 # Why a request's prefill/decode stage failed.
 UPSTREAM_REASONS = ("unreachable", "timeout", "error", "status", "no_backend", "broken_stream")
+# What prefill/decode got of a request's media: none of it, the media as sent, or the media
+# after the media-free attempt failed.
+PD_MEDIA_OUTCOMES = ("omitted", "kept", "retried")
 
 
 class ProxyMetrics:
@@ -99,6 +102,14 @@ class ProxyMetrics:
             "prefill/decode (only the encoders' params choose where it fetches from).",
             registry=r,
         )
+        self.pd_requests = Counter(
+            PREFIX + "pd_requests",
+            "Requests with media sent to prefill/decode, by what they carried: omitted (every "
+            "item as its placeholder metadata only), kept (some or all media), retried (sent "
+            "again with the media after the media-free attempt failed).",
+            ["media"],
+            registry=r,
+        )
         self.client_disconnects = Counter(
             PREFIX + "client_disconnects",
             "Requests whose client went away before the answer ended (upstream cancelled).",
@@ -139,6 +150,8 @@ class ProxyMetrics:
             self.upstream_errors.labels(reason)
         for outcome in ("ok", "fallback"):
             self.encoder_items.labels(outcome)
+        for media in PD_MEDIA_OUTCOMES:
+            self.pd_requests.labels(media)
 
     def started(self) -> None:
         """A request arrived; `answered` ends it."""

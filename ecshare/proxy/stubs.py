@@ -3,9 +3,12 @@
 A stub answers like a vLLM instance in the role it plays, instantly unless told otherwise:
 
 * an encoder (`ENCODER`) answers a chat request with `ec_transfer_params` holding one entry
-  per media part, keyed by a stand-in mm_hash of the part and its `mm_processor_kwargs`;
+  per media part, keyed by a stand-in mm_hash of the part and its `mm_processor_kwargs`,
+  with the part's `item_indices` and, for images and videos, placeholder `metadata` (a
+  grid, as Qwen2-VL's); audio gets none, as for a model that declares no audio fields;
 * a prefill/decode instance (`PREFILL_DECODE`) answers chat and completion requests whole
-  or as SSE chunks, and `/v1/models`.
+  or as SSE chunks, and `/v1/models`; with `fail_media_free` it fails, as vLLM does when a
+  fetch fails, every request that carries an item as metadata only.
 
 Its `behaviour` can be changed while it serves, to produce what real servers rarely do on
 demand: a delay, an error status, a failed health check, a stream that never ends or that
@@ -51,6 +54,9 @@ class Behaviour:
     chunk_interval_s: float = 0.0
     stream_forever: bool = False  # stream chunks until the client goes away
     break_stream_after: int | None = None  # drop the connection after this many chunks
+    # Fail requests carrying a metadata-only item, as vLLM does when its fetch fails: 500,
+    # or a role chunk and then an error event when streamed.
+    fail_media_free: bool = False
 
 
 @dataclass
@@ -120,9 +126,23 @@ class StubBackend:
             return _json(error, status=b.status)
         if self.role == ENCODER:
             return _json(_encoder_answer(body))
+        if b.fail_media_free and _metadata_only_items(body):
+            return await self._fail(request, body)
         if body.get("stream"):
             return await self._stream(request)
         return _json(_answer(request.path))
+
+    async def _fail(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        error = {"error": {"message": "Internal server error", "type": "InternalServerError"}}
+        if not body.get("stream"):
+            return _json(error, status=500)
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        role = _chunk(request.path, "")
+        role["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+        await out.write(_sse(role) + _sse(error) + b"data: [DONE]\n\n")
+        await out.write_eof()
+        return out
 
     async def _stream(self, request: web.Request) -> web.StreamResponse:
         b = self.behaviour
@@ -143,18 +163,50 @@ class StubBackend:
         return out
 
 
+# A stand-in placeholder grid per modality; audio declares none.
+_METADATA = {
+    "image_url": {"image_grid_thw": [1, 2, 2]},
+    "video_url": {"video_grid_thw": [2, 2, 2]},
+}
+
+
 def _encoder_answer(body: dict[str, Any]) -> dict[str, Any]:
     params: dict[str, Any] = {}
     kwargs = body.get("mm_processor_kwargs")
+    index = 0
     for message in body.get("messages", []):
         content = message.get("content")
         for part in content if isinstance(content, list) else []:
-            if part.get("type") in _MEDIA_TYPES:
+            kind = part.get("type")
+            if kind in _MEDIA_TYPES:
                 h = stub_mm_hash(part, kwargs)
-                params[h] = {"peer": "tcp://127.0.0.1:1", "fingerprint": "stub", "nbytes": 64}
+                where = params.setdefault(
+                    h,
+                    {
+                        "peer": "tcp://127.0.0.1:1",
+                        "fingerprint": "stub",
+                        "nbytes": 64,
+                        "metadata": _METADATA.get(kind, {}),
+                        "item_indices": [],
+                    },
+                )
+                where["item_indices"].append(index)
+                index += 1
     answer = _answer("/v1/chat/completions")
     answer["ec_transfer_params"] = params
     return answer
+
+
+def _metadata_only_items(body: dict[str, Any]) -> int:
+    """The items of a chat request sent as pre-computed-embedding parts with metadata only."""
+    count = 0
+    for message in body.get("messages", []):
+        content = message.get("content")
+        for part in content if isinstance(content, list) else []:
+            kind = part.get("type", "")
+            if kind.endswith("_embeds") and isinstance(part.get(kind), dict):
+                count += 1
+    return count
 
 
 def _answer(path: str) -> dict[str, Any]:

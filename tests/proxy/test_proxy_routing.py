@@ -40,7 +40,11 @@ def test_the_same_item_twice_in_a_request_is_encoded_once(rig: Rig) -> None:
     proxy.openai().chat.completions.create(**chat(IMAGE_A, IMAGE_A))
     assert sum(len(stub.bodies()) for stub in rig.encoders) == 1
     (forwarded,) = rig.prefill_decode[0].bodies()
-    assert _media_in(forwarded) == [IMAGE_A, IMAGE_A]  # the request itself is unchanged
+    # both places the item takes in the prompt stay, each as the item's metadata
+    h = stub_mm_hash(IMAGE_A)
+    stand_in = {"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 2, 2]}, "uuid": h}
+    assert _media_in(forwarded) == [stand_in, stand_in]
+    assert forwarded["ec_transfer_params"][h]["item_indices"] == [0]
 
 
 def test_encoder_batch_sends_several_items_per_call(rig: Rig) -> None:
