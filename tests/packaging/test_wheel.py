@@ -9,7 +9,7 @@ import zipfile
 from email.parser import Parser
 from pathlib import Path
 
-from conftest import REPO, Built, InstalledVenv
+from install_testing import REPO, Built, InstalledVenv
 from packaging.requirements import Requirement
 
 
