@@ -17,10 +17,10 @@ of every transport on it is serialised, copies included.
 How reads move (`Completion`, a property of the target, as NIXL's physics are):
 
 - ``SYNC``: the bytes move inside `read` (NIXL over cross-memory attach).
-- ``POLLED``: the read takes `steps` drives by its reader (a `poll` of it, or
-  the reader's `progress` once it was released) and the bytes move a share at
-  each (NIXL reading from a target with its own progress thread).
-  `self_progressing` is True for both.
+- ``POLLED``: the read takes `steps` drives by its reader (`read` itself is
+  the first, then each `poll` of it, or the reader's `progress` once it was
+  released), and the bytes move a share at each (NIXL reading from a target
+  with its own progress thread). `self_progressing` is True for both.
 - ``TARGET``: the read moves one step each time the *target* calls `progress`,
   and not otherwise (UCX over TCP, the target driving progress from its loop);
   `self_progressing` is False. A read with a notification is then DONE only
@@ -71,7 +71,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ecshare.transport.base import (
-    DataTransport,
     FailureKind,
     PeerInfo,
     ReadHandle,
@@ -79,6 +78,7 @@ from ecshare.transport.base import (
     ReadStatus,
     Segment,
     TransportError,
+    WritingTransport,
 )
 
 __all__ = ["DEFAULT_FABRIC", "Completion", "Fabric", "LoopbackRead", "LoopbackTransport"]
@@ -616,5 +616,5 @@ class LoopbackTransport:
 
 if TYPE_CHECKING:
 
-    def _implements(t: LoopbackTransport) -> DataTransport:
+    def _implements(t: LoopbackTransport) -> WritingTransport:
         return t
