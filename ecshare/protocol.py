@@ -7,7 +7,10 @@ one thing to count and drop.
 
 Memory layout and data-plane metadata only travel in `Welcome`, which a
 producer sends after the transport has authenticated the peer (CURVE), and
-grants carry extents relative to the region, never absolute addresses.
+grants carry extents relative to the region, never absolute addresses. For a
+push (docs/PUSH.md) the consumer's own data-plane metadata travels in its
+`Hello`, and only to a producer whose key it has pinned and allows to push;
+a `PushReply` carries the reserved extents, again relative to the region.
 """
 
 from __future__ import annotations
@@ -35,7 +38,11 @@ MAX_NDIM: Final = 8
 # a producer without it. A consumer renews leases only where renewal was agreed.
 CAP_CHECKSUM_XXH3_64: Final = "checksum.xxh3_64"
 CAP_RENEW: Final = "lease.renew"
-LOCAL_CAPABILITIES: Final = (CAP_CHECKSUM_XXH3_64, CAP_RENEW)
+# Push: the producer may offer entries on this session and WRITE them into the
+# consumer's region. A consumer lists it only to producers it allows to push,
+# a producer only when its data plane can write; both must list it.
+CAP_PUSH: Final = "push.write"
+LOCAL_CAPABILITIES: Final = (CAP_CHECKSUM_XXH3_64, CAP_RENEW, CAP_PUSH)
 
 # Most sessions listed one by one in a `StatusReply`; the counts cover them all.
 MAX_STATUS_SESSIONS: Final = 4096
@@ -106,7 +113,11 @@ class _Message(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, ta
 
 
 class Hello(_Message, frozen=True, kw_only=True, tag="hello"):
-    """Consumer -> producer: open a session."""
+    """Consumer -> producer: open a session.
+
+    With `CAP_PUSH` listed, `push_name` is the name producers push to and
+    `data_plane` is complete (metadata and region), so the producer can write.
+    """
 
     versions: Annotated[
         list[Annotated[int, msgspec.Meta(ge=1, le=1 << 16)]],
@@ -117,6 +128,7 @@ class Hello(_Message, frozen=True, kw_only=True, tag="hello"):
     fingerprint: Token
     capabilities: Annotated[list[Token], msgspec.Meta(max_length=64)] = []
     data_plane: DataPlaneInfo | None = None
+    push_name: Annotated[str, msgspec.Meta(max_length=256)] = ""
 
 
 class Welcome(_Message, frozen=True, kw_only=True, tag="welcome"):
@@ -211,6 +223,63 @@ class Bye(_Message, frozen=True, kw_only=True, tag="bye"):
     session_id: Token
 
 
+class PushStatus(enum.Enum):
+    """What a consumer answers to one push offer."""
+
+    ACCEPTED = "accepted"  # blocks reserved: write them, then say PushDone
+    PRESENT = "present"  # already held here, READY: nothing to write
+    BUSY = "busy"  # being fetched or pushed already
+    FULL = "full"  # no room, even after eviction
+    FORBIDDEN = "forbidden"  # push is off here, or this producer may not push
+    INVALID = "invalid"  # an offer this consumer cannot take (size, meta, no checksum)
+
+
+class PushOffer(_Message, frozen=True, kw_only=True, tag="push_offer"):
+    """Producer -> consumer: I hold this entry READY; reserve room and I will write it.
+
+    `push_id` names the push on this session; an offer repeated with the same id is
+    answered with the same reply and reserves nothing twice.
+    """
+
+    session_id: Token
+    push_id: Token
+    mm_hash: MMHash
+    nbytes: Annotated[int, msgspec.Meta(ge=1, le=1 << 48)]
+    dtype: Annotated[str, msgspec.Meta(max_length=32)] = ""
+    shape: Annotated[list[Dim], msgspec.Meta(max_length=MAX_NDIM)] = []
+    checksum: Annotated[int, msgspec.Meta(ge=0)] | None = None
+
+
+class PushReply(_Message, frozen=True, kw_only=True, tag="push_reply"):
+    """Consumer -> producer: the answer to an offer; `extents` only when ACCEPTED.
+
+    `deadline_ms` is how long the consumer waits for the data before it gives
+    up on the push (and pulls); a write may still land after that, and the
+    reservation is held until the producer's PushDone or the write's
+    notification says it has ended.
+    """
+
+    session_id: Token
+    push_id: Token
+    status: PushStatus
+    extents: Annotated[list[Extent], msgspec.Meta(max_length=MAX_EXTENTS_PER_ITEM)] = []
+    deadline_ms: Millis = 0
+    detail: Text = ""
+
+
+class PushDone(_Message, frozen=True, kw_only=True, tag="push_done"):
+    """Producer -> consumer: the write of `push_id` has ended (its data plane said so)
+    or was never posted; the reserved blocks are the consumer's again.
+
+    `written` is True only when the whole write completed.
+    """
+
+    session_id: Token
+    push_id: Token
+    written: bool
+    detail: Text = ""
+
+
 class Error(_Message, frozen=True, kw_only=True, tag="error"):
     code: ErrorCode
     message: Text
@@ -282,6 +351,9 @@ Message = Union[  # noqa: UP007 - msgspec needs a runtime Union of tagged struct
     Error,
     StatusRequest,
     StatusReply,
+    PushOffer,
+    PushReply,
+    PushDone,
 ]
 MESSAGE_TYPES: Final = Message.__args__  # type: ignore[attr-defined]
 

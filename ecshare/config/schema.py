@@ -223,6 +223,60 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         ),
     ] = ()
 
+    # --- push -----------------------------------------------------------------------------------
+    push_name: Annotated[
+        Annotated[
+            str,
+            Meta(
+                pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$",
+                extra={"allowed": "1-64 of A-Z a-z 0-9 . _ -, not starting with . _ -"},
+            ),
+        ]
+        | None,
+        Meta(
+            description="Consumer: accept pushes under this name (the name a producer's "
+            "push names), from producers whose key push_trusted_keys allows. Unset: this "
+            "instance accepts no push, and tells producers nothing of its memory.",
+        ),
+    ] = None
+    push_trusted_keys: Annotated[
+        tuple[Z85Key, ...],
+        Meta(
+            max_length=65536,
+            description="Consumer: producer CURVE public keys allowed to push here. Empty: "
+            "the producer key this consumer authenticates producers by (server_public_key "
+            "or server_public_key_file).",
+        ),
+    ] = ()
+    push_deadline_s: Annotated[
+        Seconds,
+        Meta(
+            gt=0,
+            le=3600,
+            description="Consumer: longest it waits for a push's data once it has reserved "
+            "blocks for it, plus fetch_deadline_per_gib_s per GiB; a push not done by then is "
+            "given up (the item is pulled), its blocks held until the write has ended.",
+        ),
+    ] = 1.0
+    push_wait_s: Annotated[
+        Seconds,
+        Meta(
+            ge=0,
+            le=60,
+            description="Consumer: how long a fetch of an item announced as pushed waits for "
+            "the producer's offer before it pulls the item instead.",
+        ),
+    ] = 0.05
+    max_pushes_in_flight: Annotated[
+        int,
+        Meta(
+            ge=1,
+            le=65536,
+            description="Producer: most pushes offered or being written at once; further "
+            "pushes are refused (the consumer pulls).",
+        ),
+    ] = 256
+
     # --- timeouts (seconds) -------------------------------------------------------------------
     handshake_timeout_s: Annotated[
         Seconds,

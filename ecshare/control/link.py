@@ -22,10 +22,29 @@ from ecshare.control.errors import ControlConfigError
 # Who may send what. A message of the other direction is a confused or hostile
 # peer (a consumer sending `Welcome`), dropped like a malformed frame.
 CONSUMER_TO_PRODUCER: Final[frozenset[type]] = frozenset(
-    {p.Hello, p.FetchRequest, p.Release, p.Renew, p.Heartbeat, p.Bye, p.StatusRequest}
+    {
+        p.Hello,
+        p.FetchRequest,
+        p.Release,
+        p.Renew,
+        p.Heartbeat,
+        p.Bye,
+        p.StatusRequest,
+        p.PushReply,
+    }
 )
 PRODUCER_TO_CONSUMER: Final[frozenset[type]] = frozenset(
-    {p.Welcome, p.FetchReply, p.Released, p.Renewed, p.HeartbeatAck, p.Error, p.StatusReply}
+    {
+        p.Welcome,
+        p.FetchReply,
+        p.Released,
+        p.Renewed,
+        p.HeartbeatAck,
+        p.Error,
+        p.StatusReply,
+        p.PushOffer,
+        p.PushDone,
+    }
 )
 
 # libzmq caps HEARTBEAT_TTL at 6553599 ms and keeps it in deciseconds.

@@ -21,6 +21,13 @@ Two promises bind the reads (DESIGN.md, invariants 2 and 4):
   it can only end early on our clock. A read is given up `_lease_margin`
   before that unless a renewal extended it, and a read that nevertheless
   finishes after it is discarded.
+
+Push (with `push_name` set, docs/PUSH.md): producers this consumer allows may
+offer entries on their sessions; the `Inbox` reserves blocks and commits what
+they write. A fetch of an item whose push is reserved (or announced:
+`FetchItem.pushed`) waits for it, within its deadline, and pulls if the push
+is refused, fails or is late. Every fetch's exposed latency (from the call to
+the item being local) is recorded as pushed or pulled.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ import zmq
 from ecshare import protocol as p
 from ecshare.config import Config
 from ecshare.control import AuthenticationFailed, ClientPool, KeyPair, LinkSettings, Waker
+from ecshare.peer.inbox import Inbox, PushLink, Reservation
 from ecshare.peer.link import PeerLink, PeerLinkState
 from ecshare.peer.phases import PhaseLog
 from ecshare.peer.thread import NetworkThread
@@ -64,7 +72,7 @@ from ecshare.store import (
     Store,
     StoreFull,
 )
-from ecshare.transport.base import DataTransport, FailureKind, ReadState, pair_segments
+from ecshare.transport.base import DataTransport, FailureKind, PeerInfo, ReadState, pair_segments
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +84,10 @@ _MAX_IDLE_S = 0.1
 _READ_WAIT_S = 0.0005
 _READ_NAP_S = 0.00005
 _LATENCY_SAMPLES = 4096
+# Items committed by a push and not yet asked for, remembered (this many at most)
+# so that the fetch that finds one counts as pushed.
+_PUSHED_REMEMBERED = 65536
+EXPOSED_MODES = ("pushed", "pulled")
 
 
 def _died(exc: BaseException) -> str:
@@ -135,6 +147,9 @@ class FetchItem:
     max_nbytes: int = 0
     peers: tuple[str, ...] = ()
     hold: Hold | None = None
+    # A producer was asked to push the item here: wait up to `push_wait_s` for its
+    # offer (and then for the push itself) before pulling it.
+    pushed: bool = False
 
 
 class Consumer(NetworkThread):
@@ -148,7 +163,10 @@ class Consumer(NetworkThread):
         keys: KeyPair | None,
         server_public_key: bytes | None,
         name: str = "ecshare-consumer",
+        push_keys: frozenset[bytes] = frozenset(),
     ) -> None:
+        """`push_keys`: producer keys that may push here (with `config.push_name` set;
+        any producer when insecure)."""
         self._store = store
         self._table = store.table
         self._config = config
@@ -177,6 +195,22 @@ class Consumer(NetworkThread):
         self.phases: PhaseLog | None = None
         # Successes of this pass of the loop, resolved just before it blocks (`_deliver`).
         self._results: list[tuple[Future[FetchResult], FetchResult]] = []
+        self._push_keys = push_keys
+        self._inbox = Inbox(
+            store,
+            config,
+            transport,
+            count=self._count_add,
+            may_reserve=self._may_reserve,
+            holds_for=self._holds_for,
+            ended=self._push_ended,
+            agent_loaded=lambda agent: any(x.agent == agent for x in self._links.values()),
+        )
+        self._notes: list[tuple[str, bytes]] = []  # data-plane notices, for the inbox
+        self._pushed: collections.OrderedDict[str, None] = collections.OrderedDict()
+        # Exposed latency per mode (pushed, pulled), in LATENCY_BUCKETS_S buckets.
+        self._exposed = {m: [0] * (len(LATENCY_BUCKETS_S) + 1) for m in EXPOSED_MODES}
+        self._exposed_sum = dict.fromkeys(EXPOSED_MODES, 0.0)
 
     # -- engine-facing -----------------------------------------------------------------------
 
@@ -226,6 +260,9 @@ class Consumer(NetworkThread):
         entry = self._table.get(item.mm_hash)
         if entry is not None and entry.state is EntryState.READY and self._held(item):
             self._count("local_hits")
+            pushed = self._pushed.pop(item.mm_hash, 0) is None
+            if pushed:
+                self._record_exposed("pushed", time.monotonic() - now)
             future.set_result(
                 FetchResult(
                     item.mm_hash,
@@ -235,6 +272,7 @@ class Consumer(NetworkThread):
                     "local",
                     0.0,
                     0,
+                    pushed,
                 )
             )
             return future
@@ -251,15 +289,18 @@ class Consumer(NetworkThread):
                 FetchFailed(item.mm_hash, FailureReason.PEER_UNREACHABLE, "no peer named")
             )
             return future
+        wait_s = self._config.push_wait_s if item.pushed else 0.0
         transfer = Transfer(
             mm_hash=item.mm_hash,
             future=future,
             candidates=list(dict.fromkeys(peers)),
             started=now,
-            deadline=now + self._config.fetch_deadline_s(item.nbytes),
+            deadline=now + wait_s + self._config.fetch_deadline_s(item.nbytes),
             nbytes_hint=item.nbytes,
             max_nbytes=item.max_nbytes,
             holds=[item.hold] if item.hold is not None else [],
+            not_before=now + wait_s,
+            awaiting_push=item.pushed,
         )
         self._inflight[item.mm_hash] = transfer
         self._incoming.append(transfer)
@@ -273,6 +314,11 @@ class Consumer(NetworkThread):
     def pending(self) -> int:
         with self._lock:
             return len(self._inflight)
+
+    def push_pending(self, mm_hash: str) -> bool:
+        """A producer's push of `mm_hash` is reserved here and not over: a fetch of it
+        now waits for the push (within its deadline) before it would pull. Any thread."""
+        return self._inbox.pending(mm_hash)
 
     # -- for metrics (any thread) ------------------------------------------------------------
 
@@ -292,6 +338,22 @@ class Consumer(NetworkThread):
             return LatencyHistogram(
                 LATENCY_BUCKETS_S, tuple(self._latency_counts), self._latency_sum_s
             )
+
+    def exposed_histograms(self) -> dict[str, LatencyHistogram]:
+        """Exposed latency (from `fetch` to the item being local) of every fetch that
+        moved data, per mode: "pushed" (a producer wrote it here, before or while the
+        fetch waited) and "pulled" (we read it)."""
+        with self._counters_lock:
+            return {
+                mode: LatencyHistogram(
+                    LATENCY_BUCKETS_S, tuple(self._exposed[mode]), self._exposed_sum[mode]
+                )
+                for mode in EXPOSED_MODES
+            }
+
+    def fenced_pushes(self) -> int:
+        """Push reservations given up while a write may still land: held until it ends."""
+        return self._inbox.fenced
 
     def peer_liveness(self) -> list[PeerLiveness]:
         now = time.monotonic()
@@ -359,6 +421,13 @@ class Consumer(NetworkThread):
             self._deliver()
             self._wait_reads(reading)
             wake_at = now  # look at the reads (and the sockets) again at once
+        if self._inbox.awaiting_writes:
+            # Writes into our region over TCP land only as our data plane progresses.
+            self._deliver()
+            self._wait_pushes()
+            wake_at = now
+        elif self._inbox.busy:
+            wake_at = min(wake_at, now + 0.005)  # fenced pushes: their probes and notices
         for link in self._links.values():
             wake_at = min(wake_at, link.next_deadline(now))
         # Rounded up: a timer due in under 1 ms must not turn into a busy loop.
@@ -391,6 +460,19 @@ class Consumer(NetworkThread):
                 return
             time.sleep(_READ_NAP_S)
 
+    def _wait_pushes(self) -> None:
+        """Progress our data plane for up to `_READ_WAIT_S`, napping between, and keep
+        the notices for the inbox; returns early on the first one (see `_wait_reads`)."""
+        until = time.monotonic() + _READ_WAIT_S
+        while True:
+            notes = self._transport.progress()
+            if notes:
+                self._notes.extend(notes)
+                return
+            if time.monotonic() >= until:
+                return
+            time.sleep(_READ_NAP_S)
+
     def _step(self, events: dict[object, int]) -> None:
         now = time.monotonic()
         with self._lock:
@@ -399,6 +481,11 @@ class Consumer(NetworkThread):
                 self._transfers.append(t)
                 if self.phases is not None:
                     self.phases.mark(t.mm_hash, "picked")
+                reserved = self._inbox.reserved(t.mm_hash)
+                if reserved is not None:  # a push is being written: wait for it
+                    t.awaiting_push = True
+                    t.not_before = max(t.not_before, reserved.deadline)
+                    t.deadline = max(t.deadline, reserved.deadline + (t.deadline - t.started))
             connects, self._connects = self._connects, []
         for endpoint in dict.fromkeys(connects):
             # A warm-up never takes the room of a link in use or evicts one.
@@ -413,6 +500,14 @@ class Consumer(NetworkThread):
             self._check_link(link, now)
         self._poll_reads()
         self._poll_fenced()
+        if self._inbox.busy:
+            self._notes.extend(self._transport.progress())
+        notes, self._notes = self._notes, []
+        for agent, note in notes:
+            if not self._inbox.on_notification(agent, note):
+                self._count("unexpected_notifications")
+        self._inbox.step(now)
+        self._release_unawaited(now)
         self._dispatch(now)
         self._expire(now)
         self._renew(now)
@@ -424,9 +519,15 @@ class Consumer(NetworkThread):
     # -- peers -------------------------------------------------------------------------------
 
     def _busy_endpoints(self) -> set[str]:
-        return {t.peer or "" for t in self._transfers} | {f.endpoint for f in self._fenced}
+        return (
+            {t.peer or "" for t in self._transfers}
+            | {f.endpoint for f in self._fenced}
+            | self._inbox.endpoints()
+        )
 
     def _close_idle_links(self, now: float) -> None:
+        if self._config.push_name:
+            return  # producers push over these sessions: idle is their normal state
         idle_s = self._config.peer_link_idle_s
         stale = [
             link
@@ -462,20 +563,55 @@ class Consumer(NetworkThread):
                 config=self._config,
                 pool=self._pool,
                 transport=self._transport,
-                hello=lambda session_id: p.Hello(
-                    versions=list(p.SUPPORTED_VERSIONS),
-                    session_id=session_id,
-                    client_name=self._name,
-                    fingerprint=self._fingerprint,
-                    capabilities=list(p.LOCAL_CAPABILITIES),
-                    data_plane=p.DataPlaneInfo(
-                        kind=self._transport.kind,
-                        agent_name=self._transport.local_info().agent_name,
-                    ),
-                ),
+                hello=self._hello,
             )
             self._links[endpoint] = link
         return link
+
+    def _push_allowed(self) -> bool:
+        """Producers on our links may push here. The pool pins one producer key for
+        every endpoint, so the answer is the same for each link."""
+        if not self._config.push_name:
+            return False
+        return self._server_key is None or self._server_key in self._push_keys
+
+    def _hello(self, session_id: str) -> p.Hello:
+        info = self._transport.local_info()
+        if self._push_allowed():
+            # Our memory's layout goes only to a producer whose key we pinned and allow
+            # to push; to anyone else, the agent's name and nothing more.
+            return p.Hello(
+                versions=list(p.SUPPORTED_VERSIONS),
+                session_id=session_id,
+                client_name=self._name,
+                fingerprint=self._fingerprint,
+                capabilities=list(p.LOCAL_CAPABILITIES),
+                data_plane=p.DataPlaneInfo(
+                    kind=info.kind,
+                    agent_name=info.agent_name,
+                    agent_metadata=info.agent_metadata,
+                    region_address=info.region_address,
+                    region_size=info.region_size,
+                ),
+                push_name=self._config.push_name or "",
+            )
+        return p.Hello(
+            versions=list(p.SUPPORTED_VERSIONS),
+            session_id=session_id,
+            client_name=self._name,
+            fingerprint=self._fingerprint,
+            capabilities=[c for c in p.LOCAL_CAPABILITIES if c != p.CAP_PUSH],
+            data_plane=p.DataPlaneInfo(kind=info.kind, agent_name=info.agent_name),
+        )
+
+    def _push_link(self, link: PeerLink) -> PushLink:
+        return PushLink(
+            endpoint=link.endpoint,
+            session_id=link.session_id,
+            agent=link.agent,
+            peer=link.peer_info or PeerInfo(self._transport.kind, "-", b"", 0, 0),
+            allowed=self._push_allowed() and link.pushes,
+        )
 
     def _check_link(self, link: PeerLink, now: float) -> None:
         try:
@@ -489,6 +625,8 @@ class Consumer(NetworkThread):
     def _peer_failed(self, link: PeerLink, reason: FailureReason, detail: str, now: float) -> None:
         log.warning("peer %s failed (%s): %s", link.endpoint, reason.value, detail)
         self._count(f"peer_failures.{reason.value}")
+        # Before the link retires the producer's agent: a probe of it keeps it loaded.
+        self._inbox.session_lost(self._push_link(link), now)
         link.quarantine(now, reason)
         for t in list(self._transfers):
             if t.peer == link.endpoint:
@@ -517,6 +655,10 @@ class Consumer(NetworkThread):
                     self._move_on(t, FailureReason.MISSING, "not in reply")
         elif isinstance(msg, p.Renewed):
             self._on_renewed(link, msg)
+        elif isinstance(msg, p.PushOffer):
+            self._on_offer(link, msg, now)
+        elif isinstance(msg, p.PushDone):
+            self._inbox.on_done(link.endpoint, msg)
         elif isinstance(msg, p.Error) and msg.request_id:
             link.answered(msg.request_id)
             transfers = link.pending.pop(msg.request_id, None) or []
@@ -527,6 +669,79 @@ class Consumer(NetworkThread):
             problem = link.on_message(msg, now)
             if problem is not None:
                 self._peer_failed(link, problem[0], problem[1], now)
+
+    # -- pushes ------------------------------------------------------------------------------
+
+    def _on_offer(self, link: PeerLink, msg: p.PushOffer, now: float) -> None:
+        if (
+            link.client is None
+            or link.state is not PeerLinkState.READY
+            or msg.session_id != link.session_id
+        ):
+            self._count("push_offers_off_session")  # no session to answer on: dropped
+            return
+        reply = self._inbox.on_offer(self._push_link(link), msg, now)
+        link.client.send(reply)
+        if reply.status is p.PushStatus.ACCEPTED:
+            with self._lock:
+                t = self._inflight.get(msg.mm_hash)
+            if t is not None and t in self._transfers and t.state is TransferState.QUEUED:
+                reserved = self._inbox.reserved(msg.mm_hash)
+                assert reserved is not None
+                t.awaiting_push = True
+                t.not_before = max(t.not_before, reserved.deadline)
+                t.deadline = max(t.deadline, reserved.deadline + (t.deadline - t.started))
+
+    def _may_reserve(self, mm_hash: str) -> bool:
+        """No fetch of `mm_hash` has gone past waiting (its request would race the push)."""
+        with self._lock:
+            t = self._inflight.get(mm_hash)
+        return t is None or t.state is TransferState.QUEUED
+
+    def _holds_for(self, mm_hash: str) -> list[Hold]:
+        with self._lock:
+            t = self._inflight.get(mm_hash)
+        if t is None or t not in self._transfers:
+            return []
+        holds = list(t.holds)
+        t.holds_taken = len(holds)
+        return holds
+
+    def _push_ended(self, r: Reservation, committed: bool) -> None:
+        """A push is no longer to be waited for: committed, or refused its data."""
+        with self._lock:
+            t = self._inflight.get(r.mm_hash)
+        waiting = t is not None and t in self._transfers and t.state is TransferState.QUEUED
+        if committed:
+            if t is not None and waiting:
+                self._succeed(t, r.endpoint, pushed=True)
+                for late in t.holds[t.holds_taken :]:  # joined after the commit
+                    self._take_hold(t.mm_hash, late)
+            else:
+                self._pushed[r.mm_hash] = None
+                while len(self._pushed) > _PUSHED_REMEMBERED:
+                    self._pushed.popitem(last=False)
+        elif t is not None and waiting and t.awaiting_push:
+            t.awaiting_push = False
+            t.not_before = 0.0
+            self._count("push_fallbacks")
+
+    def _release_unawaited(self, now: float) -> None:
+        """A fetch that waited for an announced push whose offer never came pulls."""
+        for t in self._transfers:
+            if (
+                t.awaiting_push
+                and t.state is TransferState.QUEUED
+                and now >= t.not_before
+                and self._inbox.reserved(t.mm_hash) is None
+            ):
+                t.awaiting_push = False
+                self._count("push_waits_expired")
+
+    def _record_exposed(self, mode: str, latency: float) -> None:
+        with self._counters_lock:
+            self._exposed[mode][bisect.bisect_left(LATENCY_BUCKETS_S, latency)] += 1
+            self._exposed_sum[mode] += latency
 
     # -- items -------------------------------------------------------------------------------
 
@@ -687,16 +902,23 @@ class Consumer(NetworkThread):
             return False
         return True
 
-    def _succeed(self, t: Transfer, peer: str) -> None:
+    def _succeed(self, t: Transfer, peer: str, *, pushed: bool = False) -> None:
         t.move(TransferState.DONE)
         latency = time.monotonic() - t.started
         self.latencies.append(latency)
         with self._counters_lock:
-            self.counters["fetched"] += 1
+            self.counters["fetched_by_push" if pushed else "fetched"] += 1
             self._latency_counts[bisect.bisect_left(LATENCY_BUCKETS_S, latency)] += 1
             self._latency_sum_s += latency
+        self._record_exposed("pushed" if pushed else "pulled", latency)
         self._finish(t)
-        result = FetchResult(t.mm_hash, t.nbytes, t.dtype, t.shape, peer, latency, t.attempts)
+        if pushed:
+            entry = self._table.get(t.mm_hash)
+            if entry is not None:
+                t.nbytes, t.dtype, t.shape = entry.nbytes, entry.meta.dtype, entry.meta.shape
+        result = FetchResult(
+            t.mm_hash, t.nbytes, t.dtype, t.shape, peer, latency, t.attempts, pushed
+        )
         self._results.append((t.future, result))
 
     def _deliver(self) -> None:
@@ -902,9 +1124,14 @@ class Consumer(NetworkThread):
             self._incoming.clear()
         for t in stranded:
             self._end_quietly(t, why, detail)
+        self._inbox.stop()
         deadline = time.monotonic() + self._config.shutdown_timeout_s
-        while self._fenced and time.monotonic() < deadline:
+        while (self._fenced or self._inbox.busy) and time.monotonic() < deadline:
             self._poll_fenced()
+            if self._inbox.busy:
+                for agent, note in self._transport.progress():
+                    self._inbox.on_notification(agent, note)
+                self._inbox.step(time.monotonic())
             time.sleep(0.001)
         if self._fenced:
             # Their blocks stay quarantined; closing the transport ends the reads.

@@ -73,6 +73,8 @@ class PeerLink:
         # From the producer's Welcome: the lease it grants and whether it renews.
         self.lease_s = 0.0
         self.renews = False
+        self.pushes = False  # both sides agreed to push on this session
+        self.peer_info: PeerInfo | None = None  # the producer's data plane, as welcomed
         self._ping_interval_s = config.heartbeat_interval_s
         self.quarantine_reason = FailureReason.PEER_UNREACHABLE
         self.pending: dict[str, list[Any]] = {}  # request id -> transfers
@@ -134,14 +136,15 @@ class PeerLink:
                 )
             if msg.lease_ms <= 0:
                 return (FailureReason.INCOMPATIBLE, "the producer grants no lease")
+            info = PeerInfo(
+                dp.kind, dp.agent_name, dp.agent_metadata, dp.region_address, dp.region_size
+            )
             try:
-                self.agent = self._transport.add_peer(
-                    PeerInfo(
-                        dp.kind, dp.agent_name, dp.agent_metadata, dp.region_address, dp.region_size
-                    )
-                )
+                self.agent = self._transport.add_peer(info)
             except Exception as exc:  # the transport names what it rejected
                 return (FailureReason.TRANSPORT, f"cannot load producer data plane: {exc}")
+            self.peer_info = info
+            self.pushes = p.CAP_PUSH in msg.capabilities
             self.region_size = dp.region_size
             self.max_batch_items = max(1, min(msg.max_batch_items, self._config.max_batch_items))
             self.lease_s = msg.lease_ms / 1000

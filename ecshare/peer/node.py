@@ -73,6 +73,16 @@ def consumer_keys(config: Config) -> tuple[KeyPair | None, bytes | None]:
     return keys, load_public_key(source)
 
 
+def consumer_push_keys(config: Config, server_key: bytes | None) -> frozenset[bytes]:
+    """Producer keys that may push to this consumer: `push_trusted_keys`, else the key it
+    authenticates producers by. Empty when it takes no push (`push_name` unset)."""
+    if not config.push_name or config.insecure:
+        return frozenset()
+    if config.push_trusted_keys:
+        return load_authorized_keys(None, config.push_trusted_keys)
+    return frozenset({server_key}) if server_key is not None else frozenset()
+
+
 def make_transport(config: Config, name: str, *, serves_reads: bool = True) -> DataTransport:
     """The node's data plane. NIXL's progress thread runs (when configured) only
     where peers read from us: a consumer-only node progresses its own reads as it
@@ -153,4 +163,5 @@ def start_consumer(node: Node, *, fingerprint: str, name: str = "") -> Consumer:
         keys=keys,
         server_public_key=server_key,
         name=name or node_name(node.config, "consumer"),
+        push_keys=consumer_push_keys(node.config, server_key),
     ).start()

@@ -20,6 +20,7 @@ import select
 import threading
 import time
 from collections import Counter, OrderedDict
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import zmq
@@ -28,10 +29,11 @@ from ecshare import protocol as p
 from ecshare.config import Config
 from ecshare.control import ControlServer, KeyPair, Waker
 from ecshare.peer.phases import PhaseLog
+from ecshare.peer.pusher import Pusher, PushOutcome, PushState, PushTarget
 from ecshare.peer.status import SessionView, status_reply
 from ecshare.peer.thread import NetworkThread
 from ecshare.store import EntryState, NotFound, NotReady, Store, StoreError
-from ecshare.transport.base import DataTransport, PeerInfo
+from ecshare.transport.base import DataTransport, PeerInfo, writer_of
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +80,7 @@ class _Session:
         self.owner = pin_owner(self.session_id)
 
     pinned_bytes: int = 0  # the sum of `grants`, kept as they come and go
+    push_name: str = ""  # the consumer accepts pushes under this name ("": none)
     replies: OrderedDict[str, p.FetchReply] = field(default_factory=OrderedDict)
     cached_items: int = 0  # items in `replies`
 
@@ -136,11 +139,44 @@ class Producer(NetworkThread):
         self.started_at = time.time()
         # Per-item timestamps of each step (see peer/phases.py); off unless set.
         self.phases: PhaseLog | None = None
+        writer = writer_of(transport)
+        self._pusher = (
+            Pusher(store, config, writer, count=self._add) if writer is not None else None
+        )
+
+    # -- engine-facing -----------------------------------------------------------------------
+
+    def push(self, mm_hash: str, to: str) -> Future[PushOutcome]:
+        """Offer the READY entry `mm_hash` to the consumer that accepts pushes as `to`,
+        and write it into the region it reserves. Never blocks: the offer, the write
+        and the report run on the network thread; the future says how it ended.
+
+        A push that is refused, fails or is late costs nothing but its own time: the
+        consumer pulls the item as it would have. Pushing the same item to the same
+        consumer again while the first push runs joins it.
+        """
+        if self._thread is None:
+            raise RuntimeError("producer not started")
+        if self._pusher is None:
+            future: Future[PushOutcome] = Future()
+            future.set_result(
+                PushOutcome(mm_hash, to, PushState.REFUSED, "this data plane cannot write")
+            )
+            return future
+        future = self._pusher.request(mm_hash, to)
+        if self._waker is not None:
+            self._waker.wake()
+        return future
+
+    def pushes_in_flight(self) -> int:
+        return self._pusher.in_flight if self._pusher is not None else 0
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     def stop(self) -> None:
         super().stop()
+        if self._pusher is not None:
+            self._pusher.stop()
         # Every grant ends with the producer: its data plane closes with it.
         for session in list(self._sessions.values()):
             self._end_session(session, "shutdown", keep_leases=False)
@@ -226,8 +262,11 @@ class Producer(NetworkThread):
         next_reap = 0.0
         polled = not self._transport.self_progressing
         try:
+            pusher = self._pusher
             while not self._stop.is_set():
-                active = polled and bool(self.active_grants() or self._lingering)
+                active = (polled and bool(self.active_grants() or self._lingering)) or (
+                    pusher is not None and pusher.writing
+                )
                 timeout_ms = 0 if active else int(cfg.reap_interval_s * 1000)
                 events = dict(poller.poll(timeout_ms))
                 if self._waker.fileno() in events:  # zmq.Poller reports it by descriptor
@@ -243,6 +282,8 @@ class Producer(NetworkThread):
                     next_reap = now + cfg.reap_interval_s
                 for agent, note in self._transport.progress():
                     self._on_notification(agent, note)
+                if pusher is not None:
+                    pusher.step(time.monotonic())
                 if active and not events:
                     select.select(wait_fds, [], [], _ACTIVE_POLL_S)
         except BaseException as exc:
@@ -298,13 +339,17 @@ class Producer(NetworkThread):
             return self._on_renew(session, msg)
         if isinstance(msg, p.Heartbeat):
             return p.HeartbeatAck(seq=msg.seq)
+        if isinstance(msg, p.PushReply):
+            if self._pusher is not None:
+                self._pusher.on_reply(session.session_id, msg)
+            return None
         if isinstance(msg, p.Bye):
             self._end_session(session, "bye", keep_leases=True)
             return None
         self._count("unexpected_message")
         return None
 
-    def _on_hello(self, route: bytes, user: str, msg: p.Hello) -> p.Message:
+    def _on_hello(self, route: bytes, user: str, msg: p.Hello) -> p.Message | None:
         cfg = self._config
         if self._keys is not None and user.encode("ascii") not in self._authorized:
             # Admitted by CURVE as an admin only: it may ask for status, not fetch.
@@ -362,15 +407,18 @@ class Producer(NetworkThread):
         else:
             existing.route = route
             existing.last_seen = time.monotonic()
+        session = self._sessions[msg.session_id]
+        push = self._push_target(session, msg)
         info: PeerInfo = self._transport.local_info()
-        return p.Welcome(
+        welcome = p.Welcome(
             version=version,
             session_id=msg.session_id,
             server_name=self._name,
             capabilities=[
                 c
                 for c in p.negotiate_capabilities(msg.capabilities)
-                if c != p.CAP_CHECKSUM_XXH3_64 or cfg.checksum != "none"
+                if (c != p.CAP_CHECKSUM_XXH3_64 or cfg.checksum != "none")
+                and (c != p.CAP_PUSH or push is not None)
             ],
             lease_ms=int(cfg.lease_s * 1000),
             heartbeat_ms=int(cfg.heartbeat_interval_s * 1000),
@@ -382,6 +430,47 @@ class Producer(NetworkThread):
                 region_address=info.region_address,
                 region_size=info.region_size,
             ),
+        )
+        if push is not None:
+            assert self._pusher is not None and self._server is not None
+            # After the Welcome: the PushDones it may be owed follow it in order.
+            self._server.send(route, welcome)
+            self._pusher.add_target(push)
+            return None
+        return welcome
+
+    def _push_target(self, session: _Session, msg: p.Hello) -> PushTarget | None:
+        """The session as a push target, if both sides can push on it; loads the
+        consumer's data plane into ours."""
+        dp = msg.data_plane
+        if (
+            self._pusher is None
+            or p.CAP_PUSH not in msg.capabilities
+            or not msg.push_name
+            or dp is None
+            or not dp.agent_metadata
+        ):
+            return None
+        try:
+            agent = self._transport.add_peer(
+                PeerInfo(
+                    dp.kind, dp.agent_name, dp.agent_metadata, dp.region_address, dp.region_size
+                )
+            )
+        except Exception as exc:  # the transport names what it rejected
+            log.warning("consumer %s offers push, but its data plane: %s", msg.client_name, exc)
+            self._count("push_peer_refused")
+            return None
+        session.push_name = msg.push_name
+        server = self._server
+        assert server is not None
+        return PushTarget(
+            session_id=session.session_id,
+            user=session.user,
+            push_name=msg.push_name,
+            agent=agent,
+            region_size=dp.region_size,
+            send=lambda message: server.send(session.route, message),
         )
 
     def _on_status(self, user: str, msg: p.StatusRequest) -> p.Message:
@@ -583,6 +672,8 @@ class Producer(NetworkThread):
     # -- expiry ------------------------------------------------------------------------------
 
     def _reap(self, now: float) -> None:
+        if self._pusher is not None:
+            self._pusher.renew_pins()  # a write's source stays pinned until it has ended
         # Every expired pin of the table, not only our sessions': an engine sharing
         # this store (vLLM's connector) leaves its own lost pins to this reaper.
         for owner, grant_id in self._table.reap_expired():
@@ -602,6 +693,11 @@ class Producer(NetworkThread):
                 self._end_session(session, "heartbeat timeout", keep_leases=True)
 
     def _end_session(self, session: _Session, why: str, *, keep_leases: bool) -> None:
+        if self._pusher is not None:
+            agent = self._pusher.target_ended(session.session_id)
+            if agent:
+                # Retired, not dropped: writes still moving keep it until they end.
+                self._transport.remove_peer(agent)
         grants = list(session.grants)
         if keep_leases:
             self._lingering.update((session.owner, g) for g in grants)

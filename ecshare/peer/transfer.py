@@ -3,6 +3,7 @@
     QUEUED -> REQUESTED -> GRANTED -> READING -> DONE
        ^          |           |          |
        +----------+-----------+----------+   (retry or fail over to another peer)
+    QUEUED -> DONE                           (a push of the item committed while it waited)
     any state -> FAILED(reason)
 
 Every transition goes through `Transfer.move`, which refuses illegal ones and
@@ -32,7 +33,9 @@ class TransferState(enum.Enum):
 
 
 _LEGAL: Final[dict[TransferState, frozenset[TransferState]]] = {
-    TransferState.QUEUED: frozenset({TransferState.REQUESTED, TransferState.FAILED}),
+    TransferState.QUEUED: frozenset(
+        {TransferState.REQUESTED, TransferState.DONE, TransferState.FAILED}
+    ),
     TransferState.REQUESTED: frozenset(
         {TransferState.GRANTED, TransferState.QUEUED, TransferState.FAILED}
     ),
@@ -90,6 +93,7 @@ class FetchResult:
     peer: str  # the endpoint the bytes came from, or "local"
     latency_s: float
     attempts: int
+    pushed: bool = False  # the producer wrote it here (a push), rather than we read it
 
 
 # Upper bounds of the fetch latency histogram's buckets (seconds): from a small
@@ -150,6 +154,9 @@ class Transfer:
     dest: Entry | None = None  # the local entry being written
     reasons: list[FailureReason] = field(default_factory=list)  # per failed peer
     holds: list[Hold] = field(default_factory=list)  # pins to take as it commits
+    holds_taken: int = 0  # of `holds`, those a push's commit took
+    # A push of the item is expected or reserved: not requested before `not_before`.
+    awaiting_push: bool = False
 
     @property
     def peer(self) -> str | None:

@@ -102,6 +102,24 @@ EXAMPLES: list[p.Message] = [
         ],
         counters={"granted": 7},
     ),
+    p.PushOffer(
+        session_id="s1",
+        push_id="p1",
+        mm_hash="h1",
+        nbytes=4_505_600,
+        dtype="bfloat16",
+        shape=[880, 2560],
+        checksum=12345,
+    ),
+    p.PushReply(
+        session_id="s1",
+        push_id="p1",
+        status=p.PushStatus.ACCEPTED,
+        extents=[p.Extent(0, 4_194_304), p.Extent(8_388_608, 311_296)],
+        deadline_ms=1000,
+    ),
+    p.PushReply(session_id="s1", push_id="p2", status=p.PushStatus.FULL, detail="no room"),
+    p.PushDone(session_id="s1", push_id="p1", written=True),
 ]
 
 
@@ -256,3 +274,31 @@ def test_fingerprint_is_stable_and_order_independent() -> None:
     reordered = {**BASE, "encoder_config": {"merge": 2, "patch_size": 14}}
     assert p.fingerprint(**reordered) == p.fingerprint(**BASE)  # type: ignore[arg-type]
     assert len(p.fingerprint(**BASE)) == 32  # type: ignore[arg-type]
+
+
+def test_push_offer_of_zero_bytes_is_refused_by_the_decoder() -> None:
+    frame = msgspec.msgpack.encode(
+        {"t": "push_offer", "session_id": "s", "push_id": "p", "mm_hash": "h", "nbytes": 0}
+    )
+    with pytest.raises(p.ProtocolError):
+        p.decode(frame)
+
+
+def test_push_reply_with_unknown_status_is_refused_by_the_decoder() -> None:
+    frame = msgspec.msgpack.encode(
+        {"t": "push_reply", "session_id": "s", "push_id": "p", "status": "maybe"}
+    )
+    with pytest.raises(p.ProtocolError):
+        p.decode(frame)
+
+
+def test_push_capability_is_negotiated_like_the_others() -> None:
+    assert p.CAP_PUSH in p.LOCAL_CAPABILITIES
+    assert p.negotiate_capabilities([p.CAP_PUSH, "push.v9"]) == [p.CAP_PUSH]
+    assert p.negotiate_capabilities([p.CAP_RENEW]) == [p.CAP_RENEW]
+
+
+def test_hello_without_push_fields_still_decodes() -> None:
+    hello = p.Hello(versions=[1], session_id="s", client_name="c", fingerprint="f")
+    decoded = p.decode(p.encode(hello))
+    assert isinstance(decoded, p.Hello) and decoded.push_name == "" and decoded.data_plane is None

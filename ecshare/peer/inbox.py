@@ -1,0 +1,394 @@
+"""The consumer's side of push: reserve blocks for offers, commit what was written.
+
+    RESERVED --written (PushDone or notification), checked--> COMMITTED
+       |   \\--not written (PushDone)--> RELEASED      (the blocks go back at once)
+       \\--given up (deadline, session lost, bad data, stop)--> FENCED --write ended--> RELEASED
+
+An offer is taken only on a link whose producer key this consumer allows to
+push (`push_trusted_keys`), and only such a producer ever saw this consumer's
+data-plane metadata (in its Hello). Anyone else's offer is refused FORBIDDEN,
+counted, and learns nothing: no extents, no layout.
+
+A reservation is an ALLOCATED entry: never announced, never READY, never a
+local hit. Its blocks are the producer's to write from the ACCEPTED reply until
+one of these words that the write is over, and only these:
+- the write's NIXL notification (our own data plane: the data has landed);
+- the producer's `PushDone`, which it sends only once its data plane has ended
+  the write (DONE or FAILED on the handle it holds) or when it never posted one;
+- our own data plane's word that the producer cannot write any more: a probe
+  READ from it (1 byte, into the reservation itself) that fails.
+A push given up before then (its deadline, its session lost, our stop) is
+FENCED: the entry goes QUARANTINED, out of the index so that a pull can fetch
+the item into other blocks, and its blocks come back only on one of the words
+above. Where none ever comes they stay held: leaked and counted, never reused.
+
+Only the consumer's network thread calls in here, except `pending`.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Final
+
+from ecshare import protocol as p
+from ecshare.config import Config
+from ecshare.store import Entry, EntryExists, EntryMeta, EntryState, Hold, Store, StoreFull
+from ecshare.transport.base import DataTransport, PeerInfo, ReadState, Segment
+
+log = logging.getLogger(__name__)
+
+# A fenced push whose producer's data plane still answers is probed again this often.
+_PROBE_INTERVAL_S: Final = 1.0
+NOTIFY_PREFIX: Final = b"push:"
+_OVER_REMEMBERED: Final = 4096
+
+
+class ReservationState(enum.Enum):
+    RESERVED = "reserved"
+    COMMITTED = "committed"
+    FENCED = "fenced"
+    RELEASED = "released"
+
+
+_LEGAL: Final[dict[ReservationState, frozenset[ReservationState]]] = {
+    ReservationState.RESERVED: frozenset(
+        {ReservationState.COMMITTED, ReservationState.FENCED, ReservationState.RELEASED}
+    ),
+    ReservationState.FENCED: frozenset({ReservationState.RELEASED}),
+    ReservationState.COMMITTED: frozenset(),
+    ReservationState.RELEASED: frozenset(),
+}
+
+
+@dataclass(eq=False)
+class Reservation:
+    endpoint: str  # the producer's control endpoint
+    session_id: str
+    push_id: str
+    mm_hash: str
+    entry: Entry
+    agent: str  # the producer's data-plane name: the only source of its notification
+    peer: PeerInfo  # to probe the producer's data plane once the session is gone
+    checksum: int | None
+    deadline: float
+    reply: p.PushReply
+    reserved_at: float
+    state: ReservationState = ReservationState.RESERVED
+    probe: object | None = None  # an outstanding probe read
+    next_probe: float = 0.0
+    orphaned: bool = False  # its session is gone: only the data plane can end it now
+    write_ended: bool = False  # the word came while a probe was out
+
+    def move(self, new: ReservationState) -> None:
+        if new not in _LEGAL[self.state]:
+            raise RuntimeError(f"push {self.push_id}: {self.state.value} -> {new.value}")
+        self.state = new
+
+
+@dataclass(frozen=True)
+class PushLink:
+    """What the inbox needs of one producer link."""
+
+    endpoint: str
+    session_id: str
+    agent: str
+    peer: PeerInfo
+    allowed: bool  # this producer's key may push here, and the session agreed to push
+
+
+class Inbox:
+    """Reservations of one consumer, keyed by (endpoint, session, push id)."""
+
+    def __init__(
+        self,
+        store: Store,
+        config: Config,
+        transport: DataTransport,
+        *,
+        count: Callable[[str, int], None],
+        may_reserve: Callable[[str], bool],
+        holds_for: Callable[[str], list[Hold]],
+        ended: Callable[[Reservation, bool], None],
+        agent_loaded: Callable[[str], bool],
+    ) -> None:
+        """`may_reserve(mm_hash)`: no fetch of it is past waiting; `holds_for(mm_hash)`:
+        pins to take as it commits; `ended(r, committed)`: a reservation is over (no
+        longer a push to wait for); `agent_loaded(agent)`: a live link has it loaded."""
+        self._store = store
+        self._table = store.table
+        self._config = config
+        self._transport = transport
+        self._count = count
+        self._may_reserve = may_reserve
+        self._holds_for = holds_for
+        self._ended = ended
+        self._agent_loaded = agent_loaded
+        self._all: dict[tuple[str, str, str], Reservation] = {}  # until RELEASED/COMMITTED
+        self._by_agent: dict[tuple[str, str], Reservation] = {}  # (agent, push id)
+        # mm_hash -> RESERVED reservation; read by engine threads (`pending`).
+        self._reserved: dict[str, Reservation] = {}
+        # Pushes over already (the notification and the PushDone both end one).
+        self._over_keys: collections.OrderedDict[tuple[str, str, str], None] = (
+            collections.OrderedDict()
+        )
+
+    # -- any thread --------------------------------------------------------------------------
+
+    def pending(self, mm_hash: str) -> bool:
+        """A push of `mm_hash` is reserved here and not yet over."""
+        return mm_hash in self._reserved
+
+    # -- the network thread ------------------------------------------------------------------
+
+    def reserved(self, mm_hash: str) -> Reservation | None:
+        return self._reserved.get(mm_hash)
+
+    @property
+    def awaiting_writes(self) -> bool:
+        """Writes may be landing: our data plane needs progress (over TCP) and polls."""
+        return bool(self._reserved)
+
+    @property
+    def fenced(self) -> int:
+        return sum(1 for r in self._all.values() if r.state is ReservationState.FENCED)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._all)
+
+    def endpoints(self) -> set[str]:
+        return {r.endpoint for r in self._all.values()}
+
+    def on_offer(self, link: PushLink, msg: p.PushOffer, now: float) -> p.PushReply:
+        self._count("push_offers", 1)
+        known = self._all.get((link.endpoint, msg.session_id, msg.push_id))
+        if known is not None:
+            self._count("push_duplicate_offers", 1)
+            return known.reply
+        status, detail = self._refusal(link, msg)
+        if status is not None:
+            self._count(f"push_refused.{status.value}", 1)
+            return self._reply(msg, status, detail)
+        meta = EntryMeta(dtype=msg.dtype or "uint8", shape=tuple(msg.shape), checksum=msg.checksum)
+        try:
+            entry = self._store.allocate(msg.mm_hash, msg.nbytes, meta)
+        except EntryExists:
+            self._count("push_refused.busy", 1)
+            return self._reply(msg, p.PushStatus.BUSY, "being written here")
+        except StoreFull as exc:
+            self._count("push_refused.full", 1)
+            return self._reply(msg, p.PushStatus.FULL, str(exc))
+        except ValueError as exc:
+            self._count("push_refused.invalid", 1)
+            return self._reply(msg, p.PushStatus.INVALID, str(exc))
+        deadline_s = self._config.push_deadline_s + self._config.fetch_deadline_per_gib_s * (
+            msg.nbytes / (1 << 30)
+        )
+        reply = self._reply(
+            msg,
+            p.PushStatus.ACCEPTED,
+            "",
+            extents=[p.Extent(o, n) for o, n in entry.byte_extents(self._store.block_size)],
+            deadline_ms=int(deadline_s * 1000),
+        )
+        r = Reservation(
+            endpoint=link.endpoint,
+            session_id=msg.session_id,
+            push_id=msg.push_id,
+            mm_hash=msg.mm_hash,
+            entry=entry,
+            agent=link.agent,
+            peer=link.peer,
+            checksum=msg.checksum,
+            deadline=now + deadline_s,
+            reply=reply,
+            reserved_at=now,
+        )
+        self._all[(r.endpoint, r.session_id, r.push_id)] = r
+        self._by_agent[(r.agent, r.push_id)] = r
+        self._reserved[r.mm_hash] = r
+        self._count("push_reserved", 1)
+        return reply
+
+    def on_done(self, endpoint: str, msg: p.PushDone) -> None:
+        key = (endpoint, msg.session_id, msg.push_id)
+        r = self._all.get(key)
+        if r is None:
+            self._count("push_done_after_end" if key in self._over_keys else "push_unknown_done", 1)
+            return
+        if msg.written:
+            self._written(r)
+        else:
+            self._count("push_not_written", 1)
+            self._over(r)
+
+    def on_notification(self, agent: str, note: bytes) -> bool:
+        """A data-plane notice; True if it was a push's (taken here)."""
+        if not note.startswith(NOTIFY_PREFIX):
+            return False
+        push_id = note[len(NOTIFY_PREFIX) :].decode("ascii", "replace")
+        r = self._by_agent.get((agent, push_id))
+        if r is None:
+            self._count("push_unknown_notifications", 1)
+        else:
+            self._written(r)
+        return True
+
+    def step(self, now: float) -> None:
+        for r in list(self._all.values()):
+            if r.state is ReservationState.RESERVED and now >= r.deadline:
+                self._count("push_deadlines", 1)
+                self._fence(r, "its deadline passed")
+            if r.state is ReservationState.FENCED:
+                self._probe(r, now)
+
+    def session_lost(self, link: PushLink, now: float) -> None:
+        """The link's session is gone: its reservations wait for the write's end,
+        and a probe asks our data plane whether the producer is still there. Call
+        before the link retires the producer's agent: the probe keeps it loaded."""
+        for r in list(self._all.values()):
+            if r.endpoint != link.endpoint or r.session_id != link.session_id:
+                continue
+            if r.state is ReservationState.RESERVED:
+                self._count("push_sessions_lost", 1)
+                self._fence(r, "its session was lost")
+            if r.state is ReservationState.FENCED and not r.orphaned:
+                r.orphaned = True
+                r.next_probe = 0.0
+                self._probe(r, now)
+
+    def stop(self) -> None:
+        """The consumer stops: every reservation still open is fenced."""
+        for r in list(self._all.values()):
+            if r.state is ReservationState.RESERVED:
+                self._fence(r, "the consumer is stopping")
+
+    # -- inside ------------------------------------------------------------------------------
+
+    def _refusal(self, link: PushLink, msg: p.PushOffer) -> tuple[p.PushStatus | None, str]:
+        if not link.allowed or not self._config.push_name:
+            return p.PushStatus.FORBIDDEN, "this consumer takes no push from this producer"
+        if self._config.checksum != "none" and msg.checksum is None:
+            return p.PushStatus.INVALID, f"{self._config.checksum} checksum required"
+        entry = self._table.get(msg.mm_hash)
+        if entry is not None:
+            if entry.state is EntryState.READY:
+                return p.PushStatus.PRESENT, ""
+            return p.PushStatus.BUSY, "being written here"
+        if not self._may_reserve(msg.mm_hash):
+            return p.PushStatus.BUSY, "being fetched"
+        return None, ""
+
+    @staticmethod
+    def _reply(
+        msg: p.PushOffer,
+        status: p.PushStatus,
+        detail: str,
+        *,
+        extents: list[p.Extent] | None = None,
+        deadline_ms: int = 0,
+    ) -> p.PushReply:
+        return p.PushReply(
+            session_id=msg.session_id,
+            push_id=msg.push_id,
+            status=status,
+            extents=extents or [],
+            deadline_ms=deadline_ms,
+            detail=detail[:4000],
+        )
+
+    def _written(self, r: Reservation) -> None:
+        """The write has ended with all its data in place."""
+        if r.state is ReservationState.FENCED:
+            self._over(r)
+            return
+        if r.state is not ReservationState.RESERVED:
+            return
+        if self._config.checksum != "none" and (
+            r.checksum is None or self._store.checksum(r.entry) != r.checksum
+        ):
+            self._count("push_checksum_failures", 1)
+            self._over(r)  # ended: the blocks go back, the item is pulled
+            return
+        r.move(ReservationState.COMMITTED)
+        self._drop(r)
+        self._table.commit(r.mm_hash, expect=r.entry, holds=self._holds_for(r.mm_hash))
+        self._count("push_committed", 1)
+        self._count("push_committed_bytes", r.entry.nbytes)
+        self._ended(r, True)
+
+    def _over(self, r: Reservation) -> None:
+        """The write has ended (or never began): the blocks go back now."""
+        if r.state is ReservationState.RESERVED:
+            self._table.abort(r.mm_hash, expect=r.entry)
+        elif r.state is ReservationState.FENCED:
+            if r.probe is not None:
+                r.write_ended = True  # the probe reads into these blocks: wait for it
+                return
+            self._table.release_quarantined(r.entry)
+            self._count("push_fenced_ended", 1)
+        else:
+            return
+        was = r.state
+        r.move(ReservationState.RELEASED)
+        self._drop(r)
+        if was is ReservationState.RESERVED:
+            self._ended(r, False)
+
+    def _fence(self, r: Reservation, why: str) -> None:
+        log.info("push %s of %s from %s given up (%s)", r.push_id, r.mm_hash, r.endpoint, why)
+        self._table.quarantine(r.mm_hash, expect=r.entry)
+        r.move(ReservationState.FENCED)
+        self._reserved.pop(r.mm_hash, None)
+        self._count("push_fenced", 1)
+        self._ended(r, False)
+
+    def _drop(self, r: Reservation) -> None:
+        key = (r.endpoint, r.session_id, r.push_id)
+        self._over_keys[key] = None
+        if len(self._over_keys) > _OVER_REMEMBERED:
+            self._over_keys.popitem(last=False)
+        self._all.pop(key, None)
+        self._by_agent.pop((r.agent, r.push_id), None)
+        if self._reserved.get(r.mm_hash) is r:
+            del self._reserved[r.mm_hash]
+
+    def _probe(self, r: Reservation, now: float) -> None:
+        """For an orphaned reservation, ask our data plane whether the producer can
+        still write: a 1-byte READ from its region into this (fenced) reservation.
+        FAILED means the backend cannot reach it any more; DONE, that it lives (its
+        write's notification, or its PushDone on a later session, will come)."""
+        if r.probe is not None:
+            status = self._transport.poll(r.probe)
+            if status.state is ReadState.PENDING:
+                return
+            self._transport.release(r.probe)
+            r.probe = None
+            if status.state is ReadState.FAILED:
+                self._count("push_probes_failed", 1)
+                r.write_ended = True
+            if r.write_ended:
+                self._over(r)
+                return
+            r.next_probe = now + _PROBE_INTERVAL_S
+            return
+        if not r.orphaned or now < r.next_probe:
+            return
+        # The producer's agent may have been retired with its link: load it again.
+        added = False
+        if not self._agent_loaded(r.agent):
+            try:
+                self._transport.add_peer(r.peer)
+                added = True
+            except Exception as exc:
+                log.info("cannot load %s again to probe it: %s", r.agent, exc)
+        dest = r.entry.extents[0][0]
+        r.probe = self._transport.read(r.agent, [Segment(dest, 0, 1)])
+        self._count("push_probes", 1)
+        if added:
+            self._transport.remove_peer(r.agent)  # retired until the probe ends
+        r.next_probe = now + _PROBE_INTERVAL_S

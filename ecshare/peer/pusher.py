@@ -1,0 +1,366 @@
+"""The producer's side of push: offer READY entries to consumers and WRITE them.
+
+    OFFERED --accepted--> WRITING --backend DONE--> PUSHED
+       |                     \\--backend FAILED--> FAILED(reason)
+       \\--refused / no answer / session ended--> REFUSED or FAILED   (nothing written)
+
+A push goes to a consumer session that announced `CAP_PUSH` under a name
+(`Hello.push_name`); only such a session, authenticated by CURVE and on the
+producer's allow-list like any other, can be pushed to. The push pins its
+source entry (owner ``push:<session>``) from the offer until the data plane
+has ended the write: DONE or FAILED on the handle we hold, never a timeout, a
+session ending or a word from the consumer. Only then is the consumer told
+(`PushDone`), and only then may it reuse the blocks it reserved. An accepted
+offer we decide not to write (we gave up waiting for the answer) is answered
+`PushDone(written=False)` at once, so the consumer's blocks go back.
+
+Where the session that asked is gone when the write ends, the `PushDone` is
+kept (bounded) and sent to the next session of the same key and push name,
+so that a consumer that only lost its control connection hears of it.
+
+All of it runs on the producer's network thread; `Producer.push` only queues.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Final
+
+from ecshare import protocol as p
+from ecshare.config import Config
+from ecshare.store import EntryState, NotFound, NotReady, Store
+from ecshare.transport.base import ReadState, WritingTransport, pair_segments
+
+log = logging.getLogger(__name__)
+
+PUSH_OWNER_PREFIX: Final = "push:"
+# PushDones kept for consumers whose session ended before the write did.
+_UNREPORTED_PER_CONSUMER: Final = 1024
+
+
+class PushState(enum.Enum):
+    OFFERED = "offered"
+    WRITING = "writing"
+    PUSHED = "pushed"
+    REFUSED = "refused"
+    FAILED = "failed"
+
+
+_LEGAL: Final[dict[PushState, frozenset[PushState]]] = {
+    PushState.OFFERED: frozenset({PushState.WRITING, PushState.REFUSED, PushState.FAILED}),
+    PushState.WRITING: frozenset({PushState.PUSHED, PushState.FAILED}),
+    PushState.PUSHED: frozenset(),
+    PushState.REFUSED: frozenset(),
+    PushState.FAILED: frozenset(),
+}
+
+
+@dataclass(frozen=True)
+class PushOutcome:
+    """How one push ended. `pushed` is True only when the whole write completed;
+    otherwise the consumer pulls the item as it would have without push."""
+
+    mm_hash: str
+    to: str
+    state: PushState
+    detail: str = ""
+    nbytes: int = 0
+    elapsed_s: float = 0.0
+
+    @property
+    def pushed(self) -> bool:
+        return self.state is PushState.PUSHED
+
+
+@dataclass(eq=False)
+class PushTarget:
+    """What the pusher needs of one consumer session (the producer's `_Session`)."""
+
+    session_id: str
+    user: str
+    push_name: str
+    agent: str  # the consumer's data-plane name, loaded into our transport
+    region_size: int
+    send: Callable[[p.Message], bool]
+
+
+@dataclass(eq=False)
+class _Push:
+    push_id: str
+    mm_hash: str
+    to: str
+    target: PushTarget
+    owner: str
+    started: float
+    futures: list[Future[PushOutcome]] = field(default_factory=list)
+    state: PushState = PushState.OFFERED
+    nbytes: int = 0
+    offered_at: float = 0.0
+    handle: object | None = None
+    session_gone: bool = False
+
+    def move(self, new: PushState) -> None:
+        if new not in _LEGAL[self.state]:
+            raise RuntimeError(f"push {self.push_id}: {self.state.value} -> {new.value}")
+        self.state = new
+
+
+class Pusher:
+    """Pushes of one producer. Only its network thread calls it, except `request`."""
+
+    def __init__(
+        self,
+        store: Store,
+        config: Config,
+        transport: WritingTransport,
+        *,
+        count: Callable[[str, int], None],
+    ) -> None:
+        self._store = store
+        self._table = store.table
+        self._config = config
+        self._transport = transport
+        self._count = count
+        self._ids = itertools.count(1)
+        self._requests: collections.deque[tuple[str, str, Future[PushOutcome], float]] = (
+            collections.deque()
+        )
+        self._pushes: dict[str, _Push] = {}  # push id -> push, until it has ended
+        self._single: dict[tuple[str, str], _Push] = {}  # (to, mm_hash) -> push
+        self._targets: dict[str, PushTarget] = {}  # session id -> target
+        # (user, push name) -> PushDones whose session ended before the write did.
+        self._unreported: dict[tuple[str, str], collections.deque[p.PushDone]] = {}
+
+    # -- any thread --------------------------------------------------------------------------
+
+    def request(self, mm_hash: str, to: str) -> Future[PushOutcome]:
+        future: Future[PushOutcome] = Future()
+        future.set_running_or_notify_cancel()
+        self._requests.append((mm_hash, to, future, time.monotonic()))  # deque: thread-safe
+        return future
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._pushes)
+
+    # -- the network thread ------------------------------------------------------------------
+
+    @property
+    def writing(self) -> bool:
+        """A write is outstanding: the loop must poll it to learn when it ends."""
+        return any(x.state is PushState.WRITING for x in self._pushes.values())
+
+    def add_target(self, target: PushTarget) -> None:
+        # A repeated Hello of a session keeps the target its pushes refer to.
+        kept = self._targets.pop(target.session_id, None)
+        target = kept if kept is not None else target
+        self._targets[target.session_id] = target  # the newest last
+        for done in self._unreported.pop((target.user, target.push_name), ()):
+            target.send(done)
+            self._count("push_done_reported_late", 1)
+
+    def target_ended(self, session_id: str) -> str:
+        """The session is gone: offers end unwritten, writes run on to the backend's end.
+
+        Returns the consumer's agent name when no other session still uses it (the
+        caller retires it from the transport), else "".
+        """
+        target = self._targets.pop(session_id, None)
+        if target is None:
+            return ""
+        for push in list(self._pushes.values()):
+            if push.target is not target:
+                continue
+            push.session_gone = True
+            if push.state is PushState.OFFERED:
+                # It may have reserved blocks whose answer never came: it hears
+                # PushDone on its next session, if it has one.
+                self._end(push, PushState.FAILED, "the consumer's session ended", tell=True)
+        still = any(t.agent == target.agent for t in self._targets.values())
+        return "" if still else target.agent
+
+    def step(self, now: float) -> None:
+        while self._requests:
+            mm_hash, to, future, asked = self._requests.popleft()
+            self._start(mm_hash, to, future, asked)
+        self.poll()
+        timeout = self._config.request_timeout_s
+        for push in list(self._pushes.values()):
+            if push.state is PushState.OFFERED and now - push.offered_at > timeout:
+                self._end(push, PushState.FAILED, "no answer to the offer", tell=True)
+
+    def poll(self) -> None:
+        for push in list(self._pushes.values()):
+            if push.state is PushState.WRITING:
+                self._poll_write(push)
+
+    def renew_pins(self) -> None:
+        """Keep every source pinned while its write may read it: leases never end them."""
+        for push in self._pushes.values():
+            self._table.renew(push.owner, push.push_id, self._config.lease_s)
+
+    def on_reply(self, session_id: str, msg: p.PushReply) -> None:
+        push = self._pushes.get(msg.push_id)
+        if push is None or push.target.session_id != session_id:
+            if msg.status is p.PushStatus.ACCEPTED:
+                # A reservation for a push we no longer write: let its blocks go.
+                target = self._targets.get(session_id)
+                if target is not None:
+                    target.send(
+                        p.PushDone(
+                            session_id=session_id,
+                            push_id=msg.push_id,
+                            written=False,
+                            detail="this push was given up before its answer came",
+                        )
+                    )
+            self._count("push_late_replies", 1)
+            return
+        if push.state is not PushState.OFFERED:
+            self._count("push_duplicate_replies", 1)
+            return
+        if msg.status is not p.PushStatus.ACCEPTED:
+            self._count(f"push_refused.{msg.status.value}", 1)
+            self._end(push, PushState.REFUSED, msg.status.value, tell=False)
+            return
+        self._write(push, msg)
+
+    def stop(self) -> None:
+        """The producer is stopping: its data plane closes after this, ending every write."""
+        for push in list(self._pushes.values()):
+            if push.handle is not None:
+                self._transport.release(push.handle)  # closing the data plane ends it
+                push.handle = None
+            push.session_gone = True
+            self._end(push, PushState.FAILED, "producer stopping", tell=False)
+        while self._requests:
+            mm_hash, to, future, _ = self._requests.popleft()
+            future.set_result(PushOutcome(mm_hash, to, PushState.FAILED, "producer stopping"))
+
+    # -- inside ------------------------------------------------------------------------------
+
+    def _start(self, mm_hash: str, to: str, future: Future[PushOutcome], asked: float) -> None:
+        self._count("push_requests", 1)
+        running = self._single.get((to, mm_hash))
+        if running is not None:
+            self._count("push_joined", 1)
+            running.futures.append(future)
+            return
+        target = self._target(to)
+        why = ""
+        if target is None:
+            why = f"no push session from a consumer named {to!r}"
+            self._count("push_refused.no_session", 1)
+        elif len(self._pushes) >= self._config.max_pushes_in_flight:
+            why = f"max_pushes_in_flight={self._config.max_pushes_in_flight} reached"
+            self._count("push_refused.busy", 1)
+        if target is None or why:
+            future.set_result(PushOutcome(mm_hash, to, PushState.REFUSED, why))
+            return
+        push_id = f"p{next(self._ids)}"
+        owner = PUSH_OWNER_PREFIX + target.session_id
+        try:
+            self._table.pin(mm_hash, owner, push_id, self._config.lease_s)
+        except (NotFound, NotReady) as exc:
+            self._count("push_refused.not_ready", 1)
+            future.set_result(PushOutcome(mm_hash, to, PushState.REFUSED, str(exc)))
+            return
+        entry = self._table.pinned_entry(owner, push_id)
+        assert entry is not None and entry.state is EntryState.READY
+        push = _Push(push_id, mm_hash, to, target, owner, asked, [future], nbytes=entry.nbytes)
+        push.offered_at = time.monotonic()
+        self._pushes[push_id] = push
+        self._single[(to, mm_hash)] = push
+        target.send(
+            p.PushOffer(
+                session_id=target.session_id,
+                push_id=push_id,
+                mm_hash=mm_hash,
+                nbytes=entry.nbytes,
+                dtype=entry.meta.dtype,
+                shape=list(entry.meta.shape),
+                checksum=entry.meta.checksum,
+            )
+        )
+        self._count("push_offers", 1)
+
+    def _target(self, to: str) -> PushTarget | None:
+        """The newest session of consumer `to` (a consumer that reconnected may
+        still have an older one that has not timed out)."""
+        found = [t for t in self._targets.values() if t.push_name == to]
+        return found[-1] if found else None
+
+    def _write(self, push: _Push, msg: p.PushReply) -> None:
+        entry = self._table.pinned_entry(push.owner, push.push_id)
+        dest = [(e.offset, e.length) for e in msg.extents]
+        if (
+            entry is None
+            or sum(n for _, n in dest) != entry.nbytes
+            or any(n <= 0 or o + n > push.target.region_size for o, n in dest)
+        ):
+            # Extents we cannot trust are never written to.
+            self._count("push_bad_extents", 1)
+            self._end(push, PushState.FAILED, "reserved extents invalid", tell=True)
+            return
+        segments = pair_segments(entry.byte_extents(self._store.block_size), dest)
+        push.move(PushState.WRITING)
+        push.handle = self._transport.write(
+            push.target.agent, segments, f"push:{push.push_id}".encode()
+        )
+        self._count("push_writes", 1)
+        self._poll_write(push)
+
+    def _poll_write(self, push: _Push) -> None:
+        status = self._transport.poll(push.handle)
+        if status.state is ReadState.PENDING:
+            return
+        self._transport.release(push.handle)
+        push.handle = None
+        if status.state is ReadState.DONE:
+            self._count("pushed", 1)
+            self._count("pushed_bytes", push.nbytes)
+            self._end(push, PushState.PUSHED, "", tell=True)
+        else:
+            self._count("push_write_failures", 1)
+            self._end(push, PushState.FAILED, f"write failed: {status.detail}", tell=True)
+
+    def _end(self, push: _Push, state: PushState, detail: str, *, tell: bool) -> None:
+        """The push is over: the backend has ended its write, or none was posted."""
+        assert push.handle is None, "a push ends only once its write has"
+        push.move(state)
+        self._table.unpin(push.owner, push.push_id)
+        del self._pushes[push.push_id]
+        if self._single.get((push.to, push.mm_hash)) is push:
+            del self._single[(push.to, push.mm_hash)]
+        if tell:
+            done = p.PushDone(
+                session_id=push.target.session_id,
+                push_id=push.push_id,
+                written=state is PushState.PUSHED,
+                detail=detail[:4000],
+            )
+            if push.session_gone or not push.target.send(done):
+                key = (push.target.user, push.target.push_name)
+                queue = self._unreported.setdefault(
+                    key, collections.deque(maxlen=_UNREPORTED_PER_CONSUMER)
+                )
+                queue.append(done)
+        if state is not PushState.PUSHED:
+            self._count("push_failed" if state is PushState.FAILED else "push_refused", 1)
+        outcome = PushOutcome(
+            push.mm_hash,
+            push.to,
+            state,
+            detail,
+            push.nbytes,
+            time.monotonic() - push.started,
+        )
+        for future in push.futures:
+            future.set_result(outcome)
