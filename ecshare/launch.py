@@ -37,6 +37,7 @@ from typing import Any
 
 import msgspec
 
+from ecshare.proxy.config import PD_MEDIA
 from ecshare.vllm.launch import Keys, ServerSpec, VllmServer, free_port
 from ecshare.vllm.settings import TRUSTED_PRODUCERS
 
@@ -64,6 +65,7 @@ class LaunchOptions:
     workdir: Path | None = None
     ready_timeout_s: float = 600.0
     proxy_workers: int = 1
+    pd_media: str = "omit"
 
 
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
@@ -80,6 +82,13 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         metavar="N",
         help="proxy processes sharing its port (ecshare proxy --workers)",
+    )
+    parser.add_argument(
+        "--pd-media",
+        choices=PD_MEDIA,
+        default="omit",
+        help="what prefill/decode gets of encoded media (ecshare proxy --pd-media): omit, "
+        "its placeholder metadata only; keep, the media as sent (omit)",
     )
     parser.add_argument(
         "--served-model-name", default=None, help="model name in the API (default: --model)"
@@ -124,6 +133,7 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         workdir=Path(args.workdir) if args.workdir else None,
         ready_timeout_s=args.ready_timeout,
         proxy_workers=args.proxy_workers,
+        pd_media=args.pd_media,
     )
 
 
@@ -240,6 +250,7 @@ def run_launch(options: LaunchOptions) -> int:
                     host=options.host,
                     port=options.port,
                     workers=options.proxy_workers,
+                    pd_media=options.pd_media,
                 )
 
                 def announce(url: str, *_: object) -> None:
