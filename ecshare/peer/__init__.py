@@ -3,6 +3,7 @@
 from ecshare.peer.consumer import Consumer, FetchItem
 from ecshare.peer.node import Node, start_consumer, start_producer
 from ecshare.peer.producer import Producer
+from ecshare.peer.pusher import PushOutcome, PushState
 from ecshare.peer.transfer import FailureReason, FetchFailed, FetchResult, TransferState
 
 __all__ = [
@@ -13,6 +14,8 @@ __all__ = [
     "FetchResult",
     "Node",
     "Producer",
+    "PushOutcome",
+    "PushState",
     "TransferState",
     "start_consumer",
     "start_producer",

@@ -9,6 +9,8 @@ and then reads one command per line from stdin:
                        it is blocked)
     stall-on-grant SECONDS
                        the same, as soon as a grant is outstanding
+    push HASH NAME     push entry HASH to the consumer that accepts pushes as NAME
+                       (answers at once; the push runs on)
     (EOF)              stop cleanly
 
 Each command answers with one JSON line, so a test can wait for it.
@@ -38,6 +40,7 @@ def _stats(node: Node, producer: Producer) -> dict[str, object]:
         "sessions": producer.session_count(),
         "grants": producer.grants_by_session(),
         "control": producer.control_stats,
+        "pushes_in_flight": producer.pushes_in_flight(),
     }
 
 
@@ -90,6 +93,9 @@ def main() -> int:
                 stalling.clear()
                 stall.set()
                 answer = {"armed": True}
+            elif words[0] == "push":
+                producer.push(words[1], to=words[2])
+                answer = {"pushing": words[1]}
             else:
                 answer = {"error": f"unknown command {words[0]!r}"}
             print(json.dumps(answer), flush=True)

@@ -1,0 +1,452 @@
+"""Push: a producer writes an entry into blocks its consumer reserved, over real NIXL.
+
+Every promise of docs/PUSH.md against real sockets, NIXL and processes: a pushed
+item is local (and counted as pushed) before anyone asks; a fetch waits for a push
+it was told of and pulls when the push does not come; offers are taken only from
+producers this consumer allows, and a refused one learns nothing; a duplicate
+offer reserves nothing twice; and no reserved or source block is reused while a
+write may still touch it, whoever dies, over UCX TCP.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import select
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("nixl._api")
+
+from peer_testing import (
+    FINGERPRINT,
+    HERE,
+    Keyring,
+    MakeConsumer,
+    MakeProducer,
+    SpawnProducer,
+    child_env,
+    expected,
+    flags,
+    stored_bytes,
+    wait_until,
+)
+
+from ecshare import protocol as p
+from ecshare.control import ControlServer
+from ecshare.peer import FetchItem, Producer, PushOutcome, PushState
+from ecshare.store import EntryState, Store
+from ecshare.transport import NixlTransport
+
+pytestmark = pytest.mark.timeout(90)
+
+TCP = {"ucx_tls": "tcp", "ucx_net_devices": "lo"}
+CANARY = {"store_canary": True}
+PUSH = {"push_name": "pd-0", **CANARY}
+CONSUMER_SCRIPT = HERE / "peer_consumer_process.py"
+
+
+def push_when_connected(producer: Producer, h: str, to: str = "pd-0") -> PushOutcome:
+    """Push once the consumer's session (the push channel) is up."""
+    deadline = time.monotonic() + 10
+    while True:
+        out = producer.push(h, to=to).result(timeout=30)
+        if "no push session" not in out.detail or time.monotonic() > deadline:
+            return out
+        time.sleep(0.02)
+
+
+def ready(store: Store, h: str) -> bool:
+    entry = store.get(h)
+    return entry is not None and entry.state is EntryState.READY
+
+
+def fill_region(store: Store) -> None:
+    """Hand every free block out once, so that the canary checks each of them."""
+    free = store.stats().free_blocks
+    if free:
+        entry = store.allocate(f"fill-{uuid.uuid4().hex}", free * store.block_size)
+        store.abort(entry)
+
+
+# -- the path that works -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("data_plane", ["cma", "tcp"])
+def test_pushed_item_is_local_before_the_fetch_and_counts_as_pushed(
+    make_producer: MakeProducer, make_consumer: MakeConsumer, keyring: Keyring, data_plane: str
+) -> None:
+    h, n = "push-1", 4_505_600
+    dp = TCP if data_plane == "tcp" else {}
+    pnode, producer = make_producer(keyring.producer_config(), dp, entries={h: n})
+    cnode, consumer = make_consumer(keyring.consumer_config(), PUSH, dp)
+    consumer.connect([producer.address])
+
+    out = push_when_connected(producer, h)
+
+    assert out.pushed, out
+    assert wait_until(lambda: ready(cnode.store, h), 5)
+    result = consumer.fetch([FetchItem(h, pushed=True)], [producer.address])[0].result(timeout=5)
+    assert result.pushed and result.peer == "local" and result.nbytes == n
+    np.testing.assert_array_equal(stored_bytes(cnode, h), expected(h, n))
+    assert consumer.exposed_histograms()["pushed"].counts[0] >= 1  # under 0.1 ms
+    assert sum(consumer.exposed_histograms()["pulled"].counts) == 0
+    assert consumer.counters["requests"] == 0  # nothing was pulled
+    # The source went back once the write had ended; nothing is left pinned anywhere.
+    assert wait_until(lambda: pnode.store.stats().pins == 0, 5)
+    assert producer.pushes_in_flight() == 0 and cnode.store.stats().allocated == 0
+
+
+def test_fetch_waits_for_a_push_in_flight_and_is_served_by_it(
+    make_producer: MakeProducer, make_consumer: MakeConsumer, keyring: Keyring
+) -> None:
+    warm, h, n = "warm", "push-2", 16 << 20
+    _pnode, producer = make_producer(keyring.producer_config(), entries={warm: 4096, h: n})
+    cnode, consumer = make_consumer(keyring.consumer_config(), PUSH, {"push_wait_s": 5.0})
+    consumer.connect([producer.address])
+    assert push_when_connected(producer, warm).pushed
+
+    future = consumer.fetch([FetchItem(h, pushed=True)], [producer.address])[0]
+    time.sleep(0.05)  # the fetch is waiting for the offer, not pulling
+    assert not future.done() and consumer.counters["requests"] == 0
+    assert producer.push(h, to="pd-0").result(timeout=10).pushed
+    result = future.result(timeout=10)
+
+    assert result.pushed and result.peer == producer.address
+    np.testing.assert_array_equal(stored_bytes(cnode, h), expected(h, n))
+    assert consumer.counters["requests"] == 0
+    assert sum(consumer.exposed_histograms()["pushed"].counts) == 1  # "warm" was never asked for
+
+
+def test_duplicate_push_joins_the_one_in_flight(
+    make_producer: MakeProducer, make_consumer: MakeConsumer, keyring: Keyring
+) -> None:
+    h, n = "push-dup", 8 << 20
+    pnode, producer = make_producer(keyring.producer_config(), entries={"w": 4096, h: n})
+    cnode, consumer = make_consumer(keyring.consumer_config(), PUSH)
+    consumer.connect([producer.address])
+    assert push_when_connected(producer, "w").pushed
+    first, second = producer.push(h, to="pd-0"), producer.push(h, to="pd-0")
+    assert first.result(timeout=10).pushed and second.result(timeout=10).pushed
+    assert producer.counters["push_offers"] == 2  # "w", then one for both of h
+    again = producer.push(h, to="pd-0").result(timeout=10)
+    assert again.state is PushState.REFUSED and again.detail == "present"
+    assert consumer.counter_snapshot()["push_refused.present"] == 1
+    assert cnode.store.stats().ready == 2 and pnode.store.stats().pins == 0
+
+
+# -- refused, failed or late: pull --------------------------------------------------------------
+
+
+def test_push_refused_falls_back_to_pull(
+    make_producer: MakeProducer, make_consumer: MakeConsumer, keyring: Keyring
+) -> None:
+    """A consumer that allows no push from this producer's key: the producer has no one to
+    push to, learns nothing of the consumer's memory, and the fetch pulls after its wait."""
+    h, n = "refused-1", 1_000_003
+    pnode, producer = make_producer(keyring.producer_config(), entries={h: n})
+    cnode, consumer = make_consumer(
+        keyring.consumer_config(),
+        PUSH,
+        {"push_trusted_keys": [keyring.consumer.public_text]},  # not the producer's key
+    )
+    consumer.connect([producer.address])
+    assert wait_until(lambda: producer.session_count() == 1, 5)
+
+    out = producer.push(h, to="pd-0").result(timeout=10)
+    result = consumer.fetch([FetchItem(h, pushed=True)], [producer.address])[0].result(timeout=10)
+
+    assert out.state is PushState.REFUSED and "no push session" in out.detail
+    assert cnode.transport.local_info().agent_name not in pnode.transport.peers
+    assert not result.pushed and result.peer == producer.address
+    np.testing.assert_array_equal(stored_bytes(cnode, h), expected(h, n))
+    assert consumer.counter_snapshot()["push_waits_expired"] == 1
+    assert sum(consumer.exposed_histograms()["pulled"].counts) == 1
+
+
+def test_push_to_a_full_region_is_refused_and_the_item_pulled_later(
+    make_producer: MakeProducer, make_consumer: MakeConsumer, keyring: Keyring
+) -> None:
+    h, n = "full-1", 3 << 20
+    _pnode, producer = make_producer(keyring.producer_config(), entries={"w": 4096, h: n})
+    cnode, consumer = make_consumer(keyring.consumer_config(), PUSH, {"region_bytes": 4 << 20})
+    consumer.connect([producer.address])
+    assert push_when_connected(producer, "w").pushed
+    blocker = cnode.store.allocate("blocker", 2 << 20)  # being written: not evictable
+
+    out = producer.push(h, to="pd-0").result(timeout=10)
+    assert out.state is PushState.REFUSED and out.detail == "full"
+    cnode.store.abort(blocker)
+    result = consumer.fetch([FetchItem(h, pushed=True)], [producer.address])[0].result(timeout=10)
+    assert not result.pushed
+    np.testing.assert_array_equal(stored_bytes(cnode, h), expected(h, n))
+    assert cnode.store.stats().canary_violations == 0
+
+
+# -- who may push -----------------------------------------------------------------------------
+
+
+class FakeProducer:
+    """A producer's control server driven by hand, with a real NIXL data plane to announce."""
+
+    def __init__(self, keyring: Keyring) -> None:
+        self.server = ControlServer(
+            keys=keyring.producer,
+            authorized=frozenset({keyring.consumer.public}),
+            heartbeat_ivl_s=0.2,
+            heartbeat_timeout_s=1.0,
+        )
+        self.mm = mmap.mmap(-1, 1 << 20)
+        self.transport = NixlTransport(f"fake-producer-{uuid.uuid4().hex[:8]}")
+        addr = int(np.frombuffer(self.mm, dtype=np.uint8).ctypes.data)
+        self.transport.register(addr, 1 << 20)
+        self.address = f"tcp://127.0.0.1:{self.server.port}"
+        self.route = b""
+        self.session_id = ""
+
+    def recv(self, kind: type[Any], timeout_s: float = 5.0) -> Any:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            inbound = self.server.recv(timeout_ms=100)
+            if inbound is None:
+                continue
+            self.route = inbound.peer
+            if isinstance(inbound.message, p.Heartbeat):
+                self.server.send(inbound.peer, p.HeartbeatAck(seq=inbound.message.seq))
+                continue
+            if isinstance(inbound.message, kind):
+                return inbound.message
+        raise AssertionError(f"no {kind.__name__} within {timeout_s} s")
+
+    def welcome(self, hello: p.Hello, capabilities: list[str]) -> None:
+        info = self.transport.local_info()
+        self.session_id = hello.session_id
+        self.server.send(
+            self.route,
+            p.Welcome(
+                version=1,
+                session_id=hello.session_id,
+                server_name="fake",
+                capabilities=capabilities,
+                lease_ms=3000,
+                heartbeat_ms=200,
+                max_batch_items=16,
+                data_plane=p.DataPlaneInfo(
+                    kind=info.kind,
+                    agent_name=info.agent_name,
+                    agent_metadata=info.agent_metadata,
+                    region_address=info.region_address,
+                    region_size=info.region_size,
+                ),
+            ),
+        )
+
+    def offer(self, push_id: str, mm_hash: str = "h", nbytes: int = 100_000) -> p.PushReply:
+        self.server.send(
+            self.route,
+            p.PushOffer(
+                session_id=self.session_id,
+                push_id=push_id,
+                mm_hash=mm_hash,
+                nbytes=nbytes,
+                dtype="uint8",
+                shape=[nbytes],
+            ),
+        )
+        reply: p.PushReply = self.recv(p.PushReply)
+        return reply
+
+    def close(self) -> None:
+        self.server.close()
+        self.transport.close()
+        self.mm.close()
+
+
+@pytest.fixture
+def fake_producer(keyring: Keyring) -> Iterator[FakeProducer]:
+    fake = FakeProducer(keyring)
+    yield fake
+    fake.close()
+
+
+def test_unauthorized_pusher_is_refused_counted_and_learns_nothing(
+    fake_producer: FakeProducer, make_consumer: MakeConsumer, keyring: Keyring
+) -> None:
+    cnode, consumer = make_consumer(
+        keyring.consumer_config(), PUSH, {"push_trusted_keys": [keyring.consumer.public_text]}
+    )
+    consumer.connect([fake_producer.address])
+    hello: p.Hello = fake_producer.recv(p.Hello)
+    # Nothing of the consumer's memory in its Hello: no metadata, no region, no push.
+    assert hello.data_plane is not None and hello.data_plane.agent_metadata == b""
+    assert (hello.data_plane.region_address, hello.data_plane.region_size) == (0, 0)
+    assert p.CAP_PUSH not in hello.capabilities and hello.push_name == ""
+    fake_producer.welcome(hello, [p.CAP_RENEW, p.CAP_PUSH])
+    time.sleep(0.2)
+
+    reply = fake_producer.offer("x1")
+
+    assert reply.status is p.PushStatus.FORBIDDEN and reply.extents == []
+    assert reply.deadline_ms == 0
+    assert consumer.counter_snapshot()["push_refused.forbidden"] == 1
+    assert cnode.store.stats().allocated == 0 and cnode.store.stats().used_blocks == 0
+
+
+def test_duplicate_offer_reserves_once_and_is_answered_the_same(
+    fake_producer: FakeProducer, make_consumer: MakeConsumer, keyring: Keyring
+) -> None:
+    cnode, consumer = make_consumer(keyring.consumer_config(), PUSH)
+    consumer.connect([fake_producer.address])
+    hello: p.Hello = fake_producer.recv(p.Hello)
+    assert p.CAP_PUSH in hello.capabilities and hello.push_name == "pd-0"
+    assert hello.data_plane is not None and hello.data_plane.agent_metadata
+    fake_producer.welcome(hello, [p.CAP_RENEW, p.CAP_PUSH])
+    time.sleep(0.2)
+
+    first = fake_producer.offer("d1", "dup", 300_000)
+    second = fake_producer.offer("d1", "dup", 300_000)
+
+    assert first.status is p.PushStatus.ACCEPTED and second == first
+    assert sum(e.length for e in first.extents) == 300_000
+    stats = cnode.store.stats()
+    assert stats.allocated == 1 and stats.used_blocks == -(-300_000 // stats.block_size)
+    assert consumer.push_pending("dup")
+    # Another push id for the same item while the first is reserved: busy, no second entry.
+    assert fake_producer.offer("d2", "dup", 300_000).status is p.PushStatus.BUSY
+    # Not written after all: the blocks go back at once, and nothing became READY.
+    fake_producer.server.send(
+        fake_producer.route,
+        p.PushDone(session_id=fake_producer.session_id, push_id="d1", written=False),
+    )
+    assert wait_until(lambda: cnode.store.stats().used_blocks == 0, 5)
+    assert cnode.store.get("dup") is None and not consumer.push_pending("dup")
+    assert consumer.counter_snapshot()["push_duplicate_offers"] == 1
+
+
+# -- lifetimes under death and deadlines, over UCX TCP -----------------------------------------
+
+
+def test_late_push_is_fenced_the_fetch_pulls_and_its_blocks_wait_for_the_write(
+    make_producer: MakeProducer, make_consumer: MakeConsumer, keyring: Keyring
+) -> None:
+    """The consumer's data plane does not progress for the push, so the write over TCP
+    cannot land in time: the reservation's deadline passes, the fetch pulls, and the
+    reserved blocks stay quarantined until the write has ended (the pull's own polling
+    moves it along), never reused before."""
+    h, n = "late-1", 8 << 20
+    pnode, producer = make_producer(keyring.producer_config(), TCP, entries={"w": 4096, h: n})
+    cnode, consumer = make_consumer(keyring.consumer_config(), PUSH, TCP, {"push_deadline_s": 0.3})
+    consumer.connect([producer.address])
+    assert push_when_connected(producer, "w").pushed
+    real_progress = cnode.transport.progress
+    held = [True]
+    cnode.transport.progress = lambda: [] if held[0] else real_progress()  # type: ignore[method-assign]
+
+    push = producer.push(h, to="pd-0")
+    assert wait_until(lambda: consumer.push_pending(h), 5)
+    time.sleep(0.1)
+    assert not push.done() and pnode.store.stats().pins == 1  # the source stays pinned
+    result = consumer.fetch([FetchItem(h, pushed=True)], [producer.address])[0].result(timeout=10)
+
+    assert not result.pushed and result.peer == producer.address
+    np.testing.assert_array_equal(stored_bytes(cnode, h), expected(h, n))
+    counters = consumer.counter_snapshot()
+    assert counters["push_deadlines"] == 1 and counters["push_fenced"] == 1
+    held[0] = False
+    assert push.result(timeout=10).pushed  # the write did end, late
+    assert wait_until(lambda: cnode.store.stats().quarantined == 0, 5)
+    assert consumer.counter_snapshot()["push_fenced_ended"] == 1
+    assert wait_until(lambda: pnode.store.stats().pins == 0, 5)
+    fill_region(cnode.store)
+    assert cnode.store.stats().canary_violations == 0
+    np.testing.assert_array_equal(stored_bytes(cnode, h), expected(h, n))
+
+
+def test_producer_sigkill_mid_push_leaves_no_block_reused_early_and_pull_still_works(
+    spawn_producer: SpawnProducer, make_consumer: MakeConsumer, keyring: Keyring
+) -> None:
+    h, n = "sigkill-p", 16 << 20
+    producer = spawn_producer(
+        synthetic=f"4096:1,{n}:1", config={**keyring.producer_config(), **TCP}, hooks=True
+    )
+    warm, h = sorted(producer.sizes, key=producer.sizes.__getitem__)
+    cnode, consumer = make_consumer(keyring.consumer_config(), PUSH, TCP)
+    real_progress = cnode.transport.progress
+    held = [False]
+    cnode.transport.progress = lambda: [] if held[0] else real_progress()  # type: ignore[method-assign]
+    consumer.connect([producer.address])
+    deadline = time.monotonic() + 10
+    while not ready(cnode.store, warm):
+        assert time.monotonic() < deadline, producer.stderr()
+        producer.command(f"push {warm} pd-0")
+        time.sleep(0.05)
+    held[0] = True
+    producer.command(f"push {h} pd-0")
+    assert wait_until(lambda: consumer.push_pending(h), 5)
+    producer.kill()
+    held[0] = False
+
+    # The session dies, the reservation is fenced, and only the data plane's word that
+    # the producer is gone (a failed probe) gives its blocks back.
+    assert wait_until(lambda: consumer.counter_snapshot().get("push_probes_failed", 0) >= 1, 15)
+    assert wait_until(lambda: cnode.store.stats().quarantined == 0, 5)
+    assert not ready(cnode.store, h)
+    time.sleep(0.3)
+    fill_region(cnode.store)
+    assert cnode.store.stats().canary_violations == 0
+    # Pull still works from a producer that is there.
+    again = spawn_producer(synthetic=f"{n}:1", config={**keyring.producer_config(), **TCP})
+    (h2,) = again.sizes
+    result = consumer.fetch([FetchItem(h2, pushed=True)], [again.address])[0].result(timeout=15)
+    np.testing.assert_array_equal(stored_bytes(cnode, h2), expected(h2, n))
+    assert not result.pushed
+
+
+def test_consumer_sigkill_mid_push_keeps_the_source_pinned_until_the_write_fails(
+    make_producer: MakeProducer, keyring: Keyring
+) -> None:
+    warm, h, n = "w", "sigkill-c", 16 << 20
+    pnode, producer = make_producer(keyring.producer_config(), TCP, entries={warm: 4096, h: n})
+    cmd = [
+        sys.executable,
+        str(CONSUMER_SCRIPT),
+        producer.address,
+        "--fingerprint",
+        FINGERPRINT,
+        *flags({**keyring.consumer_config(), **PUSH, **TCP, "prefault": False}),
+    ]
+    child = subprocess.Popen(
+        cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=child_env()
+    )
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        ready_, _, _ = select.select([child.stdout], [], [], 60)
+        assert ready_ and child.stdout.readline().startswith("READY")
+        assert push_when_connected(producer, warm).pushed
+        child.stdin.write("hold\n")
+        child.stdin.flush()
+        assert json.loads(child.stdout.readline()) == {"held": True}
+
+        push = producer.push(h, to="pd-0")
+        assert wait_until(lambda: producer.counters["push_writes"] == 2, 5)
+        time.sleep(0.2)
+        assert not push.done() and pnode.store.stats().pins == 1
+        child.kill()
+        child.wait(10)
+
+        out = push.result(timeout=15)
+        assert out.state is PushState.FAILED and "write failed" in out.detail
+        assert pnode.store.stats().pins == 0 and producer.pushes_in_flight() == 0
+        assert pnode.transport.in_flight == 0
+        assert ready(pnode.store, h)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(10)
