@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="measure ecshare against baselines; report, compare")
     add_bench_arguments(bench)
+    from ecshare.bench.media_ttft import add_media_ttft_parser
+
+    add_media_ttft_parser(bench)
 
     from ecshare.chaos.command import add_chaos_arguments
 
@@ -193,6 +196,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from ecshare.chaos.command import run_chaos_command
 
         return run_chaos_command(args)
+    if args.command == "bench" and args.bench_command == "media-ttft":
+        from ecshare.bench.media_ttft import run_media_ttft_bench
+
+        return run_media_ttft_bench(args)
     if args.command == "bench":
         from ecshare.bench.commands import run_bench
 
