@@ -1,0 +1,55 @@
+"""`ecshare bench pipeline`: real encoder and PD processes, push against pull, as JSON rows."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("nixl._api")
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def test_pipeline_bench_prints_push_and_pull_rows_and_pushes_in_time() -> None:
+    # A long simulated hop (200 ms), so that every 64 KiB push has long landed when the
+    # scheduler asks: pushed_in_time is then a functional outcome, not a timing one.
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ecshare",
+            "bench",
+            "pipeline",
+            "--json",
+            "--quick",
+            "--sizes",
+            "64KiB,100003",
+            "--delay-ms",
+            "200",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout)
+    assert result["bench"] == "pipeline" and result["delay_ms"] == 200
+    rows = {(r["size_bytes"], r["mode"]): r for r in result["rows"]}
+    assert set(rows) == {(s, m) for s in (65536, 100003) for m in ("push", "pull")}
+    for row in rows.values():
+        assert set(row) == {
+            "size_bytes",
+            "mode",
+            "exposed_p50_ms",
+            "exposed_p99_ms",
+            "pushed_in_time",
+            "samples",
+        }
+        assert row["samples"] == 10
+        assert 0 < row["exposed_p50_ms"] <= row["exposed_p99_ms"]
+    for size in (65536, 100003):
+        assert rows[(size, "push")]["pushed_in_time"] == 1.0
+        assert rows[(size, "pull")]["pushed_in_time"] == 0.0
