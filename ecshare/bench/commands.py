@@ -1,4 +1,4 @@
-"""The ``ecshare bench`` subcommands: store, fetch, proxy, report, compare, schema.
+"""The ``ecshare bench`` subcommands: store, fetch, pipeline, proxy, report, compare, schema.
 
 Every measuring subcommand prints its table (or, with ``--json``, one JSON object) on
 stdout, shows a progress bar on stderr when that is a terminal and ``--quiet`` is not
@@ -92,6 +92,18 @@ def add_bench_arguments(bench: argparse.ArgumentParser) -> None:
         help="sporadic mode: idle milliseconds between writing an entry and fetching it "
         "(default 5)",
     )
+    pipeline = sub.add_parser("pipeline", help="exposed latency at the PD of push against pull")
+    _common(pipeline, True)
+    pipeline.add_argument(
+        "--delay-ms",
+        type=_gap_ms,
+        default=2.0,
+        metavar="MS",
+        help="the proxy hop plus the PD's preprocessing, simulated (default 2)",
+    )
+    pipeline.add_argument(
+        "--ucx-tls", default="", metavar="TLS", help="UCX transports (e.g. tcp; default: UCX's)"
+    )
     proxy = sub.add_parser("proxy", help="the proxy's added latency over stub backends")
     _common(proxy, False)
     proxy.add_argument(
@@ -148,6 +160,12 @@ def run_bench(args: argparse.Namespace) -> int:
             args.quiet,
             mode=args.mode,
             gap_s=args.gap_ms / 1000,
+        )
+    if command == "pipeline":
+        from ecshare.bench.pipeline import run_pipeline_bench
+
+        return run_pipeline_bench(
+            args.json, args.quick, args.sizes, delay_ms=args.delay_ms, ucx_tls=args.ucx_tls
         )
     if command == "proxy":
         from ecshare.bench.proxy import run_proxy_bench
