@@ -165,12 +165,40 @@ SPECS: Final[tuple[Spec, ...]] = (
     ),
     Spec("lease_renewals", _C, "Grants whose lease a slow read had renewed."),
     Spec("leases_run_out", _C, "Reads given up because the producer's lease was ending."),
+    # push, consumer side
+    Spec("pushed_items", _C, "Items a producer pushed into the local region (committed)."),
+    Spec("pushed_in_bytes", _C, "Bytes of the items pushed into the local region."),
+    Spec("push_refusals", _C, "Push offers this consumer refused, by reason.", ("reason",)),
+    Spec(
+        "push_fallbacks",
+        _C,
+        "Fetches that waited for a push and pulled instead (refused, failed or late).",
+    ),
+    Spec(
+        "pushes_fenced",
+        _C,
+        "Push reservations given up while a write may still land (held until it ends).",
+    ),
+    Spec("fenced_pushes", _G, "Push reservations given up whose write has not yet ended."),
+    # push, producer side
+    Spec("pushes_written", _C, "Pushes whose write the data plane completed."),
+    Spec("pushed_out_bytes", _C, "Bytes of the items pushed to consumers."),
+    Spec("pushes_refused", _C, "Pushes that were not written, by reason.", ("reason",)),
+    Spec("push_write_failures", _C, "Push writes the data plane ended in error."),
+    Spec("pushes_in_flight", _G, "Pushes offered or being written now."),
 )
 SPEC_BY_NAME: Final = {spec.name: spec for spec in SPECS}
 LATENCY_HISTOGRAM: Final = Spec(
     "fetch_latency_seconds",
     _G,  # unused: the histogram has its own family
     "Time from a fetch's start to its item being READY in the local region.",
+)
+EXPOSED_HISTOGRAM: Final = Spec(
+    "exposed_latency_seconds",
+    _G,  # unused: the histogram has its own family
+    "Time from the engine asking for an item to it being local, per mode: pushed (a "
+    "producer wrote it here) or pulled (read from a producer).",
+    ("mode",),
 )
 
 # Samples: spec name -> label values -> value. Label values are () without labels.
@@ -187,11 +215,16 @@ _CONSUMER_COUNTERS: Final = {
     "bad_grants": "bad_grants",
     "renewed": "lease_renewals",
     "leases_run_out": "leases_run_out",
+    "push_committed": "pushed_items",
+    "push_committed_bytes": "pushed_in_bytes",
+    "push_fallbacks": "push_fallbacks",
+    "push_fenced": "pushes_fenced",
 }
 _CONSUMER_BY_REASON: Final = {
     "failed.": "fetch_failures",
     "retries.": "fetch_retries",
     "peer_failures.": "peer_failures",
+    "push_refused.": "push_refusals",
 }
 _PRODUCER_COUNTERS: Final = {
     "granted": "grants",
@@ -203,6 +236,9 @@ _PRODUCER_COUNTERS: Final = {
     "bad_notifications": "bad_notifications",
     "sessions_opened": "sessions_opened",
     "sessions_closed": "sessions_closed",
+    "pushed": "pushes_written",
+    "pushed_bytes": "pushed_out_bytes",
+    "push_write_failures": "push_write_failures",
 }
 # Handshakes libzmq fails before the allow-list is asked (a client that has the
 # wrong server key fails here). A refusal by the allow-list also shows up as a
@@ -271,8 +307,11 @@ def _read_producer(producer: Producer, out: Samples) -> None:
             _add(out, "refusals", n, (key.removeprefix("refused_"),))
         elif key == "no_session":
             _add(out, "refusals", n, ("no_session",))
+        elif key.startswith("push_refused."):
+            _add(out, "pushes_refused", n, (key.removeprefix("push_refused."),))
     _worst(out, "healthy", float(producer.healthy))
     _add(out, "active_grants", producer.active_grants())
+    _add(out, "pushes_in_flight", producer.pushes_in_flight())
     _add(out, "sessions", producer.session_count())
     control = producer.control_stats
     for key, n in control.items():
@@ -298,6 +337,7 @@ def _read_consumer(consumer: Consumer, out: Samples) -> None:
     fenced, oldest_s = consumer.fenced_reads()
     _add(out, "fenced_reads", fenced)
     _add(out, "fenced_read_oldest_age_seconds", oldest_s)
+    _add(out, "fenced_pushes", consumer.fenced_pushes())
     for peer in consumer.peer_liveness():
         _add(out, "peer_up", float(peer.up), (peer.endpoint,))
         _add(out, "peer_quarantined", float(peer.quarantined), (peer.endpoint,))
@@ -315,6 +355,19 @@ def merged_latency(consumers: Iterable[Consumer]) -> LatencyHistogram | None:
         else:
             counts = tuple(a + b for a, b in zip(total.counts, h.counts, strict=True))
             total = type(h)(h.bounds, counts, total.sum_s + h.sum_s)
+    return total
+
+
+def merged_exposed(consumers: Iterable[Consumer]) -> dict[str, LatencyHistogram]:
+    """The consumers' exposed-latency histograms per mode, added up."""
+    total: dict[str, LatencyHistogram] = {}
+    for consumer in consumers:
+        for mode, h in consumer.exposed_histograms().items():
+            had = total.get(mode)
+            if had is not None:
+                counts = tuple(a + b for a, b in zip(had.counts, h.counts, strict=True))
+                h = type(h)(h.bounds, counts, had.sum_s + h.sum_s)
+            total[mode] = h
     return total
 
 
@@ -442,7 +495,14 @@ class ECShareCollector(Collector):
                 _distinct(self.consumers),
             )
         samples = read_samples(stores, producers, consumers)
-        return list(_families(samples, merged_latency(consumers), with_histogram=bool(consumers)))
+        return list(
+            _families(
+                samples,
+                merged_latency(consumers),
+                with_histogram=bool(consumers),
+                exposed=merged_exposed(consumers),
+            )
+        )
 
 
 def _distinct(parts: list[_P]) -> list[_P]:
@@ -450,7 +510,11 @@ def _distinct(parts: list[_P]) -> list[_P]:
 
 
 def _families(
-    samples: Samples, latency: LatencyHistogram | None, *, with_histogram: bool
+    samples: Samples,
+    latency: LatencyHistogram | None,
+    *,
+    with_histogram: bool,
+    exposed: dict[str, LatencyHistogram] | None = None,
 ) -> Iterator[Metric]:
     for spec in SPECS:
         family: CounterMetricFamily | GaugeMetricFamily
@@ -466,6 +530,12 @@ def _families(
         if latency is not None:
             hist.add_metric([], latency_buckets(latency), sum_value=latency.sum_s)
         yield hist
+        exposed_hist = HistogramMetricFamily(
+            PREFIX + EXPOSED_HISTOGRAM.name, EXPOSED_HISTOGRAM.doc, labels=EXPOSED_HISTOGRAM.labels
+        )
+        for mode, h in sorted((exposed or {}).items()):
+            exposed_hist.add_metric([mode], latency_buckets(h), sum_value=h.sum_s)
+        yield exposed_hist
 
 
 # -- the HTTP endpoint ---------------------------------------------------------------------------

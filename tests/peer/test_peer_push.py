@@ -41,6 +41,7 @@ from peer_testing import (
 
 from ecshare import protocol as p
 from ecshare.control import ControlServer
+from ecshare.metrics import read_samples
 from ecshare.peer import FetchItem, Producer, PushOutcome, PushState
 from ecshare.store import EntryState, Store
 from ecshare.transport import NixlTransport
@@ -102,6 +103,10 @@ def test_pushed_item_is_local_before_the_fetch_and_counts_as_pushed(
     # The source went back once the write had ended; nothing is left pinned anywhere.
     assert wait_until(lambda: pnode.store.stats().pins == 0, 5)
     assert producer.pushes_in_flight() == 0 and cnode.store.stats().allocated == 0
+    samples = read_samples([], [producer], [consumer])
+    assert samples["pushed_items"][()] == 1 and samples["pushed_in_bytes"][()] == n
+    assert samples["pushes_written"][()] == 1 and samples["pushed_out_bytes"][()] == n
+    assert samples["fenced_pushes"][()] == 0 and samples["pushes_in_flight"][()] == 0
 
 
 def test_fetch_waits_for_a_push_in_flight_and_is_served_by_it(
