@@ -11,8 +11,9 @@ prefill/decode instance is squeezed on every side:
 - KV cache for 15 blocks of 32 tokens: two running requests outgrow it, so one
   is preempted and recomputed (vLLM's `num_preemptions`);
 - a 1 MiB region for 64 items of 32 KiB: entries are evicted, and fetches that
-  would need what waiting requests hold are refused (typed, counted) and
-  those items encoded locally.
+  would need what waiting requests hold are refused (typed, counted); the
+  proxy sends the items without their media, so such a request fails there,
+  and the proxy sends it again with its media.
 
 Every answer must equal, token for token, a plain single instance's, and no
 engine may die; the counters must show fetches, evictions, refusals, local
@@ -242,9 +243,16 @@ def test_counters_show_fetches_evictions_local_encodes_and_preemptions(
     assert pd["loaded_items_total"] >= pd["fetched_items_total"] - pd.get("fetch_failed_total", 0)
     # The region filled up and evicted entries while requests waited: 64 items of 32 KiB
     # went through a region of 1 MiB. A fetch that would need what waiting requests hold
-    # is refused rather than evict it, and that item encoded where it is needed.
+    # is refused rather than evict it. The proxy sent the items without their media, so
+    # such a request fails there and the proxy sends it again with its media, which
+    # fetches the item again or encodes it.
     assert pd["region_evictions_total"] > 0, shown
-    assert pd["local_encodes_total"] >= pd.get("fetch_region_full_total", 0), shown
+    refused = pd.get("fetch_region_full_total", 0)
+    assert pd.get("requests_unavailable_total", 0) >= (1 if refused else 0), shown
+    with urllib.request.urlopen(served.proxy_url + "/metrics", timeout=10) as resp:
+        sample = 'ecshare_proxy_pd_requests_total{media="retried"} '
+        (line,) = [x for x in resp.read().decode().splitlines() if x.startswith(sample)]
+    assert float(line.split()[-1]) == pd.get("requests_unavailable_total", 0), shown
     assert pd.get("size_mismatch_total", 0) == 0 and pd.get("peer_refused_total", 0) == 0
     assert preemptions.get("_total", 0) > 0, "no request was preempted"
 
