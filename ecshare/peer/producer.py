@@ -171,6 +171,11 @@ class Producer(NetworkThread):
     def pushes_in_flight(self) -> int:
         return self._pusher.in_flight if self._pusher is not None else 0
 
+    def push_names(self) -> frozenset[str]:
+        """The names of the consumers that hold a session accepting pushes now (any
+        thread): a `push` to any other name is refused at once ("no push session")."""
+        return self._pusher.target_names() if self._pusher is not None else frozenset()
+
     # -- lifecycle ---------------------------------------------------------------------------
 
     def stop(self) -> None:

@@ -150,6 +150,11 @@ class Pusher:
     def in_flight(self) -> int:
         return len(self._pushes)
 
+    def target_names(self) -> frozenset[str]:
+        """The push names of the consumer sessions that accept pushes now."""
+        # The network thread owns the dict; copying its values is one step under the GIL.
+        return frozenset(t.push_name for t in tuple(self._targets.values()))
+
     # -- the network thread ------------------------------------------------------------------
 
     @property
