@@ -26,6 +26,7 @@ answer without it. Every error the proxy itself answers is OpenAI-shaped (`error
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import hmac
 import itertools
@@ -210,20 +211,20 @@ class Proxy:
             )
         encoded = await self.stages.encode.encode(body, scan.parts, request_id)
         payload: bytes = raw
-        with_media: dict[str, Any] | None = None  # the body to send again if media-free fails
+        with_media: Callable[[], bytes] | None = None  # what to send if media-free fails
         media = "kept"
         if encoded.params:
             given = body.get("ec_transfer_params")
             merged = {**given, **encoded.params} if isinstance(given, dict) else encoded.params
-            media_body = {**body, "ec_transfer_params": merged}
             rendered = media_free(body, scan, encoded) if self.config.pd_media == "omit" else None
             if rendered is not None and rendered.omitted:
                 rendered.body["ec_transfer_params"] = merged
-                payload, with_media = msgspec.json.encode(rendered.body), media_body
+                payload = msgspec.json.encode(rendered.body)
+                with_media = functools.partial(with_params, raw, body, merged)
                 media = "kept" if rendered.kept else "omitted"
             else:
-                payload = msgspec.json.encode(media_body)
-        self.metrics.pd_requests.labels(media).inc()
+                payload = with_params(raw, body, merged)
+        self.metrics.pd_media[media].inc()
         return await self.stages.prefill_decode.relay(
             request, CHAT_PATH, payload, request_id=request_id, with_media=with_media
         )
@@ -288,6 +289,18 @@ class Proxy:
             self.metrics.rejected.labels("bad_request").inc()
             raise ProxyError(400, "the request body must be a JSON object")
         return raw, body
+
+
+def with_params(raw: bytes, body: dict[str, Any], params: dict[str, Any]) -> bytes:
+    """The request `raw` (whose decoding is `body`) with `params` as its ec_transfer_params.
+
+    Where the body has none of its own, the params are written in before its closing
+    brace, and the rest (megabytes of base64 media, maybe) passes as it came, not decoded
+    and encoded again."""
+    if "ec_transfer_params" in body or not body:
+        return msgspec.json.encode({**body, "ec_transfer_params": params})
+    end = raw.rindex(b"}")
+    return b"".join((raw[:end], b',"ec_transfer_params":', msgspec.json.encode(params), raw[end:]))
 
 
 def without_client_params(body: dict[str, Any]) -> dict[str, Any]:

@@ -25,7 +25,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,20 +111,39 @@ def scan_media(body: Mapping[str, Any]) -> MediaScan:
     messages = body.get("messages")
     if not isinstance(messages, list):
         return scan
-    seen: dict[bytes, int] = {}
+    # One item sent twice is encoded once. Parts are told apart by a sketch that reads a
+    # few bytes of each long string, and parts with the same sketch by their encoding:
+    # encoding a 4 MB data URL for every request would cost milliseconds.
+    seen: dict[Hashable, list[int]] = {}
     for m, message in enumerate(messages):
         content = message.get("content") if isinstance(message, dict) else None
         if not isinstance(content, list):
             continue
         for c, part in enumerate(content):
             if isinstance(part, dict) and part.get("type") in MEDIA_PART_TYPES:
-                key = _ENCODE.encode(part)  # one item sent twice is encoded once
-                index = seen.get(key)
+                alike = seen.setdefault(_sketch(part), [])
+                index = next((i for i in alike if _same(scan.parts[i], part)), None)
                 if index is None:
-                    index = seen[key] = len(scan.parts)
+                    index = len(scan.parts)
+                    alike.append(index)
                     scan.parts.append(part)
                 scan.where.append((m, c, index))
     return scan
+
+
+def _sketch(value: Any) -> Hashable:
+    """A hashable stand-in for a JSON value that equal values share, cheap to compute."""
+    if isinstance(value, str):
+        return value if len(value) <= 96 else (len(value), value[:32], value[-32:])
+    if isinstance(value, dict):
+        return tuple(sorted((k, _sketch(v)) for k, v in value.items()))
+    if isinstance(value, list):
+        return tuple(_sketch(v) for v in value)
+    return (type(value), value)
+
+
+def _same(a: JSON, b: JSON) -> bool:
+    return a is b or _ENCODE.encode(a) == _ENCODE.encode(b)
 
 
 def media_parts(body: Mapping[str, Any]) -> list[JSON]:
@@ -193,7 +212,7 @@ class EncoderStage:
             tried.append(backend)
             params, reason = await self._call(backend, payload, call_id)
             if params is not None:
-                self._metrics.encoder_items.labels("ok").inc(items)
+                self._metrics.encoded_items.inc(items)
                 return params
             if reason != "unreachable":
                 break

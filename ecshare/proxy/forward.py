@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
@@ -86,11 +86,11 @@ class PrefillDecodeStage:
         payload: bytes | None,
         *,
         request_id: str,
-        with_media: dict[str, Any] | None = None,
+        with_media: Callable[[], bytes] | None = None,
     ) -> web.StreamResponse:
         """Answer `request` with a prefill/decode instance's answer to `payload` at `path`;
         if `with_media` is given, `payload` went without the media, and a failure of it is
-        answered by sending `with_media` instead."""
+        answered by sending what `with_media` makes instead."""
         headers = {"X-Request-Id": request_id}
         if payload is not None:
             headers["Content-Type"] = "application/json"
@@ -114,8 +114,8 @@ class PrefillDecodeStage:
                     resp.close()  # no-op when released; else the instance sees the abort
             # The media-free attempt failed: once more with the media, on any instance (the
             # failure was the fetch's, not the instance's).
-            payload, with_media, tried = msgspec.json.encode(with_media), None, []
-            self._metrics.pd_requests.labels("retried").inc()
+            payload, with_media, tried = with_media(), None, []
+            self._metrics.pd_media["retried"].inc()
 
     async def _answer_media_free(
         self,

@@ -150,8 +150,9 @@ class ProxyMetrics:
             self.upstream_errors.labels(reason)
         for outcome in ("ok", "fallback"):
             self.encoder_items.labels(outcome)
-        for media in PD_MEDIA_OUTCOMES:
-            self.pd_requests.labels(media)
+        # The children every request with media touches, looked up once.
+        self.pd_media = {media: self.pd_requests.labels(media) for media in PD_MEDIA_OUTCOMES}
+        self.encoded_items = self.encoder_items.labels("ok")
 
     def started(self) -> None:
         """A request arrived; `answered` ends it."""
