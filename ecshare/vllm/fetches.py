@@ -15,11 +15,16 @@ requests as holds (see `pins`).
 A consumer whose network thread died would never complete the future; the
 scheduler side then gives up on it at `overdue_at` (past the longest deadline
 the consumer itself enforces), so that no request waits for it forever.
+
+`started_at` and `done_at` give the item's exposed latency: from the
+scheduler asking for it to the entry being local (pinned), whether a producer
+pushed it here or we pulled it (`FetchResult.pushed`).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future
 
@@ -42,10 +47,15 @@ class Fetch:
         check: Check,
         overdue_at: float,
         on_unfit: Callable[[str, str], None],
+        started_at: float,
+        pushed: bool = False,
     ) -> None:
         self.mm_hash = mm_hash
         self.future = future
         self.overdue_at = overdue_at
+        self.started_at = started_at
+        self.done_at = started_at  # set as the future completes
+        self.pushed = pushed  # announced as pushed here
         self.requests: set[str] = set()  # ids of the requests waiting for it
         self._pins = pins
         self._grant = hold.grant_id  # pinned by the consumer as the entry turns READY
@@ -75,7 +85,9 @@ class Fetch:
             return hold
 
     def _on_done(self, future: Future[FetchResult]) -> None:
+        done_at = time.monotonic()
         with self._lock:
+            self.done_at = done_at
             if self._abandoned:
                 self._settled = True
                 self._pins.release(self._grant)  # a late result keeps nothing

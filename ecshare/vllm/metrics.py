@@ -4,11 +4,12 @@ vLLM passes each step's `ECShareStats` data to `observe()` in its frontend
 process. The names start with `vllm:` so that vLLM's registry clean-up
 (`unregister_vllm_metrics`) treats them as its own.
 
-Two kinds of data arrive: the connector's own counters (`COUNTERS`, the
-fetch latency samples), and the core metrics of its Producer, Consumer and
-store (`CORE_METRICS`, defined once in `ecshare.metrics`), which the
-scheduler side reads in the engine process and ships as changes
-(`SampleChanges`). Both appear as `vllm:ecshare_<name>`.
+Two kinds of data arrive: the connector's own counters (`COUNTERS`) and
+latency samples (`HISTOGRAMS`: fetch latency, and exposed latency by mode),
+and the core metrics of its Producer, Consumer and store (`CORE_METRICS`,
+defined once in `ecshare.metrics`), which the scheduler side reads in the
+engine process and ships as changes (`SampleChanges`). Both appear as
+`vllm:ecshare_<name>`.
 """
 
 from __future__ import annotations
@@ -53,12 +54,29 @@ COUNTERS = {
     "fetches_abandoned": "Fetches whose every waiting request ended (aborted) before they did.",
     "fetches_overdue": "Fetches the consumer never settled (its network thread may have died).",
     "pins_reaped": "Pins reaped after their lease ran out (a lost release).",
+    "push_announced": "Items whose ec_transfer_params said their encoder pushes them here.",
+    "push_received": "Items a request got by push: its encoder wrote them here, before or "
+    "while the scheduler waited (the rest of the announced ones were pulled).",
+    "push_received_bytes": "Bytes of the items requests got by push.",
+    "push_params_unusable": "Requests or items whose push params (push_to, pushed_to) were "
+    "malformed (nothing pushed; the item is pulled).",
+    "pushes_started": "Pushes an encoder started for the items of finished requests.",
+    "push_names_refused": "Push names a request asked for that this encoder does not push to: "
+    "not in push_targets, or no consumer of that name holds a push session with it.",
 }
+_EXPOSED_DOC = (
+    "Time from the scheduler asking for an item to it being local, per mode: pushed (its "
+    "encoder wrote it here) or pulled (read from the encoder)."
+)
+# Stats key -> (metric name, documentation, the `mode` label's value or None).
 HISTOGRAMS = {
     "fetch_latency_s": (
         "fetch_latency_seconds",
         "Time from a fetch's start to its item being READY in the local region.",
+        None,
     ),
+    "exposed_pushed_s": ("exposed_latency_seconds", _EXPOSED_DOC, "pushed"),
+    "exposed_pulled_s": ("exposed_latency_seconds", _EXPOSED_DOC, "pulled"),
 }
 # Core metrics shown on vLLM's endpoint too; those the connector counts itself
 # (fetched items and bytes, the latency histogram) are in COUNTERS and HISTOGRAMS.
@@ -80,6 +98,19 @@ CORE_METRICS = (
     "region_entries",
     "region_pins",
     "region_evictions",
+    # push: the consumer side
+    "pushed_items",
+    "pushed_in_bytes",
+    "push_refusals",
+    "push_fallbacks",
+    "pushes_fenced",
+    "fenced_pushes",
+    # push: the producer side
+    "pushes_written",
+    "pushed_out_bytes",
+    "pushes_refused",
+    "push_write_failures",
+    "pushes_in_flight",
 )
 
 
@@ -97,15 +128,21 @@ class ECSharePromMetrics(ECConnectorPromMetrics):
             counter = self._counter_cls(name=PREFIX + key, documentation=doc, labelnames=labelnames)
             self._counters[key] = self._per_engine(counter)
         self._histograms: dict[str, dict[int, Any]] = {}
-        for key, (name, doc) in HISTOGRAMS.items():
-            histogram_cls: Any = self._histogram_cls
-            histogram = histogram_cls(
-                name=PREFIX + name,
-                documentation=doc,
-                labelnames=labelnames,
-                buckets=list(LATENCY_BUCKETS_S),
-            )
-            self._histograms[key] = self._per_engine(histogram)
+        families: dict[str, Any] = {}
+        for key, (name, doc, mode) in HISTOGRAMS.items():
+            family = families.get(name)
+            if family is None:
+                histogram_cls: Any = self._histogram_cls
+                family = families[name] = histogram_cls(
+                    name=PREFIX + name,
+                    documentation=doc,
+                    labelnames=[*labelnames, "mode"] if mode is not None else labelnames,
+                    buckets=list(LATENCY_BUCKETS_S),
+                )
+            self._histograms[key] = {
+                idx: family.labels(*values, *([mode] if mode is not None else []))
+                for idx, values in self.per_engine_labelvalues.items()
+            }
         # Labelled per sample (reason, peer, state), so kept whole, not per engine.
         self._core: dict[str, Any] = {}
         for name in CORE_METRICS:

@@ -8,12 +8,18 @@ and the entry becomes READY only once they report that copy done (`saves`).
 `request_finished` announces the request's READY entries and those whose copy
 ran in a step that has completed (waiting for their report briefly at most),
 each with the placeholder `metadata` and `item_indices` that let a proxy send
-prefill/decode the request without its media (`placeholders`).
+prefill/decode the request without its media (`placeholders`). Where the
+request's own params ask for a push (`{"push_to": [...]}`), it pushes each
+item to the allowed names and says so in the item's params (`pushed_to`;
+`pushes`).
 
 Consumer role: `ensure_cache_available` fetches the items a request's
 `ec_transfer_params` name, only from trusted producers, and defers the request
 until they are local; each fetched item is then held for that request until its
-load has copied or the request ends (`waiting`). `has_cache_item`
+load has copied or the request ends (`waiting`); an item announced as pushed
+here is waited for as a push, and pulled if the push does not land. With
+`push_name` set, it opens its sessions to `trusted_producers` at start-up, so
+that they can push before its first fetch. `has_cache_item`
 pins what it reports present, in the same locked step as the lookup, and
 `update_state_after_alloc` turns that pin into the load's (`pins`). Every pin
 and every worker report is keyed by a grant id, never by mm_hash alone, and no
@@ -40,6 +46,7 @@ from ecshare.vllm.metrics import CORE_METRICS
 from ecshare.vllm.ops import LoadOp, StepPlan, StepReport, TransferParam
 from ecshare.vllm.pins import ENGINE_PIN_OWNER, EnginePins
 from ecshare.vllm.placeholders import Placeholders
+from ecshare.vllm.pushes import PUSHED_TO, Pushes
 from ecshare.vllm.reports import ReportListener
 from ecshare.vllm.saves import SaveBook
 from ecshare.vllm.settings import ConnectorSettings
@@ -106,6 +113,7 @@ class SchedulerSide:
         self._saves = SaveBook(self._store, config, self._tally)
         self.producer: Producer | None = None
         self.consumer: Consumer | None = None
+        self._pushes: Pushes | None = None
         self._waiting: WaitingRequests | None = None
         # vLLM drops the worker metadata of an encode-only instance; its workers
         # report on a side channel instead (see `reports`).
@@ -115,8 +123,12 @@ class SchedulerSide:
                 self._listener = ReportListener(self._apply_saves)
             if produce:
                 self.producer = start_producer(self._node, fingerprint=self._fingerprint)
+                self._pushes = Pushes(self.producer, self._store, self._settings, self._tally)
             if consume:
                 self.consumer = start_consumer(self._node, fingerprint=self._fingerprint)
+                if config.push_name and self._settings.trusted_producers:
+                    # A producer pushes only over a session we hold: open them now.
+                    self.consumer.connect(self._settings.trusted_producers)
         except BaseException:
             self.shutdown()
             raise
@@ -245,6 +257,8 @@ class SchedulerSide:
             if out is not None:
                 self._plan_saves_from_cache(out)
             self._saves.abandon_overdue(now)
+            if self._pushes is not None:
+                self._pushes.on_saves_applied()
         self._save_tried = set()
         plan, self._plan = self._plan, self._new_plan()
         return plan
@@ -285,6 +299,8 @@ class SchedulerSide:
         report listener's thread."""
         self._reports_late = False
         self._saves.apply(report)
+        if self._pushes is not None and report.saved:
+            self._pushes.on_saves_applied()
         for key, value in report.counters.items():
             # Counters are integers: worker timings travel on in microseconds.
             if key.endswith("_seconds"):
@@ -309,6 +325,11 @@ class SchedulerSide:
                 )
         params: dict[str, Any] = {}
         items = self._placeholders.item_params(request.mm_features)
+        push_to = (
+            self._pushes.names_for(request.request_id, request.ec_transfer_params)
+            if self._pushes is not None
+            else ()
+        )
         for feature in request.mm_features:
             h = feature.identifier
             if h in params:
@@ -328,6 +349,9 @@ class SchedulerSide:
                 shape=tuple(entry.meta.shape),
             )
             params[h] = {**msgspec.to_builtins(where), **items.get(h, {})}
+            if push_to and self._pushes is not None:
+                self._pushes.push(h, push_to)
+                params[h][PUSHED_TO] = list(push_to)
         return False, params or None
 
     # -- stats and shutdown ------------------------------------------------------------------
@@ -343,8 +367,7 @@ class SchedulerSide:
     def take_stats(self) -> dict[str, Any]:
         counts, latencies = self._tally.take()
         data: dict[str, Any] = {k: v for k, v in counts.items() if v}
-        if latencies:
-            data["fetch_latency_s"] = latencies
+        data.update(latencies)
         now = time.monotonic()
         if now >= self._core_due:
             self._core_due = now + _CORE_STATS_INTERVAL_S

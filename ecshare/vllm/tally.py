@@ -22,23 +22,24 @@ class Tally:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter()
-        self._latencies: list[float] = []
+        self._samples: dict[str, list[float]] = {}
         self._warned_at: dict[str, float] = {}
 
     def add(self, key: str, n: int = 1) -> None:
         with self._lock:
             self._counts[key] += n
 
-    def latency(self, seconds: float) -> None:
+    def sample(self, key: str, seconds: float) -> None:
+        """One latency sample of `key` (named `<what>_s`: `fetch_latency_s`)."""
         with self._lock:
-            self._latencies.append(seconds)
+            self._samples.setdefault(key, []).append(seconds)
 
-    def take(self) -> tuple[dict[str, int], list[float]]:
+    def take(self) -> tuple[dict[str, int], dict[str, list[float]]]:
         """The counts and latency samples since the last take, and start again."""
         with self._lock:
             counts, self._counts = dict(self._counts), Counter()
-            latencies, self._latencies = self._latencies, []
-        return counts, latencies
+            samples, self._samples = self._samples, {}
+        return counts, samples
 
     def warn(self, kind: str, message: str) -> None:
         """Log a warning of `kind` at most every WARN_EVERY_S."""

@@ -18,6 +18,20 @@ never run without the item. A request may carry an item as placeholder
 metadata only (media-free prefill/decode, `placeholders`): such an item is
 counted (`media_free_items`), and one that no params name and the region does
 not hold fails the request at once.
+
+Push (docs/PUSH.md): an item whose params list this instance's `push_name` in
+`pushed_to` was pushed here by its encoder, or is being pushed. Its fetch says
+so (`FetchItem.pushed`): the consumer waits for the push, up to `push_wait_s`
+for the offer and then the push's own deadline, and pulls if the push is
+refused, fails or is late; the request waits meanwhile, as for any fetch. Such
+an item goes through the consumer even when it is already local, so that a
+push that landed before the scheduler asked is seen as pushed. An item of a
+push reserved here and not over (`Consumer.push_pending`) keeps its request
+waiting even where no params name it; it is looked up again on the next step.
+
+Every fetch records its exposed latency, from the scheduler asking for the item
+to the entry being local: `exposed_pushed_s` when the producer wrote it here,
+`exposed_pulled_s` when it was read from the producer.
 """
 
 from __future__ import annotations
@@ -35,6 +49,7 @@ from ecshare.vllm.fetches import Fetch
 from ecshare.vllm.ops import decode_param
 from ecshare.vllm.pins import EnginePins
 from ecshare.vllm.placeholders import Placeholders
+from ecshare.vllm.pushes import PUSHED_TO
 from ecshare.vllm.settings import ConnectorSettings
 from ecshare.vllm.shapes import Expectations
 from ecshare.vllm.tally import Tally
@@ -44,6 +59,8 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
+
+LOCAL = "local"  # FetchResult.peer of an item found in the region
 
 # Holds are renewed while their request lives, so a long wait in the queue is fine; the
 # lease only ends the holds of bookkeeping that was lost.
@@ -87,6 +104,7 @@ class WaitingRequests:
         self._tally = tally
         self._settings = settings
         self._fingerprint = fingerprint
+        self._push_name = config.push_name
         self._waiters: dict[str, Waiter] = {}  # request id -> state
         self._fetches: dict[str, Fetch] = {}  # mm_hash -> its fetch in flight
         self._unavailable: set[str] = set()
@@ -107,7 +125,7 @@ class WaitingRequests:
             waiter.loaded.clear()
         params = request.ec_transfer_params
         if not params and not waiter.media_free:
-            return True
+            return not self._push_pending(request, num_computed_tokens)
         if params and not isinstance(params, dict):
             if not waiter.bad_params:
                 waiter.bad_params = True
@@ -124,14 +142,17 @@ class WaitingRequests:
                 continue  # already computed (a prefix-cache hit): nothing to fetch
             raw = params.get(h) if params else None
             if raw is None:
-                if h in waiter.media_free and not self._hold(waiter, h):
+                if self._consumer.push_pending(h):
+                    waiting = True  # being pushed here: looked up again next step
+                elif h in waiter.media_free and not self._hold(waiter, h):
                     self._fall_back(waiter, h, "no ec_transfer_params name it")
                 continue
-            if h not in waiter.waiting and self._hold(waiter, h):
+            pushed = self._pushed_here(raw)
+            if h not in waiter.waiting and not pushed and self._hold(waiter, h):
                 continue  # already local
             fetch = self._fetches.get(h)
             if fetch is None:
-                fetch = self._start_fetch(waiter, h, raw, feature)
+                fetch = self._start_fetch(waiter, h, raw, feature, pushed=pushed)
                 if fetch is None:
                     continue  # refused: left to local encoding
             fetch.requests.add(rid)
@@ -140,6 +161,27 @@ class WaitingRequests:
                 self._settle(h, fetch)
             waiting |= h in waiter.waiting
         return not waiting and rid not in self._unavailable
+
+    def _push_pending(self, request: Request, num_computed_tokens: int) -> bool:
+        """Whether a push of one of the request's items not yet computed is in flight."""
+        return any(
+            self._consumer.push_pending(f.identifier)
+            for f in request.mm_features
+            if f.mm_position.offset + f.mm_position.length > num_computed_tokens
+        )
+
+    def _pushed_here(self, raw: object) -> bool:
+        """Whether an item's params say its encoder pushes it to this instance."""
+        if self._push_name is None or not isinstance(raw, dict):
+            return False
+        names = raw.get(PUSHED_TO)
+        if names is None:
+            return False
+        if not isinstance(names, list | tuple) or not all(isinstance(n, str) for n in names):
+            self._tally.add("push_params_unusable")
+            self._tally.warn("push", f"{PUSHED_TO} is not a list of names: {names!r:.200}")
+            return False
+        return self._push_name in names
 
     def _track(self, request: Request) -> Waiter:
         waiter = Waiter(request, request.num_preemptions)
@@ -172,7 +214,13 @@ class WaitingRequests:
         return True
 
     def _start_fetch(
-        self, waiter: Waiter, h: str, raw: object, feature: MultiModalFeatureSpec
+        self,
+        waiter: Waiter,
+        h: str,
+        raw: object,
+        feature: MultiModalFeatureSpec,
+        *,
+        pushed: bool = False,
     ) -> Fetch | None:
         param = decode_param(raw)
         refusal: str | None = None
@@ -192,8 +240,14 @@ class WaitingRequests:
         assert param is not None
         hold = self._pins.hold("fetch", HOLD_LEASE_S)
         item = FetchItem(
-            h, nbytes=param.nbytes, max_nbytes=param.nbytes, peers=(param.peer,), hold=hold
+            h,
+            nbytes=param.nbytes,
+            max_nbytes=param.nbytes,
+            peers=(param.peer,),
+            hold=hold,
+            pushed=pushed,
         )
+        started_at = time.monotonic()
         try:
             future = self._consumer.fetch([item])[0]
         except Exception as exc:  # a consumer that cannot take work: encode instead
@@ -205,11 +259,15 @@ class WaitingRequests:
             pins=self._pins,
             hold=hold,
             check=lambda entry: self._expect.unfit(h, entry),
-            overdue_at=time.monotonic() + self._overdue_s,
+            overdue_at=started_at + self._overdue_s,
             on_unfit=self.drop_unfit,
+            started_at=started_at,
+            pushed=pushed,
         )
         self._fetches[h] = fetch
         self._tally.add("fetches_started")
+        if pushed:
+            self._tally.add("push_announced")
         return fetch
 
     def _settle(self, h: str, fetch: Fetch) -> None:
@@ -234,9 +292,16 @@ class WaitingRequests:
     def _account(self, h: str, fetch: Fetch, error: BaseException | None) -> None:
         if error is None:
             result = fetch.future.result()
-            self._tally.add("fetched_items")
-            self._tally.add("fetched_bytes", result.nbytes)
-            self._tally.latency(result.latency_s)
+            exposed_s = max(0.0, fetch.done_at - fetch.started_at)
+            if result.pushed:
+                self._tally.add("push_received")
+                self._tally.add("push_received_bytes", result.nbytes)
+                self._tally.sample("exposed_pushed_s", exposed_s)
+            elif result.peer != LOCAL:
+                self._tally.add("fetched_items")
+                self._tally.add("fetched_bytes", result.nbytes)
+                self._tally.sample("fetch_latency_s", result.latency_s)
+                self._tally.sample("exposed_pulled_s", exposed_s)
             return
         self._tally.add("fetch_failed")
         if isinstance(error, FetchFailed) and error.reason is FailureReason.LOCAL_STORE_FULL:

@@ -384,10 +384,19 @@ class EC:
         return stats.reduce()
 
     def encode(
-        self, producer: Scheduler, request_id: str, mm_hash: str, tensor: torch.Tensor
+        self,
+        producer: Scheduler,
+        request_id: str,
+        mm_hash: str,
+        tensor: torch.Tensor,
+        *,
+        params: object = None,
     ) -> dict[str, Any]:
-        """The encoder instance's whole job for one item: its `ec_transfer_params`."""
-        producer.add_request(self.request(request_id, mm_hash, num_embeds=tensor.shape[0]))
+        """The encoder instance's whole job for one item: its `ec_transfer_params`.
+        `params` are the encoder request's own (a push: `{"push_to": [...]}`)."""
+        producer.add_request(
+            self.request(request_id, mm_hash, num_embeds=tensor.shape[0], params=params)
+        )
         step = self.step(producer, {mm_hash: tensor})
         assert step.out.scheduled_encoder_inputs == {request_id: [0]}
         done = step.finished(request_id)
