@@ -5,7 +5,12 @@ Everything runs on this host.
 It generates CURVE keys (one pair shared by the encoders, one by the prefill/decode
 instances), gives each encoder a control-plane port of its own and the prefill/decode
 instances the list of those endpoints as `trusted_producers` (so that they fetch from
-no other producer, whatever a request names), starts each `vllm serve` (through
+no other producer, whatever a request names). For push (docs/PUSH.md; `--no-push`
+turns it off) it names each prefill/decode instance (`push_name` "pd0", "pd1", ...),
+which then holds a push session with every encoder from start-up and trusts the
+encoders' key to push (its default `push_trusted_keys`), gives the encoders those
+names as their `push_targets`, and tells the proxy each instance's name
+(`--pd URL=PUSH_NAME`). It starts each `vllm serve` (through
 `ecshare.vllm.launch`) with its `--ec-transfer-config` on a free port and its own CPU
 core (round-robin over the cores this process may use), waits until every instance
 answers /health, then serves the EPD proxy in front of them and prints one ready line
@@ -39,7 +44,7 @@ import msgspec
 
 from ecshare.proxy.config import PD_MEDIA
 from ecshare.vllm.launch import Keys, ServerSpec, VllmServer, free_port
-from ecshare.vllm.settings import TRUSTED_PRODUCERS
+from ecshare.vllm.settings import PUSH_TARGETS, TRUSTED_PRODUCERS
 
 READY_PREFIX = "ecshare-launch-ready "
 
@@ -50,6 +55,9 @@ class LaunchReady(msgspec.Struct):
     encoders: tuple[str, ...]
     prefill_decode: tuple[str, ...]
     workdir: str
+    # Each prefill/decode instance's push name, in the order of `prefill_decode`;
+    # empty with --no-push.
+    push_names: tuple[str, ...] = ()
 
 
 @dataclass
@@ -66,6 +74,7 @@ class LaunchOptions:
     ready_timeout_s: float = 600.0
     proxy_workers: int = 1
     pd_media: str = "omit"
+    push: bool = True
 
 
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
@@ -89,6 +98,12 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         default="omit",
         help="what prefill/decode gets of encoded media (ecshare proxy --pd-media): omit, "
         "its placeholder metadata only; keep, the media as sent (omit)",
+    )
+    parser.add_argument(
+        "--no-push",
+        dest="push",
+        action="store_false",
+        help="encoders do not push items into prefill/decode; it pulls every one",
     )
     parser.add_argument(
         "--served-model-name", default=None, help="model name in the API (default: --model)"
@@ -134,6 +149,7 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         ready_timeout_s=args.ready_timeout,
         proxy_workers=args.proxy_workers,
         pd_media=args.pd_media,
+        push=args.push,
     )
 
 
@@ -147,8 +163,10 @@ def plan_servers(
     options: LaunchOptions, workdir: Path
 ) -> tuple[list[VllmServer], list[VllmServer]]:
     """(encoders, prefill/decode instances), not started: keys in `workdir`, free ports
-    (for the encoders' control planes too), cores round-robin, a log per instance, and
-    the encoders' endpoints as the prefill/decode instances' `trusted_producers`."""
+    (for the encoders' control planes too), cores round-robin, a log per instance, the
+    encoders' endpoints as the prefill/decode instances' `trusted_producers`, and, with
+    push, each prefill/decode instance's `push_name` (`push_name_of`), the encoders'
+    `push_targets`."""
     keys = Keys.generate(workdir)
     cores = _cores()
     name = options.served_model_name or options.model
@@ -167,8 +185,12 @@ def plan_servers(
         kind = "encoder" if role == "ec_producer" else "prefill_decode"
         return VllmServer(spec, workdir / f"{kind}{index}.log")
 
+    names = [push_name_of(i) for i in range(options.prefill_decode)] if options.push else []
+    producer = keys.producer_config()
+    if names:
+        producer[PUSH_TARGETS] = names
     encoders = [
-        server("ec_producer", i, i, {**keys.producer_config(), "listen_port": free_port()})
+        server("ec_producer", i, i, {**producer, "listen_port": free_port()})
         for i in range(options.encoders)
     ]
     consumer = keys.consumer_config()
@@ -183,10 +205,26 @@ def plan_servers(
             file=sys.stderr,
         )
     pd = [
-        server("ec_consumer", i, options.encoders + i, consumer)
+        server(
+            "ec_consumer",
+            i,
+            options.encoders + i,
+            {**consumer, "push_name": names[i]} if names else consumer,
+        )
         for i in range(options.prefill_decode)
     ]
     return encoders, pd
+
+
+def push_name_of(index: int) -> str:
+    """The push name launch gives its prefill/decode instance number `index`."""
+    return f"pd{index}"
+
+
+def pd_push_names(pd: list[VllmServer]) -> tuple[str, ...]:
+    """The prefill/decode instances' push names, in order; () when they take no push."""
+    names = tuple(str(s.spec.extra_config.get("push_name") or "") for s in pd)
+    return names if all(names) else ()
 
 
 def producer_endpoint(extra: dict[str, Any]) -> str | None:
@@ -260,6 +298,7 @@ def run_launch(options: LaunchOptions) -> int:
                         encoders=config.encoders,
                         prefill_decode=config.prefill_decode,
                         workdir=str(workdir),
+                        push_names=pd_push_names(pd),
                     )
                     print(READY_PREFIX + msgspec.json.encode(ready).decode(), flush=True)
 

@@ -33,7 +33,8 @@ from ecshare.control import generate_keypair
 
 SERVED_MODEL_NAME = "tiny"
 METRIC_PREFIX = "vllm:ecshare_"
-_SAMPLE = re.compile(r"^([A-Za-z_:][\w:]*)(?:\{[^}]*\})?\s+(\S+)$")
+_SAMPLE = re.compile(r"^([A-Za-z_:][\w:]*)(?:\{([^}]*)\})?\s+(\S+)$")
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
 @dataclass(frozen=True)
@@ -189,9 +190,29 @@ class VllmServer:
 def read_metrics(base_url: str, prefix: str = METRIC_PREFIX) -> dict[str, float]:
     """Counter, gauge and histogram sum/count samples whose name starts with `prefix`,
     summed over their labels, keyed by the name without the prefix."""
+    out: dict[str, float] = {}
+    for name, _, value in _samples(base_url, prefix):
+        out[name] = out.get(name, 0.0) + value
+    return out
+
+
+def read_by_label(
+    base_url: str, name: str, label: str, prefix: str = METRIC_PREFIX
+) -> dict[str, float]:
+    """The samples of `name` (without the prefix) summed per value of `label`, e.g.
+    `read_by_label(url, "exposed_latency_seconds_count", "mode")` -> {"pushed": 2.0, ...}."""
+    out: dict[str, float] = {}
+    for found, labels, value in _samples(base_url, prefix):
+        if found == name and label in labels:
+            out[labels[label]] = out.get(labels[label], 0.0) + value
+    return out
+
+
+def _samples(base_url: str, prefix: str) -> list[tuple[str, dict[str, str], float]]:
+    """(name without the prefix, labels, value) of the instance's samples under `prefix`."""
     with urllib.request.urlopen(base_url + "/metrics", timeout=10) as resp:
         text = resp.read().decode()
-    out: dict[str, float] = {}
+    out = []
     for line in text.splitlines():
         match = _SAMPLE.match(line)
         # Prometheus adds *_created timestamps and cumulative *_bucket samples per label.
@@ -200,8 +221,8 @@ def read_metrics(base_url: str, prefix: str = METRIC_PREFIX) -> dict[str, float]
             and match.group(1).startswith(prefix)
             and not match.group(1).endswith(("_created", "_bucket"))
         ):
-            name = match.group(1)[len(prefix) :]
-            out[name] = out.get(name, 0.0) + float(match.group(2))
+            labels = dict(_LABEL.findall(match.group(2) or ""))
+            out.append((match.group(1)[len(prefix) :], labels, float(match.group(3))))
     return out
 
 

@@ -3,7 +3,9 @@
 It does what vLLM's `disagg_epd_proxy` example does, as a library:
 
 1. each media item of the request goes alone to an encoder instance (the same
-   model, a one-item message, `max_tokens: 1`), all items concurrently;
+   model, a one-item message, `max_tokens: 1`), all items concurrently; with
+   `Route.push_to`, each encoder request asks for a push of its item to those
+   prefill/decode push names (`ec_transfer_params: {"push_to": [...]}`);
 2. the `ec_transfer_params` the encoders return are merged (keyed by mm_hash);
 3. the original request goes to the prefill/decode instance with those params
    as its top-level `ec_transfer_params`, and its JSON answer is returned.
@@ -23,6 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+
+from ecshare.vllm.pushes import PUSH_TO
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +55,8 @@ class Route:
     encoders: Sequence[str]
     prefill_decode: str
     timeout_s: float = 300.0
+    # The prefill/decode instance's push name, to have the encoders push to it.
+    push_to: tuple[str, ...] = ()
 
 
 def media_parts(body: Mapping[str, Any]) -> Iterator[JSON]:
@@ -64,8 +70,9 @@ def media_parts(body: Mapping[str, Any]) -> Iterator[JSON]:
                 yield dict(part)
 
 
-def encoder_request(body: Mapping[str, Any], part: JSON) -> JSON:
-    """The encode-only request for one media part of `body`."""
+def encoder_request(body: Mapping[str, Any], part: JSON, push_to: Sequence[str] = ()) -> JSON:
+    """The encode-only request for one media part of `body`, asking for a push of its
+    item to the `push_to` names (see ecshare.vllm.pushes)."""
     request: JSON = {
         "model": body.get("model"),
         "messages": [{"role": "user", "content": [part]}],
@@ -75,6 +82,8 @@ def encoder_request(body: Mapping[str, Any], part: JSON) -> JSON:
     for key in _HASH_FIELDS:
         if key in body:
             request[key] = body[key]
+    if push_to:
+        request["ec_transfer_params"] = {PUSH_TO: list(push_to)}
     return request
 
 
@@ -84,6 +93,7 @@ async def encode_items(
     encoders: Sequence[str],
     *,
     request_id: str = "",
+    push_to: Sequence[str] = (),
 ) -> JSON:
     """Send each media part of `body` to an encoder; the merged `ec_transfer_params`."""
     parts = list(media_parts(body))
@@ -94,7 +104,7 @@ async def encode_items(
         _encode_one(
             session,
             encoders[i % len(encoders)],
-            encoder_request(body, part),
+            encoder_request(body, part, push_to),
             f"{request_id}-enc{i}",
         )
         for i, part in enumerate(parts)
@@ -148,7 +158,9 @@ async def route_chat(session: aiohttp.ClientSession, body: Mapping[str, Any], ro
     if body.get("stream"):
         raise ValueError("the router answers whole responses only; set stream to false")
     request_id = uuid.uuid4().hex
-    params = await encode_items(session, body, route.encoders, request_id=request_id)
+    params = await encode_items(
+        session, body, route.encoders, request_id=request_id, push_to=route.push_to
+    )
     return await forward(session, body, params, route.prefill_decode, request_id=request_id)
 
 
