@@ -51,6 +51,7 @@ from ecshare.config import Config
 from ecshare.control import AuthenticationFailed, ClientPool, KeyPair, LinkSettings, Waker
 from ecshare.peer.inbox import Inbox, PushLink, Reservation
 from ecshare.peer.link import PeerLink, PeerLinkState
+from ecshare.peer.notices import Notices
 from ecshare.peer.phases import PhaseLog
 from ecshare.peer.thread import NetworkThread
 from ecshare.peer.transfer import (
@@ -207,6 +208,8 @@ class Consumer(NetworkThread):
             agent_loaded=lambda agent: any(x.agent == agent for x in self._links.values()),
         )
         self._notes: list[tuple[str, bytes]] = []  # data-plane notices, for the inbox
+        # Shared with a Producer over the same transport: each takes its own notices.
+        self._notices = Notices.of(transport)
         self._pushed: collections.OrderedDict[str, None] = collections.OrderedDict()
         # Exposed latency per mode (pushed, pulled), in LATENCY_BUCKETS_S buckets.
         self._exposed = {m: [0] * (len(LATENCY_BUCKETS_S) + 1) for m in EXPOSED_MODES}
@@ -391,6 +394,7 @@ class Consumer(NetworkThread):
             self._started(exc)
             return
         self._started(None)
+        self._notices.join("push")
         try:
             while not self._stop.is_set():
                 self._step(self._wait())
@@ -400,7 +404,10 @@ class Consumer(NetworkThread):
                 self.failure = exc  # new fetches fail at once from here on
             raise
         finally:
-            self._shutdown()
+            try:
+                self._shutdown()
+            finally:
+                self._notices.leave("push")
 
     def _wait(self) -> dict[object, int]:
         assert self._waker is not None
@@ -465,7 +472,7 @@ class Consumer(NetworkThread):
         the notices for the inbox; returns early on the first one (see `_wait_reads`)."""
         until = time.monotonic() + _READ_WAIT_S
         while True:
-            notes = self._transport.progress()
+            notes = self._notices.take("push")
             if notes:
                 self._notes.extend(notes)
                 return
@@ -493,6 +500,12 @@ class Consumer(NetworkThread):
                 link = self._link(endpoint)
                 if link is not None and link.state is PeerLinkState.IDLE:
                     link.connect(now)
+        if self._config.push_name:
+            # Producers push over these sessions: one lost (a dead peer, a cut) is made
+            # again as soon as its quarantine ends, not at the next fetch from it.
+            for link in self._links.values():
+                if link.state is PeerLinkState.IDLE:
+                    link.connect(now)
         for link in list(self._links.values()):
             if link.client is not None and any(s in events for s in link.client.pollables):
                 for msg in link.receive():
@@ -500,8 +513,9 @@ class Consumer(NetworkThread):
             self._check_link(link, now)
         self._poll_reads()
         self._poll_fenced()
-        if self._inbox.busy:
-            self._notes.extend(self._transport.progress())
+        # Idle, we leave progress to the producer side (if any): notices it took for
+        # our pushes (a late one, after a PushDone committed) are picked up all the same.
+        self._notes.extend(self._notices.take("push", progress=self._inbox.busy))
         notes, self._notes = self._notes, []
         for agent, note in notes:
             if not self._inbox.on_notification(agent, note):
@@ -1129,7 +1143,7 @@ class Consumer(NetworkThread):
         while (self._fenced or self._inbox.busy) and time.monotonic() < deadline:
             self._poll_fenced()
             if self._inbox.busy:
-                for agent, note in self._transport.progress():
+                for agent, note in self._notices.take("push"):
                     self._inbox.on_notification(agent, note)
                 self._inbox.step(time.monotonic())
             time.sleep(0.001)

@@ -36,6 +36,7 @@ from typing import Final
 
 from ecshare import protocol as p
 from ecshare.config import Config
+from ecshare.peer.notices import PUSH_NOTICE
 from ecshare.store import Entry, EntryExists, EntryMeta, EntryState, Hold, Store, StoreFull
 from ecshare.transport.base import DataTransport, PeerInfo, ReadState, Segment
 
@@ -43,7 +44,6 @@ log = logging.getLogger(__name__)
 
 # A fenced push whose producer's data plane still answers is probed again this often.
 _PROBE_INTERVAL_S: Final = 1.0
-NOTIFY_PREFIX: Final = b"push:"
 _OVER_REMEMBERED: Final = 4096
 
 
@@ -220,6 +220,8 @@ class Inbox:
         if r is None:
             self._count("push_done_after_end" if key in self._over_keys else "push_unknown_done", 1)
             return
+        if r.state is ReservationState.FENCED:
+            self._count("push_fences_ended_by_done", 1)
         if msg.written:
             self._written(r)
         else:
@@ -228,14 +230,17 @@ class Inbox:
 
     def on_notification(self, agent: str, note: bytes) -> bool:
         """A data-plane notice; True if it was a push's (taken here)."""
-        if not note.startswith(NOTIFY_PREFIX):
+        if not note.startswith(PUSH_NOTICE):
             return False
-        push_id = note[len(NOTIFY_PREFIX) :].decode("ascii", "replace")
+        push_id = note[len(PUSH_NOTICE) :].decode("ascii", "replace")
+        self._count("push_notices", 1)
         r = self._by_agent.get((agent, push_id))
         if r is None:
             self._count("push_unknown_notifications", 1)
-        else:
-            self._written(r)
+            return True
+        if r.state is ReservationState.FENCED:
+            self._count("push_fences_ended_by_notice", 1)
+        self._written(r)
         return True
 
     def step(self, now: float) -> None:

@@ -28,6 +28,7 @@ import zmq
 from ecshare import protocol as p
 from ecshare.config import Config
 from ecshare.control import ControlServer, KeyPair, Waker
+from ecshare.peer.notices import Notices
 from ecshare.peer.phases import PhaseLog
 from ecshare.peer.pusher import Pusher, PushOutcome, PushState, PushTarget
 from ecshare.peer.status import SessionView, status_reply
@@ -139,6 +140,8 @@ class Producer(NetworkThread):
         self.started_at = time.time()
         # Per-item timestamps of each step (see peer/phases.py); off unless set.
         self.phases: PhaseLog | None = None
+        # Shared with a Consumer over the same transport: each takes its own notices.
+        self._notices = Notices.of(transport)
         writer = writer_of(transport)
         self._pusher = (
             Pusher(store, config, writer, count=self._add) if writer is not None else None
@@ -170,6 +173,11 @@ class Producer(NetworkThread):
 
     def pushes_in_flight(self) -> int:
         return self._pusher.in_flight if self._pusher is not None else 0
+
+    def largest_push_in_flight(self) -> int:
+        """The size of the largest push offered or being written now, 0 if none (any
+        thread): the source entry of each stays pinned until its write has ended."""
+        return self._pusher.largest_in_flight() if self._pusher is not None else 0
 
     def push_names(self) -> frozenset[str]:
         """The names of the consumers that hold a session accepting pushes now (any
@@ -253,6 +261,7 @@ class Producer(NetworkThread):
             self._started(exc)
             return
         self._started(None)
+        self._notices.join("grant")
         poller = zmq.Poller()
         for pollable in self._server.pollables:
             poller.register(pollable, zmq.POLLIN)
@@ -285,7 +294,7 @@ class Producer(NetworkThread):
                 if now >= next_reap:
                     self._reap(now)
                     next_reap = now + cfg.reap_interval_s
-                for agent, note in self._transport.progress():
+                for agent, note in self._notices.take("grant"):
                     self._on_notification(agent, note)
                 if pusher is not None:
                     pusher.step(time.monotonic())
@@ -296,6 +305,7 @@ class Producer(NetworkThread):
             self.failure = exc
             raise
         finally:
+            self._notices.leave("grant")
             self._server.close()
             self._waker.close()
 

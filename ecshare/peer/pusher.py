@@ -35,6 +35,7 @@ from typing import Final
 
 from ecshare import protocol as p
 from ecshare.config import Config
+from ecshare.peer.notices import PUSH_NOTICE
 from ecshare.store import EntryState, NotFound, NotReady, Store
 from ecshare.transport.base import ReadState, WritingTransport, pair_segments
 
@@ -149,6 +150,10 @@ class Pusher:
     @property
     def in_flight(self) -> int:
         return len(self._pushes)
+
+    def largest_in_flight(self) -> int:
+        # The network thread owns the dict; copying its values is one step under the GIL.
+        return max((x.nbytes for x in tuple(self._pushes.values())), default=0)
 
     def target_names(self) -> frozenset[str]:
         """The push names of the consumer sessions that accept pushes now."""
@@ -317,7 +322,7 @@ class Pusher:
         segments = pair_segments(entry.byte_extents(self._store.block_size), dest)
         push.move(PushState.WRITING)
         push.handle = self._transport.write(
-            push.target.agent, segments, f"push:{push.push_id}".encode()
+            push.target.agent, segments, PUSH_NOTICE + push.push_id.encode()
         )
         self._count("push_writes", 1)
         self._poll_write(push)
@@ -336,6 +341,22 @@ class Pusher:
             self._count("push_write_failures", 1)
             self._end(push, PushState.FAILED, f"write failed: {status.detail}", tell=True)
 
+    def _report_later(self, gone: PushTarget, done: p.PushDone) -> None:
+        """The session that asked is gone: tell the consumer's newest session of the
+        same key and name, if one is up (it may have reconnected while the write ran),
+        else keep the word for its next one (`add_target`)."""
+        for target in reversed(self._targets.values()):
+            if (
+                target is not gone
+                and (target.user, target.push_name) == (gone.user, gone.push_name)
+                and target.send(done)
+            ):
+                self._count("push_done_reported_late", 1)
+                return
+        key = (gone.user, gone.push_name)
+        queue = self._unreported.setdefault(key, collections.deque(maxlen=_UNREPORTED_PER_CONSUMER))
+        queue.append(done)
+
     def _end(self, push: _Push, state: PushState, detail: str, *, tell: bool) -> None:
         """The push is over: the backend has ended its write, or none was posted."""
         assert push.handle is None, "a push ends only once its write has"
@@ -352,11 +373,7 @@ class Pusher:
                 detail=detail[:4000],
             )
             if push.session_gone or not push.target.send(done):
-                key = (push.target.user, push.target.push_name)
-                queue = self._unreported.setdefault(
-                    key, collections.deque(maxlen=_UNREPORTED_PER_CONSUMER)
-                )
-                queue.append(done)
+                self._report_later(push.target, done)
         if state is not PushState.PUSHED:
             self._count("push_failed" if state is PushState.FAILED else "push_refused", 1)
         outcome = PushOutcome(

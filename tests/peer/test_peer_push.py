@@ -15,6 +15,7 @@ import mmap
 import select
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -33,6 +34,7 @@ from peer_testing import (
     MakeProducer,
     SpawnProducer,
     child_env,
+    config_of,
     expected,
     flags,
     stored_bytes,
@@ -40,11 +42,21 @@ from peer_testing import (
 )
 
 from ecshare import protocol as p
+from ecshare.chaos.faultproxy import FaultProxy, Faults
 from ecshare.control import ControlServer
 from ecshare.metrics import read_samples
-from ecshare.peer import FetchItem, Producer, PushOutcome, PushState
+from ecshare.peer import (
+    FetchItem,
+    Node,
+    Producer,
+    PushOutcome,
+    PushState,
+    start_consumer,
+    start_producer,
+)
+from ecshare.peer.notices import Notices
 from ecshare.store import EntryState, Store
-from ecshare.transport import NixlTransport
+from ecshare.transport import NixlTransport, ReadState, ReadStatus, Segment
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -455,3 +467,223 @@ def test_consumer_sigkill_mid_push_keeps_the_source_pinned_until_the_write_fails
         if child.poll() is None:
             child.kill()
             child.wait(10)
+
+
+# -- control cut with both sides alive, and an offer nobody answers ------------------------------
+
+
+def stall(node: Node) -> list[bool]:
+    """Stop `node`'s data plane from moving anything while the flag is set: its polls say
+    PENDING and its progress does nothing. Over UCX TCP a write moves only as both ends
+    progress, so a write from (or a probe read of) this node stands still."""
+    held = [False]
+    real_poll, real_progress = node.transport.poll, node.transport.progress
+
+    def poll(handle: object) -> ReadStatus:
+        return ReadStatus(ReadState.PENDING) if held[0] else real_poll(handle)
+
+    node.transport.poll = poll  # type: ignore[method-assign]
+    node.transport.progress = lambda: [] if held[0] else real_progress()  # type: ignore[method-assign]
+    return held
+
+
+@pytest.mark.parametrize("word", ["notice", "push_done"])
+def test_control_cut_with_both_alive_fences_the_push_until_its_write_ends(
+    make_producer: MakeProducer, make_consumer: MakeConsumer, keyring: Keyring, word: str
+) -> None:
+    """The control path is held past both sides' heartbeat timeouts while a write is
+    stalled: both end the session, the consumer fences the reservation (a probe finds
+    the producer alive), the producer's write runs on. Once it ends, the consumer learns
+    it from the write's notification or, where that notice never reaches the inbox,
+    from the PushDone the producer kept and sends on the consumer's next session. Only
+    then do the blocks come back; nothing was written into them after that."""
+    h, n = "cut-1", 16 << 20
+    pnode, producer = make_producer(keyring.producer_config(), TCP, entries={"w": 4096, h: n})
+    proxy = FaultProxy("127.0.0.1", producer.port, faults=Faults(), seed=7)
+    try:
+        # A reservation deadline far off: only the lost session fences the push.
+        cnode, consumer = make_consumer(
+            keyring.consumer_config(), PUSH, TCP, {"push_deadline_s": 30.0}
+        )
+        if word == "push_done":
+            real_progress = cnode.transport.progress
+            cnode.transport.progress = lambda: [  # type: ignore[method-assign]
+                x for x in real_progress() if not x[1].startswith(b"push:")
+            ]
+        consumer.connect([proxy.address])
+        assert push_when_connected(producer, "w").pushed
+        held = stall(pnode)
+        held[0] = True
+
+        push = producer.push(h, to="pd-0")
+        assert wait_until(lambda: producer.counters["push_writes"] == 2, 5)
+        assert consumer.push_pending(h)
+        proxy.hold(2.5)
+        assert wait_until(lambda: consumer.counter_snapshot().get("push_sessions_lost") == 1, 10)
+        assert wait_until(lambda: producer.session_count() == 0, 10)
+        assert not consumer.push_pending(h) and cnode.store.stats().quarantined == 1
+        assert not push.done() and pnode.store.stats().pins == 1  # the write runs on
+        held[0] = False
+
+        out = push.result(timeout=15)
+        assert out.pushed, out  # the write did end: into blocks the consumer still holds
+        assert wait_until(lambda: cnode.store.stats().quarantined == 0, 15)
+        counters = consumer.counter_snapshot()
+        assert counters["push_fenced_ended"] == 1
+        if word == "notice":
+            assert counters["push_fences_ended_by_notice"] == 1
+        else:
+            assert counters.get("push_notices", 0) == 0
+            assert counters["push_fences_ended_by_done"] == 1
+            assert producer.counters["push_done_reported_late"] == 1
+        assert cnode.store.get(h) is None  # a fenced push never commits
+        assert pnode.store.stats().pins == 0 and producer.pushes_in_flight() == 0
+        fill_region(cnode.store)
+        assert cnode.store.stats().canary_violations == 0
+        # The push channel comes back by itself once the path does, and pull works.
+        assert wait_until(lambda: producer.push_names() == {"pd-0"}, 10)
+        result = consumer.fetch([FetchItem(h)], [proxy.address])[0].result(timeout=15)
+        assert not result.pushed
+        np.testing.assert_array_equal(stored_bytes(cnode, h), expected(h, n))
+    finally:
+        proxy.close()
+
+
+def test_offer_never_answered_is_given_up_and_its_late_reservation_freed(
+    make_producer: MakeProducer, make_consumer: MakeConsumer, keyring: Keyring
+) -> None:
+    """The offer reaches the consumer only after the producer's request timeout: the
+    producer has already unpinned its source and said PushDone(not written), which
+    follows the offer on the same path and frees the reservation the offer made."""
+    h, n = "unanswered-1", 2 << 20
+    slow = {"heartbeat_timeout_s": 4.0}
+    pnode, producer = make_producer(
+        keyring.producer_config(), slow, {"request_timeout_s": 0.3}, entries={"w": 4096, h: n}
+    )
+    proxy = FaultProxy("127.0.0.1", producer.port, faults=Faults(), seed=8)
+    try:
+        cnode, consumer = make_consumer(keyring.consumer_config(), PUSH, slow)
+        consumer.connect([proxy.address])
+        assert push_when_connected(producer, "w").pushed
+        proxy.hold(1.5, ("to_consumer",))
+
+        out = producer.push(h, to="pd-0").result(timeout=10)
+
+        assert out.state is PushState.FAILED and out.detail == "no answer to the offer", out
+        assert pnode.store.stats().pins == 0 and producer.pushes_in_flight() == 0
+        # The held offer lands, reserves, and the PushDone behind it frees the blocks.
+        assert wait_until(lambda: consumer.counter_snapshot().get("push_not_written") == 1, 10)
+        counters = consumer.counter_snapshot()
+        assert counters["push_reserved"] == 2  # "w", then the late offer
+        assert wait_until(lambda: producer.counters["push_late_replies"] == 1, 5)
+        assert cnode.store.get(h) is None and not consumer.push_pending(h)
+        assert cnode.store.stats().allocated == 0
+        assert producer.session_count() == 1  # the session itself lived through it
+        fill_region(cnode.store)
+        assert cnode.store.stats().canary_violations == 0
+        result = consumer.fetch([FetchItem(h)], [proxy.address])[0].result(timeout=10)
+        assert not result.pushed
+        np.testing.assert_array_equal(stored_bytes(cnode, h), expected(h, n))
+    finally:
+        proxy.close()
+
+
+# -- a node that is both producer and consumer -----------------------------------------------
+
+
+def test_notices_hands_each_kind_to_its_own_part_over_real_nixl() -> None:
+    """Two data planes in this process: one writes a push and a grant's notice into the
+    other, whose Producer-side taker runs first. The push's notice is kept for the
+    Consumer-side taker; with no Consumer there, it goes to whoever asked."""
+    config = config_of(TCP)
+    a = Node.create(config, "engine")
+    b = Node.create(config, "engine")
+    try:
+        for node in (a, b):
+            node.transport.register(node.region.address, node.region.size)
+        a.transport.add_peer(b.transport.local_info())
+        writer = a.transport
+        assert isinstance(writer, NixlTransport)
+        router = Notices.of(b.transport)
+        assert Notices.of(b.transport) is router  # one router per transport
+        router.join("grant")
+        router.join("push")
+        for note in (b"push:p1", b"s1:g1"):
+            handle = writer.write(b.transport.name, [Segment(0, 0, 4096)], note)
+            deadline = time.monotonic() + 5
+            while writer.poll(handle).state is ReadState.PENDING:
+                router.take("grant")  # the target's progress, as its producer loop gives it
+                assert time.monotonic() < deadline
+            writer.release(handle)
+        got: list[tuple[str, bytes]] = []
+        assert wait_until(lambda: bool(got.extend(router.take("grant")) or len(got) >= 1), 5)
+        time.sleep(0.05)
+        got += router.take("grant")
+        assert got == [(writer.name, b"s1:g1")]
+        assert router.take("push") == [(writer.name, b"push:p1")]
+        router.leave("push")  # no Consumer here any more: a push's notice is unexpected
+        handle = writer.write(b.transport.name, [Segment(0, 0, 4096)], b"push:p2")
+        seen: list[tuple[str, bytes]] = []
+        assert wait_until(
+            lambda: bool(seen.extend(router.take("grant")) or (writer.poll(handle).state
+                         is not ReadState.PENDING and seen)), 5
+        )  # fmt: skip
+        writer.release(handle)
+        assert seen == [(writer.name, b"push:p2")]
+        router.leave("grant")
+    finally:
+        a.close()
+        b.close()
+
+
+def test_shared_node_hands_push_notices_to_its_consumer_while_its_producer_serves(
+    make_producer: MakeProducer, make_consumer: MakeConsumer, keyring: Keyring
+) -> None:
+    """An engine that encodes and consumes runs a Producer and a Consumer over one
+    transport. While its producer serves TCP reads (its loop progresses the shared data
+    plane flat out), every push into its consumer still commits on the write's own
+    notification, never mistaken by the producer for a grant's."""
+    items = {f"shared-push-{i}": 1 << 20 for i in range(12)}
+    served = {"served-0": 4 << 20}
+    _remote, producer = make_producer(keyring.producer_config(), TCP, entries=items)
+    engine = Node.create(
+        config_of(keyring.producer_config(), keyring.consumer_config(), PUSH, TCP), "engine"
+    )
+    for h, n in served.items():
+        engine.store.put(h, expected(h, n))
+    own_producer = start_producer(engine, fingerprint=FINGERPRINT)
+    own_consumer = start_consumer(engine, fingerprint=FINGERPRINT)
+    stop = threading.Event()
+    try:
+        _rnode, reader = make_consumer(keyring.consumer_config(), TCP)
+        h0 = next(iter(served))
+
+        def read_forever() -> None:
+            while not stop.is_set():
+                reader.fetch([h0], [own_producer.address])[0].result(timeout=15)
+                _rnode.store.remove(h0)
+
+        pulls = threading.Thread(target=read_forever, daemon=True)
+        pulls.start()
+        own_consumer.connect([producer.address])
+        first, *rest = items
+        assert push_when_connected(producer, first).pushed
+        outcomes = [producer.push(h, to="pd-0") for h in rest]
+        assert all(f.result(timeout=30).pushed for f in outcomes)
+        stop.set()
+        pulls.join(timeout=20)
+
+        assert wait_until(lambda: all(ready(engine.store, h) for h in items), 10)
+        for h, n in items.items():
+            np.testing.assert_array_equal(stored_bytes(engine, h), expected(h, n))
+        assert wait_until(
+            lambda: own_consumer.counter_snapshot().get("push_notices", 0) == len(items), 10
+        ), own_consumer.counter_snapshot()
+        assert own_producer.counters["bad_notifications"] == 0
+        assert own_consumer.counter_snapshot().get("unexpected_notifications", 0) == 0
+        assert reader.counter_snapshot()["fetched"] >= 1  # the producer did serve meanwhile
+    finally:
+        stop.set()
+        own_consumer.stop()
+        own_producer.stop()
+        engine.close()
