@@ -285,6 +285,7 @@ def run_launch(options: LaunchOptions) -> int:
                 config = ProxyConfig(
                     encoders=tuple(s.url for s in encoders),
                     prefill_decode=tuple(s.url for s in pd),
+                    pd_push_names=pd_push_names(pd),
                     host=options.host,
                     port=options.port,
                     workers=options.proxy_workers,
@@ -298,7 +299,7 @@ def run_launch(options: LaunchOptions) -> int:
                         encoders=config.encoders,
                         prefill_decode=config.prefill_decode,
                         workdir=str(workdir),
-                        push_names=pd_push_names(pd),
+                        push_names=config.pd_push_names,
                     )
                     print(READY_PREFIX + msgspec.json.encode(ready).decode(), flush=True)
 

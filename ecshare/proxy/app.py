@@ -2,7 +2,9 @@
 
 Routes:
 
-* ``POST /v1/chat/completions``: media items to the encoders first (`fanout`), then the
+* ``POST /v1/chat/completions``: media items to the encoders first (`fanout`), asking
+  them to push the items into the prefill/decode instance chosen for the request where
+  it has a push name (`--pd URL=PUSH_NAME`), then the
   request, with the merged `ec_transfer_params`, to prefill/decode (`forward`): each media
   part as its placeholder metadata only where the encoder published it (`media`, unless
   `--pd-media keep`), and once more with the media if that attempt fails; a request
@@ -104,6 +106,11 @@ class Proxy:
         self.prefill_decode = BackendPool(
             PREFILL_DECODE, config.prefill_decode, eject_after=eject, metrics=self.metrics
         )
+        self._push_names = {
+            url: name
+            for url, name in zip(config.prefill_decode, config.pd_push_names, strict=False)
+            if name
+        }
         key = config.api_key
         self._key_digest = None if key is None else hashlib.sha256(key.encode()).digest()
         self._stages: _Stages | None = None
@@ -209,7 +216,12 @@ class Proxy:
             return await self.stages.prefill_decode.relay(
                 request, CHAT_PATH, raw, request_id=request_id
             )
-        encoded = await self.stages.encode.encode(body, scan.parts, request_id)
+        # With push, the prefill/decode instance is chosen first: the encoders write the
+        # items into it while the proxy forwards the request.
+        chosen = self.prefill_decode.pick() if self._push_names else None
+        name = self._push_names.get(chosen.url, "") if chosen is not None else ""
+        push_to = (name,) if name else ()
+        encoded = await self.stages.encode.encode(body, scan.parts, request_id, push_to)
         payload: bytes = raw
         with_media: Callable[[], bytes] | None = None  # what to send if media-free fails
         media = "kept"
@@ -226,7 +238,12 @@ class Proxy:
                 payload = with_params(raw, body, merged)
         self.metrics.pd_media[media].inc()
         return await self.stages.prefill_decode.relay(
-            request, CHAT_PATH, payload, request_id=request_id, with_media=with_media
+            request,
+            CHAT_PATH,
+            payload,
+            request_id=request_id,
+            with_media=with_media,
+            first=chosen,
         )
 
     async def completions(self, request: web.Request) -> web.StreamResponse:

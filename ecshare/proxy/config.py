@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,8 @@ from ecshare.config import ConfigError
 API_KEY_ENV = "ECSHARE_PROXY_API_KEY"
 MiB = 1 << 20
 MAX_WORKERS = 256
+# A prefill/decode instance's push name, as ecshare's `push_name` allows it.
+_PUSH_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 # What a prefill/decode instance gets of a request's media once the encoders have answered.
 PD_MEDIA = ("omit", "keep")
 
@@ -35,6 +38,10 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     encoders: tuple[str, ...] = ()
     prefill_decode: tuple[str, ...]
+    # Each prefill/decode instance's push name (`--pd URL=PUSH_NAME`), in the order of
+    # `prefill_decode`, "" for one that takes no push; empty: none does. The encoders are
+    # asked to push a request's items to the instance chosen for it.
+    pd_push_names: tuple[str, ...] = ()
     host: str = "127.0.0.1"
     port: int = 8080
     api_key: str | None = None
@@ -72,6 +79,16 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
                 _check_url(flag, url)
             if len(set(urls)) != len(urls):
                 raise ConfigError(flag, f"got a URL twice in {list(urls)}")
+        if self.pd_push_names:
+            if len(self.pd_push_names) != len(self.prefill_decode):
+                raise ConfigError("--pd", "one push name (or none) per prefill/decode URL")
+            for name in self.pd_push_names:
+                if name and not _PUSH_NAME.fullmatch(name):
+                    raise ConfigError(
+                        "--pd",
+                        f"got push name {name!r}, expected 1-64 of A-Z a-z 0-9 . _ -, "
+                        "not starting with . _ -",
+                    )
         if not 0 <= self.port <= 65535:
             raise ConfigError("--port", f"got {self.port}, expected 0..65535")
         if self.api_key is not None and not self.api_key.strip():
@@ -128,8 +145,10 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         action="extend",
         default=[],
-        metavar="URL",
-        help="prefill/decode instance base URLs (at least one)",
+        metavar="URL[=PUSH_NAME]",
+        help="prefill/decode instance base URLs (at least one), each with its ecshare "
+        "push_name where it takes pushes: the encoders then push a request's items to the "
+        "instance chosen for it",
     )
     parser.add_argument("--host", default=d.host, help=f"address to listen on ({d.host})")
     parser.add_argument("--port", type=int, default=d.port, help=f"port, 0 for any ({d.port})")
@@ -196,7 +215,8 @@ def config_from_args(
     env = os.environ if environ is None else environ
     values: dict[str, Any] = {
         "encoders": tuple(u.rstrip("/") for u in args.encoder),
-        "prefill_decode": tuple(u.rstrip("/") for u in args.pd),
+        "prefill_decode": tuple(u.partition("=")[0].rstrip("/") for u in args.pd),
+        "pd_push_names": _push_names(args.pd),
         "host": args.host,
         "port": args.port,
         "api_key": _api_key(args.api_key_file, env),
@@ -214,6 +234,12 @@ def config_from_args(
         "pd_media": args.pd_media,
     }
     return ProxyConfig(**values)
+
+
+def _push_names(pd: list[str]) -> tuple[str, ...]:
+    """The push names of `--pd URL=PUSH_NAME` values, "" where none; () when none has one."""
+    names = tuple(u.partition("=")[2] for u in pd)
+    return names if any(names) else ()
 
 
 def _api_key(path: str | None, environ: Mapping[str, str]) -> str | None:

@@ -151,12 +151,17 @@ def media_parts(body: Mapping[str, Any]) -> list[JSON]:
     return scan_media(body).parts
 
 
-def encoder_request(body: Mapping[str, Any], parts: list[JSON]) -> JSON:
-    """The encode-only chat request for `parts` of `body`."""
+def encoder_request(
+    body: Mapping[str, Any], parts: list[JSON], push_to: tuple[str, ...] = ()
+) -> JSON:
+    """The encode-only chat request for `parts` of `body`; with `push_to`, asking the
+    encoder to push the items to those prefill/decode push names (ecshare.vllm.pushes)."""
     request = {k: v for k, v in body.items() if k not in _DECODING_FIELDS}
     request["messages"] = [{"role": "user", "content": parts}]
     request["max_tokens"] = 1
     request["stream"] = False
+    if push_to:
+        request["ec_transfer_params"] = {"push_to": list(push_to)}
     return request
 
 
@@ -180,14 +185,22 @@ class EncoderStage:
         self._timeout = aiohttp.ClientTimeout(total=timeout_s, connect=connect_timeout_s)
         self._warned_no_encoder_at = -math.inf
 
-    async def encode(self, body: Mapping[str, Any], parts: list[JSON], request_id: str) -> Encoded:
+    async def encode(
+        self,
+        body: Mapping[str, Any],
+        parts: list[JSON],
+        request_id: str,
+        push_to: tuple[str, ...] = (),
+    ) -> Encoded:
         """The merged `ec_transfer_params` for `parts` (empty when every call failed), and
-        which mm_hash each part is."""
+        which mm_hash each part is; the encoders push the items to `push_to`."""
         started = time.perf_counter()
         size = self._batch_size
         batches = [parts[i : i + size] for i in range(0, len(parts), size)]
         calls = [
-            self._encode_batch(encoder_request(body, batch), len(batch), f"{request_id}-enc{i}")
+            self._encode_batch(
+                encoder_request(body, batch, push_to), len(batch), f"{request_id}-enc{i}"
+            )
             for i, batch in enumerate(batches)
         ]
         encoded = Encoded({}, [None] * len(parts))

@@ -87,16 +87,21 @@ class PrefillDecodeStage:
         *,
         request_id: str,
         with_media: Callable[[], bytes] | None = None,
+        first: Backend | None = None,
     ) -> web.StreamResponse:
-        """Answer `request` with a prefill/decode instance's answer to `payload` at `path`;
-        if `with_media` is given, `payload` went without the media, and a failure of it is
+        """Answer `request` with a prefill/decode instance's answer to `payload` at `path`,
+        trying `first` first (the one the encoders push to) while it is healthy; if
+        `with_media` is given, `payload` went without the media, and a failure of it is
         answered by sending what `with_media` makes instead."""
         headers = {"X-Request-Id": request_id}
         if payload is not None:
             headers["Content-Type"] = "application/json"
         tried: list[Backend] = []
         while True:
-            backend = self._pool.pick(exclude=tried)
+            if first is not None and first.healthy and not tried:
+                backend: Backend | None = first
+            else:
+                backend = self._pool.pick(exclude=tried)
             if backend is None:
                 raise self._no_backend(tried)
             tried.append(backend)
