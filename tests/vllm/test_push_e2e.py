@@ -9,6 +9,10 @@ tiny Qwen2-VL. The test's own client (`ecshare.vllm.router`, with
 `ec_transfer_params`, as `ecshare proxy` does; a client of the proxy cannot
 write them (the proxy drops them).
 
+One test goes through `ecshare proxy` itself (`--pd URL=pd0`, media-free by
+default): the proxy chooses the instance, asks the encoder to push there, and
+sends the instance the image as its placeholder grid only.
+
 Every answer must equal, token for token, the same request answered by the
 prefill/decode instance alone (its images under `uuid`s no encoder announced, so
 that it encodes them itself). Whether an item came by push or by pull is read
@@ -22,6 +26,7 @@ import asyncio
 import copy
 import importlib.util
 import random
+import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -39,6 +44,7 @@ if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("nixl") 
     )
 
 from epd_fixture import delta, token_ids, wait_metric
+from test_serving_e2e import start_proxy
 
 from ecshare.vllm.launch import (
     Keys,
@@ -65,6 +71,7 @@ class PushEPD:
     encoder: VllmServer
     prefill_decode: VllmServer
     route: Route
+    proxy_url: str
 
 
 @pytest.fixture(scope="module")
@@ -95,14 +102,20 @@ def push_epd(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         tmp / "prefill_decode.log",
     )  # fmt: skip
     start_all([encoder, prefill_decode])
+    proxy: subprocess.Popen[str] | None = None
     try:
         route = Route([encoder.url], prefill_decode.url, timeout_s=120, push_to=(PUSH_NAME,))
         # One request warms both up (the first fetch of a process pays for its set-up).
         route_chat_sync(
             chat_request([random_image_url(random.getrandbits(40))], max_tokens=1), route
         )
-        yield PushEPD(encoder, prefill_decode, route)
+        pd_flag = f"{prefill_decode.url}={PUSH_NAME}"
+        proxy, proxy_url = start_proxy(encoder.url, pd_flag, tmp / "proxy.log")
+        yield PushEPD(encoder, prefill_decode, route, proxy_url)
     finally:
+        if proxy is not None:
+            proxy.terminate()
+            proxy.wait(30)
         prefill_decode.stop()
         encoder.stop()
 
@@ -210,4 +223,26 @@ def test_push_to_a_name_the_encoder_may_not_push_to_is_pulled(push_epd: PushEPD)
     key = "push_names_refused_total"
     encoder = wait_metric(push_epd.encoder, key, enc_before.get(key, 0) + 1)
     assert delta(encoder, enc_before, key) == 1
+    assert token_ids(answer) == single_instance_tokens(push_epd, body)
+
+
+def test_through_the_proxy_media_free_and_pushed_answers_as_a_single_instance(
+    push_epd: PushEPD,
+) -> None:
+    body = chat_request(fresh_images((112, 84)))
+    pd_before = push_epd.prefill_decode.metrics()
+
+    answer = post_chat(push_epd.proxy_url, body)
+
+    pd = wait_metric(
+        push_epd.prefill_decode, "loaded_items_total", pd_before["loaded_items_total"] + 1
+    )
+    assert delta(pd, pd_before, "media_free_items_total") == 1  # no pixels reached it
+    assert delta(pd, pd_before, "push_announced_total") == 1  # the proxy asked for the push
+    moved = delta(pd, pd_before, "push_received_total") + delta(
+        pd, pd_before, "fetched_items_total"
+    )
+    assert moved == 1
+    assert delta(pd, pd_before, "local_encodes_total") == 0
+    assert delta(pd, pd_before, "requests_unavailable_total") == 0
     assert token_ids(answer) == single_instance_tokens(push_epd, body)
