@@ -11,18 +11,19 @@ import msgspec
 from ecshare.bench.synthetic import parse_size, parse_spec
 
 
-def _faults(text: str) -> tuple[str, ...]:
-    from ecshare.chaos.harness import FAULT_KINDS
+def _faults(text: str) -> tuple[str, ...] | None:
+    from ecshare.chaos.options import FAULT_KINDS, PUSH_KINDS
 
     if text in ("", "none"):
         return ()
     if text == "all":
-        return FAULT_KINDS
+        return None  # every kind the run can strike: the push kinds too, with --push
     kinds = tuple(k.strip() for k in text.split(","))
-    unknown = [k for k in kinds if k not in FAULT_KINDS]
+    known = (*FAULT_KINDS, *PUSH_KINDS)
+    unknown = [k for k in kinds if k not in known]
     if unknown:
         raise argparse.ArgumentTypeError(
-            f"unknown fault kind {unknown[0]!r}: choose from {', '.join(FAULT_KINDS)}, all, none"
+            f"unknown fault kind {unknown[0]!r}: choose from {', '.join(known)}, all, none"
         )
     return kinds
 
@@ -51,6 +52,13 @@ def _size(text: str) -> int:
         return parse_size(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _share(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"a share of fetch batches, 0 to 1, got {text}")
+    return value
 
 
 def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
@@ -143,6 +151,14 @@ def add_chaos_arguments(parser: argparse.ArgumentParser) -> None:
         help="the faults aimed at reads in flight wait for a read at least this large "
         "(the working set must hold such items)",
     )
+    parser.add_argument(
+        "--push",
+        type=_share,
+        default=0.0,
+        metavar="SHARE",
+        help="push traffic: this share of fetch batches (0 to 1) is also pushed by a "
+        "producer to the consumer, and 'all' faults include those aimed at pushes",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
         "--verbose-children",
@@ -155,6 +171,7 @@ def run_chaos_command(args: argparse.Namespace) -> int:
     from ecshare.chaos.harness import FAULT_KINDS, ChaosOptions, run_chaos
     from ecshare.chaos.hosts import HostsUnavailable
     from ecshare.chaos.netns import NetemUnavailable, run_in_netem_namespace
+    from ecshare.chaos.options import PUSH_KINDS
     from ecshare.chaos.report import print_report
 
     if args.netem and args.netns:
@@ -171,7 +188,8 @@ def run_chaos_command(args: argparse.Namespace) -> int:
             print(f"ecshare chaos: --netem: {exc}", file=sys.stderr)
             return 2
     soak = args.soak
-    faults = args.faults if args.faults is not None else (() if soak else FAULT_KINDS)
+    every = (*FAULT_KINDS, *PUSH_KINDS) if args.push else FAULT_KINDS
+    faults = args.faults if args.faults is not None else (() if soak else every)
     try:
         options = ChaosOptions(
             fetches=args.fetches,
@@ -190,6 +208,7 @@ def run_chaos_command(args: argparse.Namespace) -> int:
             netns=args.netns,
             large_read_bytes=args.large_read,
             verbose=args.verbose_children,
+            push=args.push,
         )
     except ValueError as exc:
         print(f"ecshare chaos: {exc}", file=sys.stderr)
@@ -222,6 +241,7 @@ def _as_argv(args: argparse.Namespace) -> list[str]:
         "--grace", str(args.grace),
         "--ucx-tls", args.ucx_tls,
         "--large-read", str(args.large_read),
+        "--push", str(args.push),
     ]  # fmt: skip
     if args.soak:
         out += ["--soak", str(args.soak)]

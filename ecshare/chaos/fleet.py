@@ -24,6 +24,28 @@ moving (over UCX TCP) when it stops:
   reset) past both sides' heartbeat timeouts while its large read moves; NIXL's
   data path is untouched.
 
+With push traffic (`push` > 0) the faults aimed at pushes (`PUSH_KINDS`) arm
+the same way, for a push of at least `large_read_bytes` in flight (a producer:
+offered or being written; a consumer: blocks reserved for it):
+
+- `kill_producer_mid_push`, `kill_consumer_mid_push`: the target stops itself
+  at the push and is SIGKILLed there; a producer is restarted under its key and
+  port, a consumer replaced.
+- `freeze_producer_mid_push`: stopped for half to 1.2 times its lease, past the
+  consumers' heartbeat timeout: they fence the reservation and probe it, and
+  the write runs on once the producer does.
+- `freeze_consumer_mid_push`: as `freeze_consumer_mid_read`, with blocks
+  reserved for a push that is being written.
+- `cut_control_mid_push`: every control connection through the producer's
+  proxy is reset and the path held past both sides' heartbeat timeouts while
+  the write moves: both live, both end the session.
+
+`shrink_push_deadline` replaces a consumer with one that gives a push
+`SHRUNK_PUSH_DEADLINE_S` to land once reserved (or back), so most of its pushes
+run late, are fenced and pulled; `fill_consumer_region` fills a consumer's
+region with half-written entries for 0.5 to 1.5 s, so offers are refused
+(full).
+
 `shrink_lease` restarts a producer cleanly under `SHRUNK_LEASE`, a lease
 shorter than the consumers' own deadline (or back to the normal lease, when
 every producer already runs shrunk).
@@ -31,28 +53,44 @@ every producer already runs shrunk).
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from collections.abc import Callable
 from functools import partial
 
 from ecshare.chaos.hosts import DEVICE
-from ecshare.chaos.messages import Arm, ConsumerSpec, NodeStats, Outcome, ProducerSpec, ReadInFlight
+from ecshare.chaos.messages import (
+    Arm,
+    ConsumerSpec,
+    Fill,
+    NodeStats,
+    Outcome,
+    ProducerSpec,
+    PushEnded,
+    ReadInFlight,
+)
 from ecshare.chaos.nodes import Child, ChildGone, consumer_main, producer_main
 from ecshare.chaos.options import (
     _START_TIMEOUT_S,
     _STATS_TIMEOUT_S,
+    ARMED_KINDS,
     FINGERPRINT,
-    MID_READ_KINDS,
+    MID_PUSH_KINDS,
     SHRUNK_LEASE,
+    SHRUNK_PUSH_DEADLINE_S,
 )
 from ecshare.chaos.state import RunState
 
 
 class Fleet(RunState):
+    def collect(self, timeout_s: float) -> None:
+        """Act on what children said unasked (`Load` does)."""
+        raise NotImplementedError
+
     # -- processes ---------------------------------------------------------------------------
 
-    def _on_event(self, child: Child, event: Outcome | ReadInFlight) -> None:
+    def _on_event(self, child: Child, event: Outcome | PushEnded | ReadInFlight) -> None:
         # From the child's reader thread; the main loop does the rest.
         if isinstance(event, ReadInFlight) and event.nbytes and not child.killed:
             self._strike(child, event)
@@ -94,15 +132,25 @@ class Fleet(RunState):
             self.evictions[child.pid] = (stats.store.evictions, stats.store.evictions)
         return child
 
-    def start_consumer(self) -> Child:
+    def start_consumer(self, *, push_shrunk: bool = False) -> Child:
         self._consumer_ids += 1
         config = dict(self.consumer_config)
         host = None
         if self.hosts is not None:
             host = self.hosts.add()
             config["ucx_net_devices"] = DEVICE
+        push_name = f"consumer-{self._consumer_ids}" if self.o.push else ""
+        if push_name:
+            config["push_name"] = push_name
+            if push_shrunk:
+                config["push_deadline_s"] = SHRUNK_PUSH_DEADLINE_S
         spec = ConsumerSpec(
-            config=config, fingerprint=FINGERPRINT, netns=host.netns if host else ""
+            config=config,
+            fingerprint=FINGERPRINT,
+            netns=host.netns if host else "",
+            working_set=self.o.working_set,
+            # Sessions to every producer from the start: the push channel.
+            peers=[p.address for p in self.proxies] if push_name else [],
         )
         child = Child(
             "consumer",
@@ -113,6 +161,8 @@ class Fleet(RunState):
             start_timeout_s=_START_TIMEOUT_S,
             verbose=self.o.verbose,
         )
+        child.push_name = push_name
+        child.push_shrunk = push_shrunk
         self.consumers.append(child)
         if host is not None:
             self.consumer_hosts[child.pid] = host
@@ -129,6 +179,8 @@ class Fleet(RunState):
         self.canary_violations[child.pid] = stats.store.canary_violations
         if child.role == "producer":
             self.producer_counters[child.pid] = stats.counters
+        else:
+            self.consumer_counters[child.pid] = stats.counters
         if child.role == "producer" and child.pid in self.evictions:
             first, _ = self.evictions[child.pid]
             self.evictions[child.pid] = (first, stats.store.evictions)
@@ -139,6 +191,7 @@ class Fleet(RunState):
         for index, child in enumerate(self.producers):
             if child is not None and child.crashed():
                 self._crashed(child)
+                self._lose_pushes(child)
                 self.producers[index] = None
                 if replace:
                     self._later(0.2, "restart", partial(self._restart_producer, index))
@@ -157,6 +210,20 @@ class Fleet(RunState):
         host = self.consumer_hosts.pop(child.pid, None)
         if host is not None and self.hosts is not None and not child.process.is_alive():
             self.hosts.give_back(host)  # its namespace is empty: a new consumer may have it
+
+    def _lose_pushes(self, producer: Child) -> None:
+        """Pushes of a producer that is gone: no outcome is owed (it was SIGKILLed), or
+        the ones it owed came before it exited (`drained`)."""
+        lost = [k for k, p in self.pending_pushes.items() if p.producer is producer]
+        for k in lost:
+            del self.pending_pushes[k]
+        self.pushes.lost_with_producer += len(lost)
+
+    def _lose_fetches(self, consumer: Child) -> None:
+        lost = [k for k, p in self.pending.items() if p.consumer is consumer]
+        for k in lost:
+            del self.pending[k]
+        self.tally.lost_with_consumer += len(lost)
 
     def _crashed(self, child: Child) -> None:
         self.crashes += 1
@@ -200,6 +267,10 @@ class Fleet(RunState):
             self.hangs += 1
             self.tally.violations.append(f"{child.name} did not exit when told to stop")
         self.retired.append(child)
+        # What it said before it exited (its pushes end as it stops) is heard first.
+        child.drained(5.0)
+        self.collect(0.0)
+        self._lose_pushes(child)
         self._restart_producer(index)
 
     def inject(self) -> None:
@@ -212,7 +283,7 @@ class Fleet(RunState):
         for kind in list(self._deck):
             if getattr(self, f"_fault_{kind}")():
                 self._deck.remove(kind)
-                if kind not in MID_READ_KINDS:
+                if kind not in ARMED_KINDS:
                     self.faults[kind] += 1
                 return
 
@@ -227,6 +298,7 @@ class Fleet(RunState):
         child.kill()
         self.log(f"kill_producer {child.name}")
         self.retired.append(child)
+        self._lose_pushes(child)
         self.producers[index] = None
         self._later(self.rng.uniform(0.2, 1.5), "restart", lambda: self._restart_producer(index))
         return True
@@ -282,10 +354,7 @@ class Fleet(RunState):
         self.log(f"kill_consumer {victim.name}")
         self.retired.append(victim)
         self._retire_consumer(victim)
-        lost = [k for k, p in self.pending.items() if p.consumer is victim]
-        for k in lost:
-            del self.pending[k]
-        self.tally.lost_with_consumer += len(lost)
+        self._lose_fetches(victim)
         self.start_consumer()
         return True
 
@@ -310,8 +379,9 @@ class Fleet(RunState):
         # Set before the child can answer: its answer is handled on another thread.
         child.strike_s = self._strike_seconds(kind, child)
         child.armed = kind
+        push = kind in MID_PUSH_KINDS
         try:
-            child.send(Arm(kind, self.o.large_read_bytes, self.o.read_wait_s, freeze))
+            child.send(Arm(kind, self.o.large_read_bytes, self.o.read_wait_s, freeze, push))
         except ChildGone:
             child.armed = ""
             return False
@@ -341,10 +411,85 @@ class Fleet(RunState):
             return False
         return self._arm(self.rng.choice(ready), "freeze_consumer_mid_read", freeze=True)
 
+    # -- faults aimed at push traffic ------------------------------------------------------
+
+    def _fault_kill_producer_mid_push(self) -> bool:
+        return self._arm_producer("kill_producer_mid_push", freeze=True)
+
+    def _fault_freeze_producer_mid_push(self) -> bool:
+        return self._arm_producer("freeze_producer_mid_push", freeze=True)
+
+    def _fault_cut_control_mid_push(self) -> bool:
+        return self._arm_producer("cut_control_mid_push", freeze=False)
+
+    def _fault_kill_consumer_mid_push(self) -> bool:
+        ready = [c for c in self.consumers if c.answers()]
+        if not ready:
+            return False
+        return self._arm(self.rng.choice(ready), "kill_consumer_mid_push", freeze=True)
+
+    def _fault_freeze_consumer_mid_push(self) -> bool:
+        ready = [c for c in self.consumers if c.answers()]
+        if not ready:
+            return False
+        return self._arm(self.rng.choice(ready), "freeze_consumer_mid_push", freeze=True)
+
+    def _fault_shrink_push_deadline(self) -> bool:
+        """A consumer is replaced by one that gives pushes SHRUNK_PUSH_DEADLINE_S to land
+        (or, when it ran so already, by one under the normal deadline)."""
+        ready = [c for c in self.consumers if c.answers()]
+        if not ready:
+            return False
+        victim = self.rng.choice(ready)
+        shrunk = not victim.push_shrunk
+        if not shrunk:
+            self.faults["push_deadline_restored"] += 1
+        self._stats(victim)  # its last word on writes after free
+        if not victim.stop(self.config.shutdown_timeout_s + 5.0):
+            self.hangs += 1
+            self.tally.violations.append(f"{victim.name} did not exit when told to stop")
+        self.retired.append(victim)
+        self._retire_consumer(victim)
+        # Its fetches ended (typed: shutdown) as it stopped; hear them before counting.
+        victim.drained(5.0)
+        self.collect(0.0)
+        self._lose_fetches(victim)
+        child = self.start_consumer(push_shrunk=shrunk)
+        deadline = SHRUNK_PUSH_DEADLINE_S if shrunk else self.config.push_deadline_s
+        self.log(f"shrink_push_deadline: {victim.name} replaced by {child.name}, {deadline} s")
+        return True
+
+    def _fault_fill_consumer_region(self) -> bool:
+        """A consumer's region has no room for a while: offers are refused (full)."""
+        ready = [c for c in self.consumers if c.answers()]
+        if not ready:
+            return False
+        victim = self.rng.choice(ready)
+        seconds = self.rng.uniform(0.5, 1.5)
+        try:
+            victim.send(Fill(seconds))
+        except ChildGone:
+            return False
+        self.log(f"fill_consumer_region {victim.name} for {seconds:.2f} s")
+        return True
+
     def _strike_seconds(self, kind: str, child: Child) -> float:
         """How long the fault lasts once it strikes `child` (drawn when it is armed)."""
         cfg = self.config
         hb = cfg.heartbeat_timeout_s
+        if kind in ("kill_producer_mid_push", "kill_consumer_mid_push"):
+            return 0.0
+        if kind == "freeze_producer_mid_push":
+            # Past the consumers' heartbeat timeout: they lose the session, fence the
+            # reservation and probe; the write runs on once the producer does.
+            return self.lease_of(child.index) * self.rng.uniform(0.5, 1.2)
+        if kind == "freeze_consumer_mid_push":
+            # As freeze_consumer_mid_read: past the producers' heartbeat timeout, within
+            # the grace its own fetches have.
+            return self.rng.uniform(1.2 * hb, max(1.2 * hb, min(2.0 * hb, self.o.grace_s - 0.5)))
+        if kind == "cut_control_mid_push":
+            # Connections reset, and the path stays cut past both heartbeat timeouts.
+            return self.rng.uniform(1.2 * hb, max(1.2 * hb, self.lease_of(child.index)))
         if kind == "freeze_producer_mid_read":
             return self.lease_of(child.index) * self.rng.uniform(1.1, 1.6)
         if kind == "readd_peer":
@@ -365,9 +510,19 @@ class Fleet(RunState):
         """On the child's reader thread, as soon as it answers: the main loop may be
         busy for seconds (a restart blocks it), and a freeze longer than drawn would
         make a frozen consumer's fetches late by the harness's hand."""
+        if event.kind in ("kill_producer_mid_push", "kill_consumer_mid_push"):
+            # Frozen on its own at the push: it dies there (the books: the main loop).
+            child.struck_kill = True
+            child.killed = True
+            child.signal(signal.SIGKILL)
+            return
         if event.frozen:
             child.paused = True
             self._resume_in(child, child.strike_s)
+        if event.kind == "cut_control_mid_push":
+            proxy = self.proxies[child.index]
+            proxy.cut_all()
+            proxy.hold(child.strike_s)
         if event.kind == "partition_control":
             proxy = self.proxies[child.index]
             proxy.hold(child.strike_s)
@@ -377,16 +532,40 @@ class Fleet(RunState):
     def on_read_in_flight(self, child: Child, event: ReadInFlight) -> None:
         """The main loop's part of an armed child's answer: the books."""
         child.armed = ""
+        if child.struck_kill:
+            self._killed_mid_push(child, event)
+            return
         if child.killed:
             return
         if not event.nbytes:
-            self.faults["mid_read_misses"] += 1
-            self.log(f"missed {event.kind} on {child.name}: no large read in flight")
+            what = "push" if event.kind in MID_PUSH_KINDS else "read"
+            self.faults[f"mid_{what}_misses"] += 1
+            self.log(f"missed {event.kind} on {child.name}: no large {what} in flight")
             return
         self.faults[event.kind] += 1
+        what = "push" if event.kind in MID_PUSH_KINDS else "read"
         self.log(
-            f"{event.kind} {child.name}: {event.nbytes} B read in flight, {child.strike_s:.2f} s"
+            f"{event.kind} {child.name}: {event.nbytes} B {what} in flight, {child.strike_s:.2f} s"
         )
+
+    def _killed_mid_push(self, child: Child, event: ReadInFlight) -> None:
+        child.kill()  # reaped
+        self.faults[event.kind] += 1
+        self.log(f"{event.kind} {child.name}: {event.nbytes} B push in flight")
+        self.retired.append(child)
+        if child.role == "producer":
+            self._lose_pushes(child)
+            if self.producers[child.index] is child:
+                self.producers[child.index] = None
+                index = child.index
+                self._later(
+                    self.rng.uniform(0.2, 1.5), "restart", lambda: self._restart_producer(index)
+                )
+        else:
+            if child in self.consumers:
+                self._retire_consumer(child)
+            self._lose_fetches(child)
+            self.start_consumer(push_shrunk=child.push_shrunk)
 
     def _resume_in(self, child: Child, seconds: float) -> None:
         """SIGCONT after `seconds`, on a timer: on time even while the main loop is busy

@@ -30,6 +30,12 @@ class ConsumerSpec(msgspec.Struct, frozen=True):
     config: dict[str, Any]
     fingerprint: str
     netns: str = ""
+    # The working set every producer holds: pushed entries nobody asked for yet are
+    # READY here too, and the checks count and verify them.
+    working_set: str = ""
+    # Producers to hold sessions with from the start (a consumer that takes pushes:
+    # the sessions are the push channel).
+    peers: list[str] = msgspec.field(default_factory=list)
 
 
 class Fetch(msgspec.Struct, frozen=True):
@@ -37,6 +43,20 @@ class Fetch(msgspec.Struct, frozen=True):
 
     items: list[tuple[int, str, int]]
     peers: list[str]
+    pushed: bool = False  # announced as pushed: the fetch waits for the push first
+
+
+class Push(msgspec.Struct, frozen=True):
+    """Push `items` ((push id, mm_hash)) to the consumer that takes pushes as `to`."""
+
+    items: list[tuple[int, str]]
+    to: str
+
+
+class Fill(msgspec.Struct, frozen=True):
+    """Fill the region with a half-written entry for `seconds`: nothing fits meanwhile."""
+
+    seconds: float
 
 
 class Quiesce(msgspec.Struct, frozen=True):
@@ -67,9 +87,12 @@ class Arm(msgspec.Struct, frozen=True):
     min_nbytes: int
     within_s: float
     freeze: bool
+    # Watch for a push instead: a producer's push offered or being written, a
+    # consumer's blocks reserved for one.
+    push: bool = False
 
 
-Command = Fetch | Quiesce | Stats | Stop | Arm
+Command = Fetch | Push | Fill | Quiesce | Stats | Stop | Arm
 
 
 class Ready(msgspec.Struct, frozen=True):
@@ -92,6 +115,16 @@ class Outcome(msgspec.Struct, frozen=True):
     # time.monotonic() when it settled: CLOCK_MONOTONIC is one clock for every
     # process of the host, so the harness can tell which faults it settled under.
     settled_at: float = 0.0
+    pushed: bool = False  # delivered: a producer wrote it here (FetchResult.pushed)
+
+
+class PushEnded(msgspec.Struct, frozen=True):
+    """How one push ended, as the producer saw it (`PushOutcome`)."""
+
+    push_id: int
+    state: str  # PushState's value
+    detail: str
+    settle_s: float  # from the push() call to its future settling
 
 
 class NodeStats(msgspec.Struct, frozen=True):
@@ -121,4 +154,4 @@ class Failed(msgspec.Struct, frozen=True):
     error: str
 
 
-Event = Ready | Outcome | NodeStats | Failed | ReadInFlight
+Event = Ready | Outcome | PushEnded | NodeStats | Failed | ReadInFlight

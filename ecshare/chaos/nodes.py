@@ -15,6 +15,7 @@ SIGCONT them at any moment; every wait on a child is bounded.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import multiprocessing as mp
 import os
@@ -40,9 +41,12 @@ from ecshare.chaos.messages import (
     Event,
     Failed,
     Fetch,
+    Fill,
     NodeStats,
     Outcome,
     ProducerSpec,
+    Push,
+    PushEnded,
     Quiesce,
     ReadInFlight,
     Ready,
@@ -50,11 +54,23 @@ from ecshare.chaos.messages import (
     Stop,
 )
 from ecshare.config import Config
-from ecshare.peer import FetchFailed, FetchItem, FetchResult, Node, start_consumer, start_producer
-from ecshare.store import EntryState, Store, StoreError, StoreFull
+from ecshare.peer import (
+    Consumer,
+    FetchFailed,
+    FetchItem,
+    FetchResult,
+    Node,
+    PushOutcome,
+    start_consumer,
+    start_producer,
+)
+from ecshare.store import Entry, EntryState, Hold, Store, StoreError, StoreFull
 
 # Owner name of the consumer's own check pins, so a check never races an eviction.
 _CHECK_OWNER = "chaos-check"
+# Owner of the pin each fetch asks for (`FetchItem.hold`): taken as the entry turns
+# READY, so that a full region (`Fill`) cannot evict it before it is checked.
+_HOLD_OWNER = "chaos-hold"
 _CHECK_LEASE_S = 600.0
 # How often an armed child looks for a large read in flight. A 4 MiB read over UCX
 # TCP takes some 15 ms here; the look itself is a few dictionary lookups.
@@ -201,6 +217,46 @@ def _watch(
     return look
 
 
+def _push_ended(pipe: _Pipe, push_id: int, t0: float, future: Future[PushOutcome]) -> None:
+    out = future.result()  # a push's future never raises
+    pipe.send(PushEnded(push_id, out.state.value, out.detail[:300], time.monotonic() - t0))
+
+
+def _at_least(look: Callable[[], int], cmd: Arm) -> int:
+    n = look()
+    return n if n >= cmd.min_nbytes else 0
+
+
+def _reserved(consumer: Consumer, keys: Iterable[tuple[str, int]], cmd: Arm) -> Callable[[], int]:
+    """A look for the largest push of `cmd.min_nbytes` or more with blocks reserved here."""
+    large = sorted(((n, h) for h, n in keys if n >= cmd.min_nbytes), reverse=True)
+
+    def look() -> int:
+        return next((n for n, h in large if consumer.push_pending(h)), 0)
+
+    return look
+
+
+def _fill(store: Store, seconds: float) -> None:
+    """Take every block there is (evicting what may be evicted) in half-written entries,
+    and give them back after `seconds`."""
+    taken: list[Entry] = []
+    for i in itertools.count():
+        try:
+            taken.append(store.allocate(f"chaos-fill-{os.getpid()}-{i}", store.block_size))
+        except StoreFull:
+            break
+
+    def give_back() -> None:
+        for entry in taken:
+            with contextlib.suppress(StoreError):
+                store.abort(entry)
+
+    timer = threading.Timer(seconds, give_back)
+    timer.daemon = True
+    timer.start()
+
+
 def producer_main(conn: Connection, spec: ProducerSpec) -> None:
     pipe = _Pipe(conn)
     try:
@@ -257,8 +313,15 @@ def producer_main(conn: Connection, spec: ProducerSpec) -> None:
                         sessions=producer.session_count(),
                     )
                 )
+            elif isinstance(cmd, Push):
+                for push_id, h in cmd.items:
+                    future = producer.push(h, to=cmd.to)
+                    future.add_done_callback(partial(_push_ended, pipe, push_id, time.monotonic()))
             elif isinstance(cmd, Arm):
-                _arm(pipe, cmd, _watch(node.store, keys, cmd, "pinned"))
+                if cmd.push:
+                    _arm(pipe, cmd, partial(_at_least, producer.largest_push_in_flight, cmd))
+                else:
+                    _arm(pipe, cmd, _watch(node.store, keys, cmd, "pinned"))
             elif isinstance(cmd, Stop):
                 break
     finally:
@@ -283,8 +346,11 @@ def consumer_main(conn: Connection, spec: ConsumerSpec) -> None:
         pipe.send(Failed(f"consumer did not start: {exc!r}"))
         node.close()
         return
+    if spec.peers:
+        consumer.connect(spec.peers)
     checker = _Checker()
-    fetched: dict[str, int] = {}  # every key ever asked for, for the final sweep
+    # Every key asked for or pushed here, for the final sweep.
+    fetched: dict[str, int] = dict(working_set_keys(spec.working_set)) if spec.working_set else {}
     settled: queue.Queue[tuple[int, str, int, float, float, Future[FetchResult]] | None] = (
         queue.Queue()
     )
@@ -305,7 +371,10 @@ def consumer_main(conn: Connection, spec: ConsumerSpec) -> None:
         for cmd in pipe.commands():
             if isinstance(cmd, Fetch):
                 t0 = time.monotonic()
-                items = [FetchItem(h, n) for _, h, n in cmd.items]
+                items = [
+                    FetchItem(h, n, pushed=cmd.pushed, hold=Hold(_HOLD_OWNER, f"fetch-{i}", 600.0))
+                    for i, h, n in cmd.items
+                ]
                 for (fetch_id, h, n), future in zip(
                     cmd.items, consumer.fetch(items, cmd.peers), strict=True
                 ):
@@ -315,8 +384,13 @@ def consumer_main(conn: Connection, spec: ConsumerSpec) -> None:
                 pipe.send(
                     _stats(node, dict(consumer.counters), fetched.items(), checker, cmd.verify)
                 )
+            elif isinstance(cmd, Fill):
+                _fill(node.store, cmd.seconds)
             elif isinstance(cmd, Arm):
-                _arm(pipe, cmd, _watch(node.store, fetched.items(), cmd, "allocated"))
+                if cmd.push:
+                    _arm(pipe, cmd, _reserved(consumer, list(fetched.items()), cmd))
+                else:
+                    _arm(pipe, cmd, _watch(node.store, fetched.items(), cmd, "allocated"))
             elif isinstance(cmd, Stop):
                 break
     finally:
@@ -344,7 +418,10 @@ def _outcome(
         kind, detail = type(error).__name__, str(error)[:300]
         return Outcome(fetch_id, h, "untyped", settle_s, kind, detail, settled_at)
     result = future.result()
-    ok = checker.check(store, h, n, f"fetch-{fetch_id}") if result.nbytes == n else False
+    try:
+        ok = checker.check(store, h, n, f"fetch-{fetch_id}") if result.nbytes == n else False
+    finally:
+        store.table.unpin(_HOLD_OWNER, f"fetch-{fetch_id}")
     if ok is None:
         return Outcome(fetch_id, h, "vanished", settle_s, settled_at=settled_at)
     # The copy is dropped once checked, so the next fetch of the key crosses the
@@ -352,7 +429,15 @@ def _outcome(
     with contextlib.suppress(StoreError):
         store.remove(h)
     status = "delivered" if ok else "corrupted"
-    return Outcome(fetch_id, h, status, settle_s, detail=result.peer, settled_at=settled_at)
+    return Outcome(
+        fetch_id,
+        h,
+        status,
+        settle_s,
+        detail=result.peer,
+        settled_at=settled_at,
+        pushed=result.pushed,
+    )
 
 
 def working_set_keys(spec: str) -> list[tuple[str, int]]:
@@ -372,7 +457,7 @@ class Child:
         index: int,
         target: Callable[[Connection, Any], None],
         spec: ProducerSpec | ConsumerSpec,
-        on_event: Callable[[Child, Outcome | ReadInFlight], None],
+        on_event: Callable[[Child, Outcome | PushEnded | ReadInFlight], None],
         *,
         start_timeout_s: float,
         verbose: bool = False,
@@ -384,6 +469,9 @@ class Child:
         self.armed = ""  # the fault kind it was armed for (`Arm`), until it answers
         self.strike_s = 0.0  # how long that fault lasts once it strikes
         self.stopping = False  # told to stop
+        self.push_name = ""  # a consumer's: the name producers push to it by
+        self.push_shrunk = False  # a consumer under SHRUNK_PUSH_DEADLINE_S
+        self.struck_kill = False  # SIGKILLed by a fault that waited for a push in flight
         self._on_event = on_event
         self._replies: queue.Queue[Event | None] = queue.Queue()
         ctx = mp.get_context("spawn")
@@ -414,6 +502,11 @@ class Child:
         assert self.process.pid is not None
         return self.process.pid
 
+    def drained(self, within_s: float) -> None:
+        """Wait (up to `within_s`) until everything the child said has been handed on:
+        once it has exited, its reader ends at the pipe's end."""
+        self._reader.join(timeout=within_s)
+
     def alive(self) -> bool:
         return not self.killed and self.process.is_alive()
 
@@ -438,7 +531,7 @@ class Child:
             except (EOFError, OSError):
                 self._replies.put(None)
                 return
-            if isinstance(event, Outcome | ReadInFlight):  # unasked: not replies to a call
+            if isinstance(event, Outcome | PushEnded | ReadInFlight):  # unasked, not replies
                 self._on_event(self, event)
             else:
                 self._replies.put(event)

@@ -30,6 +30,21 @@ MID_READ_KINDS = (
     "readd_peer",
     "partition_control",
 )
+# Faults aimed at push traffic (`push` > 0): each armed kind waits until a push of at
+# least `large_read_bytes` is in flight at its target (a producer: offered or being
+# written; a consumer: blocks reserved for it), then strikes (see fleet.py).
+MID_PUSH_KINDS = (
+    "kill_producer_mid_push",
+    "kill_consumer_mid_push",
+    "freeze_producer_mid_push",
+    "freeze_consumer_mid_push",
+    "cut_control_mid_push",
+)
+PUSH_KINDS = (*MID_PUSH_KINDS, "shrink_push_deadline", "fill_consumer_region")
+ARMED_KINDS = (*MID_READ_KINDS, *MID_PUSH_KINDS)
+# A consumer under `shrink_push_deadline` gives a push this long to land once it has
+# reserved blocks: most pushes run late, are fenced, and are pulled meanwhile.
+SHRUNK_PUSH_DEADLINE_S = 0.005
 # The UCX transports a run can force NIXL onto, and the `ucx_tls` each one sets.
 # cma leaves the choice to UCX, which on one host reads by cross-memory attach
 # (synchronously, inside the read call); tcp makes every read asynchronous, moving
@@ -93,23 +108,36 @@ class ChaosOptions:
     read_wait_s: float = 3.0  # how long such a fault waits for one before it is dealt again
     every_fault_within_s: float = 300.0  # run on past `fetches` until every kind has run
     verbose: bool = False  # children log warnings (peer failures are expected here)
+    # The share of fetch batches that come with a push: a producer pushes the items to
+    # the consumer, which fetches them at the same time (announced as pushed or not)
+    # or leaves them to later fetches. 0: no push, and consumers take none.
+    push: float = 0.0
 
     def __post_init__(self) -> None:
-        unknown = [k for k in self.faults if k not in FAULT_KINDS]
+        unknown = [k for k in self.faults if k not in (*FAULT_KINDS, *PUSH_KINDS)]
         if unknown:
             raise ValueError(
-                f"unknown fault kind {unknown[0]!r}: choose from {', '.join(FAULT_KINDS)}"
+                f"unknown fault kind {unknown[0]!r}: choose from "
+                f"{', '.join((*FAULT_KINDS, *PUSH_KINDS))}"
+            )
+        if not 0.0 <= self.push <= 1.0:
+            raise ValueError(f"push is a share of fetch batches, 0 to 1, got {self.push}")
+        pushy = [k for k in self.faults if k in PUSH_KINDS]
+        if pushy and not self.push:
+            raise ValueError(
+                f"fault kind {pushy[0]} strikes push traffic, and this run pushes nothing "
+                "(--push SHARE)"
             )
         if self.ucx_tls not in UCX_TRANSPORTS:
             raise ValueError(
                 f"ucx_tls must be one of {', '.join(UCX_TRANSPORTS)}, got {self.ucx_tls!r}"
             )
-        mid_read = [k for k in self.faults if k in MID_READ_KINDS]
+        mid_read = [k for k in self.faults if k in ARMED_KINDS]
         if mid_read and max(n for n, _ in parse_spec(self.working_set)) < self.large_read_bytes:
             raise ValueError(
-                f"fault kind {mid_read[0]} waits for a read of at least {self.large_read_bytes} "
-                f"bytes (--large-read), and the working set {self.working_set!r} has no item "
-                "that large"
+                f"fault kind {mid_read[0]} waits for a transfer of at least "
+                f"{self.large_read_bytes} bytes (--large-read), and the working set "
+                f"{self.working_set!r} has no item that large"
             )
         if self.netns and self.ucx_tls != "tcp":
             raise ValueError(

@@ -106,6 +106,19 @@ class ChaosReport(msgspec.Struct, frozen=True):
     frozen_at_end: int = 0  # producers still stopped when the run ended
     crashes: int = 0  # children that exited by themselves (neither killed nor told to stop)
     fault_log: list[str] = msgspec.field(default_factory=list)  # seconds into the load, what
+    # Push traffic (`--push SHARE`): pushes asked of producers, how each ended
+    # ("pushed", or its state and reason), the ones lost with a SIGKILLed producer, and
+    # the ones a live producer never ended (must be 0).
+    push: float = 0.0
+    pushes_attempted: int = 0
+    push_outcomes: dict[str, int] = msgspec.field(default_factory=dict)
+    pushes_lost_with_producer: int = 0
+    hung_pushes: int = 0
+    delivered_pushed: int = 0  # verified fetches whose entry a producer wrote here
+    push_settle_max_ms: float = 0.0
+    # The push counters of every node (last seen, killed ones included), summed: fences,
+    # what ended them (notice, PushDone, failed probe), refusals by reason, deadlines.
+    push_counters: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 def print_report(report: ChaosReport, out: TextIO = sys.stdout) -> None:
@@ -129,6 +142,19 @@ def print_report(report: ChaosReport, out: TextIO = sys.stdout) -> None:
         f"  settle time           p50 {report.settle_p50_ms:.1f} ms, "
         f"p99 {report.settle_p99_ms:.1f} ms, max {report.settle_max_ms:.1f} ms\n"
     )
+    if report.push:
+        ends = ", ".join(f"{k} {v}" for k, v in sorted(report.push_outcomes.items())) or "-"
+        w(f"  pushes attempted      {report.pushes_attempted}: {ends}\n")
+        w(f"  lost with a producer  {report.pushes_lost_with_producer}\n")
+        w(f"  delivered by push     {report.delivered_pushed} (verified fetches)\n")
+        w(f"  push settle max       {report.push_settle_max_ms:.1f} ms\n")
+        keys = (
+            "push_fenced", "push_deadlines", "push_sessions_lost", "push_fenced_ended",
+            "push_fences_ended_by_notice", "push_fences_ended_by_done", "push_probes_failed",
+            "push_checksum_failures", "push_write_failures",
+        )  # fmt: skip
+        shown = ", ".join(f"{k} {report.push_counters.get(k, 0)}" for k in keys)
+        w(f"  push fences           {shown}\n")
     faults = ", ".join(f"{k} {v}" for k, v in sorted(report.faults.items()) if v) or "none"
     w(f"  faults injected       {faults}\n")
     for label, value in (
@@ -138,6 +164,7 @@ def print_report(report: ChaosReport, out: TextIO = sys.stdout) -> None:
         ("vanished entries", report.vanished),
         ("late settles", report.late),
         ("hung fetches", report.hung_fetches),
+        ("hung pushes", report.hung_pushes),
         ("leaked blocks", report.leaked_blocks),
         ("leaked pins", report.leaked_pins),
         ("hangs", report.hangs),

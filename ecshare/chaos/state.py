@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ecshare.chaos.faultproxy import FaultProxy
 from ecshare.chaos.hosts import Host, Hosts
-from ecshare.chaos.messages import Outcome, ReadInFlight
+from ecshare.chaos.messages import Outcome, PushEnded, ReadInFlight
 from ecshare.chaos.nodes import Child, working_set_keys
 from ecshare.chaos.options import TIMING, UCX_TRANSPORTS, ChaosOptions
 from ecshare.config import Config
@@ -32,6 +32,23 @@ class _Pending:
     nbytes: int
     consumer: Child
     bound_s: float  # deadline + grace
+
+
+@dataclass
+class _PendingPush:
+    push_id: int
+    mm_hash: str
+    producer: Child
+    to: str
+
+
+@dataclass
+class _PushTally:
+    attempted: int = 0
+    ended: Counter[str] = field(default_factory=Counter)  # "pushed", "refused: full", ...
+    lost_with_producer: int = 0  # in flight in a producer that was SIGKILLed
+    delivered_pushed: int = 0  # fetches whose entry a producer wrote (FetchResult.pushed)
+    max_settle_s: float = 0.0
 
 
 @dataclass
@@ -85,11 +102,17 @@ class RunState:
             "client_secret_key_file": str(consumer_keys.secret_path),
             "server_public_key_file": str(producer_keys.public_path),
         }
+        # Push: the producer key the consumers authenticate producers by may push too
+        # (push_trusted_keys' default); each consumer takes pushes under a name of its own.
         self.config = Config.from_dict(self.consumer_config)
         # What children say unasked: fetch outcomes, and armed faults' reads in flight.
-        self.events: queue.Queue[tuple[Child, Outcome | ReadInFlight]] = queue.Queue()
+        self.events: queue.Queue[tuple[Child, Outcome | PushEnded | ReadInFlight]] = queue.Queue()
         self.pending: dict[int, _Pending] = {}
         self.tally = _Tally()
+        self.pending_pushes: dict[int, _PendingPush] = {}
+        self.pushes = _PushTally()
+        self._push_ids = 0
+        self.consumer_counters: dict[int, dict[str, int]] = {}  # pid -> last seen
         self.faults: Counter[str] = Counter()
         self.hangs = 0
         self.crashes = 0  # children that exited by themselves

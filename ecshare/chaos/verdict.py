@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections import Counter
 
 import numpy as np
 
@@ -48,6 +49,7 @@ class Verdict(Load, SoakSampling):
             self.tally.violations.append(f"fetch of {p.mm_hash} never settled ({p.consumer.name})")
         hung_fetches = len(self.pending)
         self.pending.clear()
+        hung_pushes = self._settle_pushes()
         # (b) Quiet: churn stops, sessions of dead consumers end, leases run out.
         live = [c for c in [*filter(None, self.producers), *self.consumers] if c.alive()]
         for c in live:
@@ -89,7 +91,28 @@ class Verdict(Load, SoakSampling):
         self.producers = [None] * o.producers
         self.consumers = []
         self.retired = []
-        return self._report(started, regions, hung_fetches, unrecovered, frozen_at_end)
+        return self._report(started, regions, hung_fetches, unrecovered, frozen_at_end, hung_pushes)
+
+    def _settle_pushes(self) -> int:
+        """Every push ends once its write has: the producer's data plane says so, and
+        every process runs again now. Returns the pushes of live producers that never
+        ended."""
+        cfg = self.config
+        limit = time.monotonic() + 2 * cfg.lease_s + cfg.request_timeout_s + self.o.grace_s
+        while time.monotonic() < limit:
+            for producer in {p.producer for p in self.pending_pushes.values()}:
+                if not producer.alive():
+                    self._lose_pushes(producer)
+            if not self.pending_pushes:
+                return 0
+            self.collect(0.05)
+        for p in self.pending_pushes.values():
+            self.tally.violations.append(
+                f"push {p.push_id} of {p.mm_hash} to {p.to} never ended ({p.producer.name})"
+            )
+        hung = len(self.pending_pushes)
+        self.pending_pushes.clear()
+        return hung
 
     def _quiet(self, live: list[Child]) -> dict[str, NodeStats]:
         """Every live node's stats once nothing is pinned, written or quarantined any more
@@ -164,8 +187,12 @@ class Verdict(Load, SoakSampling):
         hung_fetches: int,
         unrecovered: int,
         frozen_at_end: int,
+        hung_pushes: int = 0,
     ) -> ChaosReport:
         t = self.tally
+        push_counters: Counter[str] = Counter()
+        for counters in [*self.consumer_counters.values(), *self.producer_counters.values()]:
+            push_counters.update({k: v for k, v in counters.items() if k.startswith("push")})
         faults = {k: self.faults[k] for k in self.o.faults}
         faults["control_delayed_chunks"] = sum(p.counters["delayed_chunks"] for p in self.proxies)
         faults["control_random_cuts"] = sum(p.counters["random_cuts"] for p in self.proxies)
@@ -179,7 +206,13 @@ class Verdict(Load, SoakSampling):
         )
         faults["control_connections"] = sum(p.counters["connections"] for p in self.proxies)
         faults["control_held_chunks"] = sum(p.counters["held_chunks"] for p in self.proxies)
-        for extra in ("mid_read_misses", "reads_done_under_partition", "lease_restored"):
+        for extra in (
+            "mid_read_misses",
+            "mid_push_misses",
+            "reads_done_under_partition",
+            "lease_restored",
+            "push_deadline_restored",
+        ):
             faults[extra] = self.faults[extra]
         faults["shrunk_at_end"] = len(self.shrunk)
         leaked_blocks = sum(r.leaked_blocks for r in regions)
@@ -229,7 +262,7 @@ class Verdict(Load, SoakSampling):
             settle_max_ms=round(float(settle.max()), 2),
             regions=regions,
             violations=t.violations[:50],
-            ok=not t.violations and not self.hangs and not self.crashes,
+            ok=not t.violations and not self.hangs and not self.crashes and not hung_pushes,
             netem=self.o.netem,
             soak=soak,
             transport=self.o.ucx_tls,
@@ -241,6 +274,14 @@ class Verdict(Load, SoakSampling):
             crashes=self.crashes,
             fault_log=self.fault_log,
             delivered_bytes=t.delivered_bytes,
+            push=self.o.push,
+            pushes_attempted=self.pushes.attempted,
+            push_outcomes=dict(self.pushes.ended),
+            pushes_lost_with_producer=self.pushes.lost_with_producer,
+            hung_pushes=hung_pushes,
+            delivered_pushed=self.pushes.delivered_pushed,
+            push_settle_max_ms=round(self.pushes.max_settle_s * 1000, 2),
+            push_counters=dict(sorted(push_counters.items())),
         )
 
 

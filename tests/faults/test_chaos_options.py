@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from ecshare.chaos.options import FAULT_KINDS, MID_READ_KINDS, ChaosOptions
+from ecshare.chaos.options import FAULT_KINDS, MID_READ_KINDS, PUSH_KINDS, ChaosOptions
 
 
 def _chaos(*args: str) -> subprocess.CompletedProcess[str]:
@@ -78,3 +78,21 @@ def test_command_line_refuses_netem_with_netns() -> None:
     done = _chaos("--netns", "--ucx-tls", "tcp", "--netem", "delay 5ms")
     assert done.returncode == 2
     assert "cannot be combined" in done.stderr
+
+
+def test_push_faults_need_push_traffic() -> None:
+    assert not set(PUSH_KINDS) & set(FAULT_KINDS)
+    with pytest.raises(ValueError, match="strikes push traffic, and this run pushes nothing"):
+        ChaosOptions(faults=("kill_producer_mid_push",))
+    with pytest.raises(ValueError, match="push is a share of fetch batches, 0 to 1"):
+        ChaosOptions(push=1.5)
+    assert ChaosOptions(push=0.3, faults=PUSH_KINDS).push == 0.3
+
+
+def test_command_line_refuses_push_faults_without_push_and_a_bad_share() -> None:
+    done = _chaos("--faults", "fill_consumer_region", "--fetches", "10")
+    assert done.returncode == 2
+    assert "--push SHARE" in done.stderr and done.stdout == ""
+    done = _chaos("--push", "2")
+    assert done.returncode == 2
+    assert "a share of fetch batches, 0 to 1, got 2" in done.stderr
