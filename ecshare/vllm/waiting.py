@@ -111,6 +111,7 @@ class WaitingRequests:
         # A fetch the consumer has not settled by its own longest deadline, and then some,
         # never will (its network thread hangs): it is given up.
         self._overdue_s = config.fetch_deadline_max_s + config.request_timeout_s + 1.0
+        self._config = config
         self._renew_due = 0.0
 
     def ensure(self, request: Request, num_computed_tokens: int) -> bool:
@@ -169,6 +170,14 @@ class WaitingRequests:
             for f in request.mm_features
             if f.mm_position.offset + f.mm_position.length > num_computed_tokens
         )
+
+    def _push_wait_s(self, nbytes: int) -> float:
+        """How much longer than a pull the consumer may take where it waits for a push
+        first (announced, or one it reserved): the offer, then the push's deadline."""
+        if self._push_name is None:
+            return 0.0
+        c = self._config
+        return c.push_wait_s + c.push_deadline_s + c.fetch_deadline_per_gib_s * nbytes / (1 << 30)
 
     def _pushed_here(self, raw: object) -> bool:
         """Whether an item's params say its encoder pushes it to this instance."""
@@ -259,7 +268,7 @@ class WaitingRequests:
             pins=self._pins,
             hold=hold,
             check=lambda entry: self._expect.unfit(h, entry),
-            overdue_at=started_at + self._overdue_s,
+            overdue_at=started_at + self._overdue_s + self._push_wait_s(param.nbytes),
             on_unfit=self.drop_unfit,
             started_at=started_at,
             pushed=pushed,
