@@ -116,8 +116,9 @@ class ChaosReport(msgspec.Struct, frozen=True):
     hung_pushes: int = 0
     delivered_pushed: int = 0  # verified fetches whose entry a producer wrote here
     push_settle_max_ms: float = 0.0
-    # The push counters of every node (last seen, killed ones included), summed: fences,
-    # what ended them (notice, PushDone, failed probe), refusals by reason, deadlines.
+    # The push counters of every node (last seen, killed ones included), summed per side
+    # ("consumer.push_fenced", "producer.push_writes"): fences, what ended them (notice,
+    # PushDone, failed probe), refusals by reason, deadlines.
     push_counters: dict[str, int] = msgspec.field(default_factory=dict)
 
 
@@ -151,9 +152,9 @@ def print_report(report: ChaosReport, out: TextIO = sys.stdout) -> None:
         keys = (
             "push_fenced", "push_deadlines", "push_sessions_lost", "push_fenced_ended",
             "push_fences_ended_by_notice", "push_fences_ended_by_done", "push_probes_failed",
-            "push_checksum_failures", "push_write_failures",
+            "push_checksum_failures",
         )  # fmt: skip
-        shown = ", ".join(f"{k} {report.push_counters.get(k, 0)}" for k in keys)
+        shown = ", ".join(f"{k} {report.push_counters.get(f'consumer.{k}', 0)}" for k in keys)
         w(f"  push fences           {shown}\n")
     faults = ", ".join(f"{k} {v}" for k, v in sorted(report.faults.items()) if v) or "none"
     w(f"  faults injected       {faults}\n")

@@ -191,8 +191,14 @@ class Verdict(Load, SoakSampling):
     ) -> ChaosReport:
         t = self.tally
         push_counters: Counter[str] = Counter()
-        for counters in [*self.consumer_counters.values(), *self.producer_counters.values()]:
-            push_counters.update({k: v for k, v in counters.items() if k.startswith("push")})
+        for side, seen in (
+            ("consumer", self.consumer_counters),
+            ("producer", self.producer_counters),
+        ):
+            for counters in seen.values():
+                push_counters.update(
+                    {f"{side}.{k}": v for k, v in counters.items() if k.startswith("push")}
+                )
         faults = {k: self.faults[k] for k in self.o.faults}
         faults["control_delayed_chunks"] = sum(p.counters["delayed_chunks"] for p in self.proxies)
         faults["control_random_cuts"] = sum(p.counters["random_cuts"] for p in self.proxies)
