@@ -150,10 +150,9 @@ def test_pushes_mixed_with_pulls_survive_deaths_freezes_cuts_late_deadlines_and_
     ended = sum(report.push_outcomes.values()) + report.pushes_lost_with_producer
     assert ended == report.pushes_attempted, where  # every push ended, or died with its producer
     assert report.delivered_pushed >= 1, where  # some fetches were served by a push
-    # Every push a consumer fenced came to its end before the run was quiet: 0 leaked
-    # blocks says so, and the counters show which word ended each.
+    # Every push a consumer fenced came to its end before the run was quiet (0 leaked
+    # blocks says so); the counters (last seen per node) show which word ended each.
     counters = report.push_counters
-    assert counters["producer.push_writes"] >= report.push_outcomes["pushed"], where
     ended_fences = counters.get("consumer.push_fenced_ended", 0)
     assert ended_fences <= counters.get("consumer.push_fenced", 0), where
 
