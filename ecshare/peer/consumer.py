@@ -696,15 +696,32 @@ class Consumer(NetworkThread):
             return
         reply = self._inbox.on_offer(self._push_link(link), msg, now)
         link.client.send(reply)
+        reserved = self._inbox.reserved(msg.mm_hash)
         if reply.status is p.PushStatus.ACCEPTED:
+            assert reserved is not None
             with self._lock:
                 t = self._inflight.get(msg.mm_hash)
-            if t is not None and t in self._transfers and t.state is TransferState.QUEUED:
-                reserved = self._inbox.reserved(msg.mm_hash)
-                assert reserved is not None
-                t.awaiting_push = True
-                t.not_before = max(t.not_before, reserved.deadline)
-                t.deadline = max(t.deadline, reserved.deadline + (t.deadline - t.started))
+                if t is not None and t in self._transfers and t.state is TransferState.QUEUED:
+                    t.awaiting_push = True
+                    t.not_before = max(t.not_before, reserved.deadline)
+                    t.deadline = max(t.deadline, reserved.deadline + (t.deadline - t.started))
+        elif reserved is None:
+            # The push a fetch may wait for will not come (region full, busy, not
+            # allowed): that fetch pulls now rather than after `push_wait_s`. Refused
+            # while another push of the item is reserved, it waits for that one.
+            self._pull_now(msg.mm_hash)
+
+    def _pull_now(self, mm_hash: str) -> None:
+        """A fetch of `mm_hash` still waiting for a push stops waiting and pulls, picked
+        up already or not (still in `_incoming`, where a push's word may come first)."""
+        with self._lock:
+            t = self._inflight.get(mm_hash)
+            released = t is not None and t.state is TransferState.QUEUED and t.awaiting_push
+            if t is not None and released:
+                t.awaiting_push = False
+                t.not_before = 0.0
+        if released:
+            self._count("push_fallbacks")
 
     def _may_reserve(self, mm_hash: str) -> bool:
         """No fetch of `mm_hash` has gone past waiting (its request would race the push)."""
@@ -735,10 +752,8 @@ class Consumer(NetworkThread):
                 self._pushed[r.mm_hash] = None
                 while len(self._pushed) > _PUSHED_REMEMBERED:
                     self._pushed.popitem(last=False)
-        elif t is not None and waiting and t.awaiting_push:
-            t.awaiting_push = False
-            t.not_before = 0.0
-            self._count("push_fallbacks")
+        else:
+            self._pull_now(r.mm_hash)
 
     def _release_unawaited(self, now: float) -> None:
         """A fetch that waited for an announced push whose offer never came pulls."""

@@ -55,7 +55,7 @@ from ecshare.peer import (
     start_producer,
 )
 from ecshare.peer.notices import Notices
-from ecshare.store import EntryState, Store
+from ecshare.store import EntryState, Store, StoreFull
 from ecshare.transport import NixlTransport, ReadState, ReadStatus, Segment
 
 pytestmark = pytest.mark.timeout(90)
@@ -204,6 +204,49 @@ def test_push_to_a_full_region_is_refused_and_the_item_pulled_later(
     result = consumer.fetch([FetchItem(h, pushed=True)], [producer.address])[0].result(timeout=10)
     assert not result.pushed
     np.testing.assert_array_equal(stored_bytes(cnode, h), expected(h, n))
+    assert cnode.store.stats().canary_violations == 0
+
+
+@pytest.mark.timeout(20)
+def test_refused_push_a_fetch_waits_for_makes_it_pull_at_once(
+    make_producer: MakeProducer,
+    make_consumer: MakeConsumer,
+    keyring: Keyring,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A fetch waits for an announced push (`push_wait_s` 30 s, past this test's own
+    timeout); the consumer refuses the offer (region full): the fetch pulls at once."""
+    h, n = "refused-wait", 3 << 20
+    _pnode, producer = make_producer(keyring.producer_config(), entries={"w": 4096, h: n})
+    cnode, consumer = make_consumer(
+        keyring.consumer_config(), PUSH, {"region_bytes": 4 << 20, "push_wait_s": 30.0}
+    )
+    consumer.connect([producer.address])
+    assert push_when_connected(producer, "w").pushed
+    blocker = [cnode.store.allocate("blocker", 2 << 20)]  # being written: not evictable
+    allocate = cnode.store.allocate
+
+    def allocate_then_free_room(mm_hash: str, nbytes: int, meta: Any = None) -> Any:
+        try:
+            return allocate(mm_hash, nbytes, meta)
+        except StoreFull:
+            if mm_hash == h and blocker:  # the offer is refused; the pull will find room
+                cnode.store.abort(blocker.pop())
+            raise
+
+    monkeypatch.setattr(cnode.store, "allocate", allocate_then_free_room)
+
+    future = consumer.fetch([FetchItem(h, pushed=True)], [producer.address])[0]
+    out = producer.push(h, to="pd-0").result(timeout=10)
+    result = future.result(timeout=10)
+
+    assert out.state is PushState.REFUSED and out.detail == "full"
+    assert not result.pushed and result.peer == producer.address
+    np.testing.assert_array_equal(stored_bytes(cnode, h), expected(h, n))
+    counters = consumer.counter_snapshot()
+    assert counters["push_refused.full"] == 1 and counters["push_fallbacks"] == 1
+    assert counters.get("push_waits_expired", 0) == 0 and counters["requests"] == 1
+    assert sum(consumer.exposed_histograms()["pulled"].counts) == 1
     assert cnode.store.stats().canary_violations == 0
 
 
@@ -359,7 +402,9 @@ def test_late_push_is_fenced_the_fetch_pulls_and_its_blocks_wait_for_the_write(
     moves it along), never reused before."""
     h, n = "late-1", 8 << 20
     pnode, producer = make_producer(keyring.producer_config(), TCP, entries={"w": 4096, h: n})
-    cnode, consumer = make_consumer(keyring.consumer_config(), PUSH, TCP, {"push_deadline_s": 0.3})
+    cnode, consumer = make_consumer(
+        keyring.consumer_config(), PUSH, TCP, {"push_deadline_s": 0.3, "push_wait_s": 30.0}
+    )
     consumer.connect([producer.address])
     assert push_when_connected(producer, "w").pushed
     real_progress = cnode.transport.progress
@@ -376,6 +421,7 @@ def test_late_push_is_fenced_the_fetch_pulls_and_its_blocks_wait_for_the_write(
     np.testing.assert_array_equal(stored_bytes(cnode, h), expected(h, n))
     counters = consumer.counter_snapshot()
     assert counters["push_deadlines"] == 1 and counters["push_fenced"] == 1
+    assert counters["push_fallbacks"] == 1  # pulled once fenced, not after `push_wait_s`
     held[0] = False
     assert push.result(timeout=10).pushed  # the write did end, late
     assert wait_until(lambda: cnode.store.stats().quarantined == 0, 5)
