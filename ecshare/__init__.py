@@ -5,6 +5,9 @@ sortedcontainers, xxhash, prometheus_client); torch, nixl and vllm are optional
 and imported only by the parts that need them (`ecshare.transport.nixl`, `ecshare.vllm`).
 """
 
+# Imported for its effect: it adds the exporter that serves a started peer on
+# `metrics_port` (ecshare.peer.thread.add_exporter). `peer/` never imports it.
+from ecshare import metrics as _metrics  # noqa: F401
 from ecshare.config import Config, ConfigError, load_config
 from ecshare.peer import (
     Consumer,

@@ -13,6 +13,16 @@ turns them into one snapshot (`Samples`) when someone asks. Two exporters use it
 Names are `ecshare_<spec>` (counters end in `_total` in the exposition), units
 are in the names, and labels are bounded: reasons, states, producer endpoints,
 never an mm_hash.
+
+Each counter a part keeps is listed once, in `COUNTED`: the metric it adds to, or
+`events` (`ecshare_events_total{side, event}`: the diagnostic counters with no
+metric of their own), or not exported, with the reason. A test holds the table to
+every counter the parts' code counts, so that none is lost on the way.
+
+This module sits above `peer/`: it reads the peers' own snapshots, and `peer/`
+does not import it. It serves a started peer on `metrics_port` through the hook
+`ecshare.peer.thread.add_exporter`, which it fills when it is imported (the
+package root imports it).
 """
 
 from __future__ import annotations
@@ -22,7 +32,7 @@ import logging
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Final, TypeAlias, TypeVar
+from typing import Final, TypeAlias, TypeVar
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, start_http_server
@@ -35,29 +45,30 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from ecshare.config import Config, ConfigError
+from ecshare.peer.consumer import Consumer, LatencyHistogram
+from ecshare.peer.producer import Producer
+from ecshare.peer.thread import NetworkThread, add_exporter
 from ecshare.peer.transfer import LATENCY_BUCKETS_S
+from ecshare.store import Store
 
-if TYPE_CHECKING:
-    from ecshare.peer.consumer import Consumer, LatencyHistogram
-    from ecshare.peer.producer import Producer
-    from ecshare.peer.thread import NetworkThread
-    from ecshare.store import Store
-
-    # What a collector holds: a store, a producer or a consumer.
-    Part: TypeAlias = Store | NetworkThread
+# What a collector holds: a store, a producer or a consumer.
+Part: TypeAlias = Store | NetworkThread
 
 log = logging.getLogger(__name__)
 _P = TypeVar("_P")
 
 PREFIX: Final = "ecshare_"
 __all__ = [
+    "COUNTED",
     "LATENCY_BUCKETS_S",
     "SPECS",
+    "Counted",
     "ECShareCollector",
     "Exposure",
     "Kind",
     "SampleChanges",
     "Samples",
+    "Side",
     "Spec",
     "expose",
     "read_samples",
@@ -186,6 +197,14 @@ SPECS: Final[tuple[Spec, ...]] = (
     Spec("pushes_refused", _C, "Pushes that were not written, by reason.", ("reason",)),
     Spec("push_write_failures", _C, "Push writes the data plane ended in error."),
     Spec("pushes_in_flight", _G, "Pushes offered or being written now."),
+    # the rest of the parts' counters (see COUNTED)
+    Spec(
+        "events",
+        _C,
+        "Diagnostic counters of producers, consumers and control servers that have no "
+        "metric of their own (late replies, fenced reads ended, probes, ...), by side and name.",
+        ("side", "event"),
+    ),
 )
 SPEC_BY_NAME: Final = {spec.name: spec for spec in SPECS}
 LATENCY_HISTOGRAM: Final = Spec(
@@ -204,49 +223,214 @@ EXPOSED_HISTOGRAM: Final = Spec(
 # Samples: spec name -> label values -> value. Label values are () without labels.
 Samples = dict[str, dict[tuple[str, ...], float]]
 
-# Consumer counter keys that are one metric each; "<prefix><reason>" keys by reason.
-_CONSUMER_COUNTERS: Final = {
-    "fetches": "fetches_started",
-    "fetched": "fetched_items",
-    "fetched_bytes": "fetched_bytes",
-    "local_hits": "local_hits",
-    "failovers": "failovers",
-    "checksum_failures": "checksum_failures",
-    "bad_grants": "bad_grants",
-    "renewed": "lease_renewals",
-    "leases_run_out": "leases_run_out",
-    "push_committed": "pushed_items",
-    "push_committed_bytes": "pushed_in_bytes",
-    "push_fallbacks": "push_fallbacks",
-    "push_fenced": "pushes_fenced",
-}
-_CONSUMER_BY_REASON: Final = {
-    "failed.": "fetch_failures",
-    "retries.": "fetch_retries",
-    "peer_failures.": "peer_failures",
-    "push_refused.": "push_refusals",
-}
-_PRODUCER_COUNTERS: Final = {
-    "granted": "grants",
-    "granted_bytes": "granted_bytes",
-    "fetch_requests": "fetch_requests",
-    "duplicate_requests": "duplicate_requests",
-    "released": "released_grants",
-    "leases_expired": "leases_expired",
-    "bad_notifications": "bad_notifications",
-    "sessions_opened": "sessions_opened",
-    "sessions_closed": "sessions_closed",
-    "pushed": "pushes_written",
-    "pushed_bytes": "pushed_out_bytes",
-    "push_write_failures": "push_write_failures",
-}
-# Handshakes libzmq fails before the allow-list is asked (a client that has the
-# wrong server key fails here). A refusal by the allow-list also shows up as a
-# failed-auth event; it is counted once, by its reason, from the allow-list.
-_HANDSHAKE_FAILURES: Final = {
-    "handshake_failed_protocol": "handshake_protocol",
-    "handshake_failed_no_detail": "handshake_other",
-}
+
+class Side(enum.Enum):
+    """Whose counter: a Consumer's, a Producer's, or its control server's."""
+
+    CONSUMER = "consumer"
+    PRODUCER = "producer"
+    CONTROL = "control"
+
+
+@dataclass(frozen=True)
+class Counted:
+    """One counter a part keeps, and what it becomes here.
+
+    `key` is the counter's name, or with `by_reason` the prefix before its reason
+    (`failed.` of `failed.timeout`). `metric` is the spec it adds to; with `reason`
+    it adds under that fixed label value. `EVENTS` puts it under
+    `events{side, event}`; `NOT_EXPORTED` leaves it out, and `why` says why.
+    """
+
+    side: Side
+    key: str
+    metric: str
+    by_reason: bool = False
+    reason: str = ""
+    why: str = ""
+
+
+EVENTS: Final = "events"
+NOT_EXPORTED: Final = ""
+_CS, _PS, _CTL = Side.CONSUMER, Side.PRODUCER, Side.CONTROL
+_DUPLICATE: Final = "the same count as a metric exported already"
+
+
+def _events(side: Side, *keys: str) -> tuple[Counted, ...]:
+    return tuple(Counted(side, key, EVENTS) for key in keys)
+
+
+COUNTED: Final[tuple[Counted, ...]] = (
+    # consumer: one metric each
+    Counted(_CS, "fetches", "fetches_started"),
+    Counted(_CS, "fetched", "fetched_items"),
+    Counted(_CS, "fetched_bytes", "fetched_bytes"),
+    Counted(_CS, "local_hits", "local_hits"),
+    Counted(_CS, "failovers", "failovers"),
+    Counted(_CS, "checksum_failures", "checksum_failures"),
+    Counted(_CS, "bad_grants", "bad_grants"),
+    Counted(_CS, "renewed", "lease_renewals"),
+    Counted(_CS, "leases_run_out", "leases_run_out"),
+    Counted(_CS, "push_committed", "pushed_items"),
+    Counted(_CS, "push_committed_bytes", "pushed_in_bytes"),
+    Counted(_CS, "push_fallbacks", "push_fallbacks"),
+    Counted(_CS, "push_fenced", "pushes_fenced"),
+    Counted(_CS, "failed.", "fetch_failures", by_reason=True),
+    Counted(_CS, "retries.", "fetch_retries", by_reason=True),
+    Counted(_CS, "peer_failures.", "peer_failures", by_reason=True),
+    Counted(_CS, "push_refused.", "push_refusals", by_reason=True),
+    *_events(
+        _CS,
+        "single_flight_joins",
+        "fetched_by_push",
+        "requests",
+        "reads_started",
+        "reads_fenced",
+        "fenced_reads_ended",
+        "late_replies",
+        "unexpected_notifications",
+        "checksum_missing",
+        "grants_expired_on_arrival",
+        "lease_overruns",
+        "renewals_sent",
+        "renewals_refused",
+        "refused_peer_links",
+        "peer_links_closed_idle",
+        "peer_links_evicted",
+        "push_offers",
+        "push_offers_off_session",
+        "push_duplicate_offers",
+        "push_reserved",
+        "push_notices",
+        "push_unknown_notifications",
+        "push_unknown_done",
+        "push_done_after_end",
+        "push_not_written",
+        "push_deadlines",
+        "push_waits_expired",
+        "push_sessions_lost",
+        "push_checksum_failures",
+        "push_fences_ended_by_done",
+        "push_fences_ended_by_notice",
+        "push_fenced_ended",
+        "push_probes",
+        "push_probes_failed",
+    ),
+    # producer: one metric each
+    Counted(_PS, "granted", "grants"),
+    Counted(_PS, "granted_bytes", "granted_bytes"),
+    Counted(_PS, "fetch_requests", "fetch_requests"),
+    Counted(_PS, "duplicate_requests", "duplicate_requests"),
+    Counted(_PS, "released", "released_grants"),
+    Counted(_PS, "leases_expired", "leases_expired"),
+    Counted(_PS, "bad_notifications", "bad_notifications"),
+    Counted(_PS, "sessions_opened", "sessions_opened"),
+    Counted(_PS, "sessions_closed", "sessions_closed"),
+    Counted(_PS, "pushed", "pushes_written"),
+    Counted(_PS, "pushed_bytes", "pushed_out_bytes"),
+    Counted(_PS, "push_write_failures", "push_write_failures"),
+    Counted(_PS, "refused_", "refusals", by_reason=True),
+    Counted(_PS, "no_session", "refusals", reason="no_session"),
+    Counted(_PS, "push_refused.", "pushes_refused", by_reason=True),
+    *_events(
+        _PS,
+        "internal_error",
+        "unexpected_message",
+        "status_requests",
+        "replayed_ended_grants",
+        # Renewals granted: lease_renewals counts them on the consumer's side, and
+        # the two sides of one node must not add up to twice the renewals.
+        "renewed",
+        "grants_left_to_lease",
+        "push_requests",
+        "push_joined",
+        "push_offers",
+        "push_writes",
+        "push_bad_extents",
+        "push_late_replies",
+        "push_duplicate_replies",
+        "push_done_reported_late",
+        "push_peer_refused",
+    ),
+    Counted(_PS, "push_failed", NOT_EXPORTED, why="push_write_failures counts the same ends"),
+    Counted(_PS, "push_refused", NOT_EXPORTED, why="pushes_refused counts them by reason"),
+    # the producer's control server
+    Counted(_CTL, "dropped_", "control_messages_dropped", by_reason=True),
+    Counted(_CTL, "auth_refused.", "auth_failures", by_reason=True),
+    # libzmq fails these before the allow-list is asked (a client that has the
+    # wrong server key fails here).
+    Counted(_CTL, "handshake_failed_protocol", "auth_failures", reason="handshake_protocol"),
+    Counted(_CTL, "handshake_failed_no_detail", "auth_failures", reason="handshake_other"),
+    Counted(_CTL, "auth_accepted", "handshakes_accepted"),
+    *_events(
+        _CTL,
+        "received",
+        "sent",
+        "send_dropped_unreachable",
+        "send_dropped_queue_full",
+        "error_replies",
+        "error_replies_suppressed",
+        "disconnected",
+    ),
+    # A refusal by the allow-list also shows up as a failed-auth event: counted
+    # once, by its reason, from the allow-list.
+    Counted(_CTL, "handshake_failed_auth", NOT_EXPORTED, why="auth_failures counts it by reason"),
+    Counted(_CTL, "auth_rejected", NOT_EXPORTED, why="auth_failures counts it by reason"),
+    Counted(_CTL, "handshake_succeeded", NOT_EXPORTED, why=_DUPLICATE + " (handshakes_accepted)"),
+)
+
+
+@dataclass(frozen=True)
+class _Table:
+    exact: dict[str, Counted]
+    by_reason: tuple[Counted, ...]
+
+    def find(self, key: str) -> tuple[Counted, tuple[str, ...]] | None:
+        """The row of a counter key, and the labels it adds under; None if unlisted."""
+        row = self.exact.get(key)
+        if row is not None:
+            return row, (row.reason,) if row.reason else ()
+        for row in self.by_reason:
+            if key.startswith(row.key):
+                return row, (key.removeprefix(row.key),)
+        return None
+
+
+def _table(side: Side) -> _Table:
+    rows = [row for row in COUNTED if row.side is side]
+    # Longest prefix first: `push_refused.` before a shorter prefix of it.
+    prefixes = sorted((r for r in rows if r.by_reason), key=lambda r: -len(r.key))
+    return _Table({r.key: r for r in rows if not r.by_reason}, tuple(prefixes))
+
+
+_TABLES: Final = {side: _table(side) for side in Side}
+_unlisted_logged: set[tuple[Side, str]] = set()
+
+
+def _add_counters(out: Samples, side: Side, counters: dict[str, int]) -> None:
+    """Every counter of one part, as its row in COUNTED says. A counter that is not
+    listed (a new one) is exported under `events` and logged once."""
+    table = _TABLES[side]
+    for key, n in counters.items():
+        found = table.find(key)
+        if found is None:
+            if (side, key) not in _unlisted_logged:
+                _unlisted_logged.add((side, key))
+                log.warning("ecshare metrics: %s counter %r is not in COUNTED", side.value, key)
+            _add(out, EVENTS, n, (side.value, key))
+            continue
+        row, labels = found
+        if row.metric == EVENTS:
+            _add(out, EVENTS, n, (side.value, key))
+        elif row.metric != NOT_EXPORTED:
+            _add(out, row.metric, n, labels)
+
+
+def _zeros(out: Samples, side: Side) -> None:
+    """Counters with one metric each show from the start, at zero."""
+    for row in COUNTED:
+        if row.side is side and not row.by_reason and row.metric not in (EVENTS, NOT_EXPORTED):
+            _add(out, row.metric, 0, (row.reason,) if row.reason else ())
 
 
 def read_samples(
@@ -299,39 +483,19 @@ def _read_store(store: Store, out: Samples) -> None:
 def _read_producer(producer: Producer, out: Samples) -> None:
     # The network thread writes the Counter under its own lock; copying a dict is
     # one step under the GIL, so the copy is consistent without taking that lock.
-    counters = dict(producer.counters)
-    for key, name in _PRODUCER_COUNTERS.items():
-        _add(out, name, counters.get(key, 0))
-    for key, n in counters.items():
-        if key.startswith("refused_"):
-            _add(out, "refusals", n, (key.removeprefix("refused_"),))
-        elif key == "no_session":
-            _add(out, "refusals", n, ("no_session",))
-        elif key.startswith("push_refused."):
-            _add(out, "pushes_refused", n, (key.removeprefix("push_refused."),))
+    _zeros(out, Side.PRODUCER)
+    _add_counters(out, Side.PRODUCER, dict(producer.counters))
     _worst(out, "healthy", float(producer.healthy))
     _add(out, "active_grants", producer.active_grants())
     _add(out, "pushes_in_flight", producer.pushes_in_flight())
     _add(out, "sessions", producer.session_count())
-    control = producer.control_stats
-    for key, n in control.items():
-        if key.startswith("dropped_"):
-            _add(out, "control_messages_dropped", n, (key.removeprefix("dropped_"),))
-        elif key.startswith("auth_refused."):
-            _add(out, "auth_failures", n, (key.removeprefix("auth_refused."),))
-    for key, reason in _HANDSHAKE_FAILURES.items():
-        _add(out, "auth_failures", control.get(key, 0), (reason,))
-    _add(out, "handshakes_accepted", control.get("auth_accepted", 0))
+    _zeros(out, Side.CONTROL)
+    _add_counters(out, Side.CONTROL, producer.control_stats)
 
 
 def _read_consumer(consumer: Consumer, out: Samples) -> None:
-    counters = consumer.counter_snapshot()
-    for key, name in _CONSUMER_COUNTERS.items():
-        _add(out, name, counters.get(key, 0))
-    for key, n in counters.items():
-        for prefix, name in _CONSUMER_BY_REASON.items():
-            if key.startswith(prefix):
-                _add(out, name, n, (key.removeprefix(prefix),))
+    _zeros(out, Side.CONSUMER)
+    _add_counters(out, Side.CONSUMER, consumer.counter_snapshot())
     _worst(out, "healthy", float(consumer.healthy))
     _add(out, "fetches_in_flight", consumer.pending())
     fenced, oldest_s = consumer.fenced_reads()
@@ -471,10 +635,6 @@ class ECShareCollector(Collector):
                     return
 
     def _list_of(self, part: object) -> list[object]:
-        from ecshare.peer.consumer import Consumer
-        from ecshare.peer.producer import Producer
-        from ecshare.store import Store
-
         if isinstance(part, Producer):
             return self.producers  # type: ignore[return-value]
         if isinstance(part, Consumer):
@@ -623,3 +783,11 @@ def expose(config: Config, *parts: Part) -> Exposure | None:
             endpoint.collector.add(part)
         endpoint.users += 1
         return Exposure(endpoint, parts)
+
+
+def _export(peer: NetworkThread) -> Exposure | None:
+    """The exporter every started peer is handed: its store and itself on metrics_port."""
+    return expose(peer.config, peer.store, peer)
+
+
+add_exporter(_export)

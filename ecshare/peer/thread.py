@@ -2,28 +2,50 @@
 
 Producer and Consumer each run their network work on one thread. Start-up
 (binding sockets) happens on that thread, so `start()` waits until it is
-ready and re-raises whatever stopped it; `stop()` wakes and joins it. With
-`metrics_port` set, the peer (and its store) is served as Prometheus metrics
-from `start()` to `stop()` (see ecshare/metrics.py).
+ready and re-raises whatever stopped it; `stop()` wakes and joins it.
+
+A peer knows nothing of how its stats are served. A layer above it (ecshare.metrics,
+which serves Prometheus on `metrics_port`) adds an `Exporter` here; each started
+peer is handed to every exporter from `start()` to `stop()`. The arrow points one
+way: this module defines the hook, the layer above fills it.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import Callable
+from typing import Protocol, TypeVar
 
 from ecshare.config import Config
 from ecshare.control import Waker
 from ecshare.store import Store
 from ecshare.transport.base import DataTransport
 
-if TYPE_CHECKING:
-    from ecshare.metrics import Exposure
-
 _T = TypeVar("_T", bound="NetworkThread")
 # Binding sockets and creating the first objects takes milliseconds; this only
 # bounds a start-up that hangs.
 _START_TIMEOUT_S = 30.0
+
+
+class Exported(Protocol):
+    """What an exporter made of one peer: where it is served, and how to stop."""
+
+    @property
+    def url(self) -> str: ...
+
+    def close(self) -> None: ...
+
+
+# Called with each peer once it serves; None when it has nothing to serve (its
+# config says so). Raising stops the peer's start.
+Exporter = Callable[["NetworkThread"], "Exported | None"]
+_exporters: list[Exporter] = []
+
+
+def add_exporter(exporter: Exporter) -> None:
+    """Hand every peer started from now on to `exporter` (once per exporter)."""
+    if exporter not in _exporters:
+        _exporters.append(exporter)
 
 
 class NetworkThread:
@@ -41,7 +63,7 @@ class NetworkThread:
         # What killed the thread after start-up: set (by the thread, before it
         # cleans up) so that callers fail loudly instead of waiting on it.
         self.failure: BaseException | None = None
-        self._metrics: Exposure | None = None
+        self._exported: list[Exported] = []
 
     def _run(self) -> None:
         """The thread's body: set up, then `_started(None)` or `_started(exc)`, then serve."""
@@ -59,16 +81,23 @@ class NetworkThread:
         self._ready.wait(timeout=_START_TIMEOUT_S)
         if self._startup_error is not None:
             raise self._startup_error
-        if self._config.metrics_port is not None:
-            # Imported here: the metrics module reads peers, so it sits above them.
-            from ecshare.metrics import expose
-
-            try:
-                self._metrics = expose(self._config, self._store, self)
-            except BaseException:
-                self.stop()
-                raise
+        try:
+            for exporter in tuple(_exporters):
+                exported = exporter(self)
+                if exported is not None:
+                    self._exported.append(exported)
+        except BaseException:
+            self.stop()
+            raise
         return self
+
+    @property
+    def config(self) -> Config:
+        return self._config
+
+    @property
+    def store(self) -> Store:
+        return self._store
 
     @property
     def healthy(self) -> bool:
@@ -85,13 +114,13 @@ class NetworkThread:
 
     @property
     def metrics_url(self) -> str | None:
-        """Where this peer's Prometheus metrics are served (metrics_port), or None."""
-        return self._metrics.url if self._metrics is not None else None
+        """Where an exporter serves this peer's stats (Prometheus: metrics_port), or None."""
+        return self._exported[0].url if self._exported else None
 
     def stop(self) -> None:
-        if self._metrics is not None:
-            self._metrics.close()
-            self._metrics = None
+        exported, self._exported = self._exported, []
+        for one in exported:
+            one.close()
         self._stop.set()
         if self._waker is not None:
             self._waker.wake()
