@@ -120,15 +120,20 @@ class Node:
     transport: DataTransport
 
     @classmethod
-    def create(cls, config: Config, role: str) -> Node:
+    def create(cls, config: Config, role: str, *, transport: DataTransport | None = None) -> Node:
+        """A new region and store on `transport`, which the node then owns (closes);
+        without one, the NIXL transport the config describes. Peers on another data
+        plane (a `LoopbackTransport` in tests) must all be of that kind: a link refuses
+        a peer whose data plane differs."""
         region = Region.create(
             config.region_bytes, name=f"ecshare-{role}", prefault=config.prefault
         )
         try:
             store = Store(region, config.block_bytes, canary=config.store_canary)
-            transport = make_transport(
-                config, node_name(config, role), serves_reads=role != "consumer"
-            )
+            if transport is None:
+                transport = make_transport(
+                    config, node_name(config, role), serves_reads=role != "consumer"
+                )
         except BaseException:
             region.close()
             raise

@@ -1,5 +1,7 @@
-"""Registers the peer-layer test fixtures, which live in peer_testing.py."""
+"""Registers the peer-layer test fixtures, which live in peer_testing.py (real NIXL and
+processes) and loopback_testing.py (in-process nodes on LoopbackTransport)."""
 
+from loopback_testing import fabric, loop_consumer, loop_producer
 from peer_testing import (
     children,
     keyring,
@@ -11,7 +13,10 @@ from peer_testing import (
 
 __all__ = [
     "children",
+    "fabric",
     "keyring",
+    "loop_consumer",
+    "loop_producer",
     "make_consumer",
     "make_producer",
     "raw_session",

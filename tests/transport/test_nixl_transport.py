@@ -1,4 +1,13 @@
-"""NixlTransport between real processes over real NIXL (UCX on the loopback device)."""
+"""NixlTransport between real processes over real NIXL (UCX on the loopback device):
+what the contract suite (test_transport_contract.py) does not already hold it to.
+
+The contract suite runs every `DataTransport` promise on NIXL over cross-memory
+attach and over UCX TCP (byte-exact reads, notifications, bounds, unknown and
+lying peers, one region, kills, restarts, and every lifetime rule with a stalled
+target). Here: scattered reads drawn by hypothesis, more malformed segments,
+reads from two threads at once, NIXL's prepared descriptor lists, and the
+`PeerInfo` it publishes. `Side` is also the reader of the other NIXL-only files.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +16,6 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -26,7 +34,6 @@ from ecshare.transport import (
     ReadState,
     ReadStatus,
     Segment,
-    TransportError,
     pair_segments,
 )
 
@@ -86,16 +93,6 @@ def clean(consumer: Side) -> Side:
     return consumer
 
 
-def test_single_segment_read_is_byte_exact(producer: Producer, clean: Side) -> None:
-    expected = pattern(producer.seed, SIZE)
-    before = (clean.t.reads_done, clean.t.bytes_read)
-    status = clean.read(producer.info.agent_name, [Segment(4096, 1 << 20, 3 << 20)])
-    assert status.state is ReadState.DONE, status
-    assert np.array_equal(clean.mem[4096 : 4096 + (3 << 20)], expected[1 << 20 : 4 << 20])
-    assert not clean.mem[:4096].any() and not clean.mem[4096 + (3 << 20) :].any()
-    assert (clean.t.reads_done, clean.t.bytes_read) == (before[0] + 1, before[1] + (3 << 20))
-
-
 @st.composite
 def _scattered(draw: st.DrawFn) -> list[Segment]:
     """Extents of mixed sizes (1 B to 256 KiB) placed anywhere, paired across both sides."""
@@ -136,29 +133,11 @@ def test_scattered_segments_land_byte_exact(
     assert not consumer.mem[~written].any(), "bytes outside the segments were written"
 
 
-def test_notify_reaches_producer_progress_exactly_once(producer: Producer, clean: Side) -> None:
-    producer.notifs()  # drain
-    token = uuid.uuid4().bytes
-    status = clean.read(producer.info.agent_name, [Segment(0, 0, 65536)], notify=token)
-    assert status.state is ReadState.DONE, status
-    got: list[tuple[str, bytes]] = []
-    for _ in range(5):
-        got += producer.notifs()
-        time.sleep(0.02)
-    assert got == [(clean.t.name, token)]
-
-
 @pytest.mark.parametrize(
     "segment",
-    [
-        Segment(0, SIZE - 4096, 4097),  # past the end of the peer's region
-        Segment(SIZE - 1, 0, 2),  # past the end of ours
-        Segment(0, SIZE, 1),
-        Segment(-4096, 0, 4096),
-        Segment(0, -1, 16),
-        Segment(0, 0, 0),
-        Segment(0, 1 << 70, 4096),
-    ],
+    # The contract suite holds the rest (past either end, negative, empty, huge).
+    [Segment(0, SIZE, 1), Segment(0, -1, 16)],
+    ids=["at-peer-end", "negative-remote"],
 )
 def test_out_of_bounds_segment_is_rejected_before_any_read(
     producer: Producer, clean: Side, segment: Segment
@@ -172,64 +151,6 @@ def test_out_of_bounds_segment_is_rejected_before_any_read(
     assert not clean.mem.any(), "a rejected read must not move any byte"
     clean.t.release(handle)
     clean.t.release(handle)
-
-
-def test_peer_claiming_more_than_it_registered_cannot_be_read_past(
-    producer: Producer, clean: Side
-) -> None:
-    # The bounds check trusts the peer's claimed size; NIXL still checks what it registered.
-    liar = replace(producer.info, region_size=2 * SIZE)
-    side = Side()
-    try:
-        side.t.add_peer(liar)
-        status = side.read(liar.agent_name, [Segment(0, SIZE, 4096)])
-        assert (status.state, status.failure) == (ReadState.FAILED, FailureKind.NOT_FOUND)
-        assert not side.mem.any()
-    finally:
-        side.close()
-
-
-def test_read_from_unknown_peer_fails_not_found(clean: Side) -> None:
-    status = clean.read("nobody", [Segment(0, 0, 16)])
-    assert (status.state, status.failure) == (ReadState.FAILED, FailureKind.NOT_FOUND)
-
-
-def test_add_peer_rejects_foreign_kind_garbage_and_borrowed_metadata(producer: Producer) -> None:
-    side = Side()
-    try:
-        with pytest.raises(ValueError):
-            side.t.add_peer(replace(producer.info, kind="tcp"))
-        with pytest.raises(TransportError):
-            side.t.add_peer(replace(producer.info, agent_metadata=b"garbage"))
-        with pytest.raises(ValueError):
-            side.t.add_peer(replace(producer.info, agent_name="impostor"))
-        assert side.t.peers == []
-        # A peer presenting another known peer's metadata must not unload that peer.
-        side.t.add_peer(producer.info)
-        with pytest.raises(ValueError):
-            side.t.add_peer(replace(producer.info, agent_name="impostor"))
-        assert side.t.peers == [producer.info.agent_name]
-        assert side.read(producer.info.agent_name, [Segment(0, 0, 4096)]).state is ReadState.DONE
-    finally:
-        side.close()
-
-
-def test_register_one_region_only_and_use_after_close_raise(producer: Producer) -> None:
-    side = Side()
-    # The same region again is a no-op: a node's Producer and Consumer share it.
-    side.t.register(address(side.mm), SIZE)
-    with pytest.raises(TransportError):
-        side.t.register(address(side.mm), SIZE // 2)
-    side.t.add_peer(producer.info)
-    done = side.t.read(producer.info.agent_name, [Segment(0, 0, 4096)])
-    assert side.wait(done).state is ReadState.DONE
-    side.close()
-    side.close()
-    assert side.t.poll(done).state is ReadState.DONE
-    side.t.release(done)
-    assert side.t.progress() == []
-    with pytest.raises(TransportError):
-        side.t.read(producer.info.agent_name, [Segment(0, 0, 4096)])
 
 
 def test_concurrent_reads_from_two_threads_all_land(producer: Producer, clean: Side) -> None:
@@ -273,92 +194,6 @@ def test_prepared_lists_serve_aligned_reads_and_fall_back_for_others(producer: P
         assert side.t.reads_prepped == 1
     finally:
         side.close()
-
-
-def test_killed_producer_fails_reads_within_2s_without_raising() -> None:
-    p = Producer(f"doomed-{uuid.uuid4().hex[:8]}", SIZE, seed=2)
-    side = Side()
-    try:
-        side.t.add_peer(p.info)
-        assert side.read(p.info.agent_name, [Segment(0, 0, 4096)]).state is ReadState.DONE
-        p.kill()
-        t0 = time.monotonic()
-        for _ in range(3):  # the first read after the death, and every one after it
-            handle = side.t.read(p.info.agent_name, [Segment(0, 0, 1 << 20)])
-            status = side.wait(handle, timeout=2.0)
-            side.t.release(handle)
-            assert status.state is ReadState.FAILED, status
-            assert status.failure in (FailureKind.PEER_DISCONNECTED, FailureKind.NOT_FOUND)
-        assert time.monotonic() - t0 < 2.0
-        assert side.t.reads_failed[FailureKind.PEER_DISCONNECTED] >= 1
-        assert not side.mem[4096:].any()
-    finally:
-        side.close()
-        p.stop()
-
-
-def test_restarted_producer_readded_serves_its_new_bytes() -> None:
-    name = f"phoenix-{uuid.uuid4().hex[:8]}"
-    first = Producer(name, SIZE, seed=3)
-    side = Side()
-    second = None
-    try:
-        side.t.add_peer(first.info)
-        assert side.read(name, [Segment(0, 0, SIZE)]).state is ReadState.DONE
-        assert np.array_equal(side.mem, pattern(3, SIZE))
-        first.kill()
-        second = Producer(name, SIZE, seed=4)
-        assert second.info.agent_metadata != first.info.agent_metadata
-        assert side.t.add_peer(second.info) == name
-        assert side.t.peers == [name]
-        side.mem[:] = 0
-        status = side.read(name, [Segment(0, 0, SIZE)])
-        assert status.state is ReadState.DONE, status
-        assert np.array_equal(side.mem, pattern(4, SIZE))
-    finally:
-        side.close()
-        first.stop()
-        if second is not None:
-            second.stop()
-
-
-def test_tcp_reads_move_as_the_producer_progresses() -> None:
-    tcp = {"UCX_TLS": "tcp"}
-    p = Producer(f"tcp-{uuid.uuid4().hex[:8]}", SIZE, seed=5, env=tcp)
-    side = Side(ucx_env=tcp)
-    try:
-        side.t.add_peer(p.info)
-        expected = pattern(5, SIZE)
-        segs = pair_segments([(0, 1 << 20), (3 << 20, 3 << 20)], [(4 << 20, 4 << 20)])
-        status = side.read(p.info.agent_name, segs)
-        assert status.state is ReadState.DONE, status
-        assert np.array_equal(side.mem[: 1 << 20], expected[4 << 20 : 5 << 20])
-        assert np.array_equal(side.mem[3 << 20 : 6 << 20], expected[5 << 20 : 8 << 20])
-
-        # While the producer does not progress, a TCP read cannot finish (proof that
-        # UCX_TLS=tcp took effect: cross memory attach would finish inside read()).
-        pause = threading.Thread(target=p.call, args=("sleep", 1.0))
-        pause.start()
-        time.sleep(0.1)
-        side.mem[:] = 0
-        stalled = side.t.read(p.info.agent_name, [Segment(0, 0, SIZE)])
-        time.sleep(0.1)
-        assert side.t.poll(stalled).state is ReadState.PENDING
-        pause.join()
-        # It finishes once the producer progresses again (what happens to reads
-        # given up meanwhile is in test_transport_lifetimes.py).
-        assert side.wait(stalled).state is ReadState.DONE
-        side.t.release(stalled)
-        side.mem[:] = 0
-
-        status = side.read(p.info.agent_name, [Segment(0, 0, SIZE)])
-        assert status.state is ReadState.DONE, status
-        assert np.array_equal(side.mem, expected)
-        assert side.t.unreleased == 0
-        assert _settled(side.t) == side.t.reads_started
-    finally:
-        side.close()
-        p.stop()
 
 
 def test_peer_info_is_what_was_registered(producer: Producer) -> None:
