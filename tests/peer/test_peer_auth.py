@@ -1,4 +1,12 @@
-"""Authentication and compatibility: who gets a Welcome, and what everyone else is told."""
+"""Authentication and compatibility: who gets a Welcome, and what everyone else is told.
+
+Who is admitted is the control plane's promise (ZMQ with CURVE, always real here).
+The producers that only refuse run in this process on `LoopbackTransport`
+(tests/peer/loopback_testing.py), the project's own in-process data plane, held to
+NIXL's contract by tests/transport/test_transport_contract.py, not a mock; the
+insecure mode runs end to end across processes over NIXL, and `ecshare serve`
+without keys as a real command.
+"""
 
 from __future__ import annotations
 
@@ -10,12 +18,12 @@ import pytest
 
 pytest.importorskip("nixl._api")
 
+from loopback_testing import MakeLoopConsumer, MakeLoopProducer
 from peer_testing import (
     FAST,
     FINGERPRINT,
     Keyring,
     MakeConsumer,
-    MakeProducer,
     MakeRawSession,
     SpawnProducer,
     child_env,
@@ -42,16 +50,16 @@ def _fetch_error(consumer: Consumer, h: str, address: str) -> FetchFailed:
 
 
 def test_consumer_without_key_gets_no_metadata_and_a_clear_error(
-    spawn_producer: SpawnProducer,
-    make_consumer: MakeConsumer,
+    loop_producer: MakeLoopProducer,
+    loop_consumer: MakeLoopConsumer,
     raw_session: MakeRawSession,
     keyring: Keyring,
 ) -> None:
-    producer = spawn_producer(synthetic="64KiB:1", config=keyring.producer_config(), hooks=True)
-    (h,) = producer.sizes
+    h = "guarded"
+    _pnode, producer = loop_producer(keyring.producer_config(), entries={h: 65536})
 
     # No key at all: this consumer runs insecure against a CURVE producer.
-    node, consumer = make_consumer({"insecure": True})
+    node, consumer = loop_consumer({"insecure": True})
     error = _fetch_error(consumer, h, producer.address)
     assert error.reason in REFUSED, error
     assert "CURVE" in error.detail or "welcome" in error.detail, error.detail
@@ -59,7 +67,7 @@ def test_consumer_without_key_gets_no_metadata_and_a_clear_error(
     assert node.store.get(h) is None
 
     # A valid key pair that is not on the producer's allow-list.
-    node, consumer = make_consumer(keyring.consumer_config(stranger=True))
+    node, consumer = loop_consumer(keyring.consumer_config(stranger=True))
     error = _fetch_error(consumer, h, producer.address)
     assert error.reason is FailureReason.AUTH_FAILED, error
     assert "allow-list" in error.detail, error.detail
@@ -78,10 +86,9 @@ def test_consumer_without_key_gets_no_metadata_and_a_clear_error(
     )
     assert session.client.recv(timeout_ms=1000) is None
 
-    stats = producer.stats()
-    assert stats["sessions"] == 0, stats
-    assert stats["counters"].get("sessions_opened", 0) == 0, stats
-    assert stats["counters"].get("granted", 0) == 0, stats
+    assert producer.session_count() == 0
+    assert producer.counters["sessions_opened"] == 0
+    assert producer.counters["granted"] == 0
 
 
 def test_insecure_mode_works_only_when_configured(
@@ -122,15 +129,15 @@ def test_insecure_mode_works_only_when_configured(
 
 
 def test_fingerprint_mismatch_is_a_typed_refusal(
-    spawn_producer: SpawnProducer,
-    make_consumer: MakeConsumer,
+    loop_producer: MakeLoopProducer,
+    loop_consumer: MakeLoopConsumer,
     raw_session: MakeRawSession,
     keyring: Keyring,
 ) -> None:
-    producer = spawn_producer(synthetic="64KiB:1", config=keyring.producer_config(), hooks=True)
-    (h,) = producer.sizes
+    h = "model-a-item"
+    _pnode, producer = loop_producer(keyring.producer_config(), entries={h: 65536})
 
-    node, consumer = make_consumer(keyring.consumer_config(), fingerprint="another-model")
+    node, consumer = loop_consumer(keyring.consumer_config(), fingerprint="another-model")
     error = _fetch_error(consumer, h, producer.address)
     assert error.reason is FailureReason.INCOMPATIBLE, error
     assert "fingerprint" in error.detail, error.detail
@@ -139,14 +146,14 @@ def test_fingerprint_mismatch_is_a_typed_refusal(
     session = raw_session(producer.address, fingerprint="another-model")
     reply = session.hello()
     assert isinstance(reply, p.Error) and reply.code is p.ErrorCode.FINGERPRINT_MISMATCH, reply
-    stats = producer.stats()
-    assert stats["sessions"] == 0 and stats["counters"]["refused_fingerprint"] == 2, stats
+    assert producer.session_count() == 0
+    assert producer.counters["refused_fingerprint"] == 2
 
 
 def test_version_mismatch_is_a_typed_refusal(
-    make_producer: MakeProducer, raw_session: MakeRawSession, keyring: Keyring
+    loop_producer: MakeLoopProducer, raw_session: MakeRawSession, keyring: Keyring
 ) -> None:
-    _, producer = make_producer(keyring.producer_config())
+    _, producer = loop_producer(keyring.producer_config())
     session = raw_session(producer.address)
 
     reply = session.hello(versions=[99])

@@ -1,7 +1,12 @@
 """Grants and pins, watched from inside a producer that runs in this process.
 
-The producer serves real sockets and a real NIXL agent; the peers that talk to it
-are a raw control-plane client (driven message by message) and real Consumers.
+The producer serves real sockets (ZMQ with CURVE); the peers that talk to it are a
+raw control-plane client (driven message by message) and real Consumers. Grants and
+pins are the producer's logic, so its data plane is `LoopbackTransport`
+(tests/peer/loopback_testing.py): the project's own in-process transport, held to
+NIXL's contract by tests/transport/test_transport_contract.py, not a mock. The
+stalled producer stays a real process over NIXL: a whole process stopping is what
+it checks.
 """
 
 from __future__ import annotations
@@ -15,11 +20,10 @@ import pytest
 
 pytest.importorskip("nixl._api")
 
+from loopback_testing import MakeLoopConsumer, MakeLoopProducer
 from peer_testing import (
     FAST,
     Keyring,
-    MakeConsumer,
-    MakeProducer,
     MakeRawSession,
     SpawnProducer,
     expected,
@@ -39,10 +43,10 @@ MiB = 1 << 20
 
 
 def test_duplicate_request_pins_once(
-    make_producer: MakeProducer, raw_session: MakeRawSession, keyring: Keyring
+    loop_producer: MakeLoopProducer, raw_session: MakeRawSession, keyring: Keyring
 ) -> None:
     h, nbytes = "dup-item", 3 * MiB + 17
-    node, producer = make_producer(keyring.producer_config(), entries={h: nbytes})
+    node, producer = loop_producer(keyring.producer_config(), entries={h: nbytes})
     session = raw_session(producer.address)
     welcome = session.hello()
     assert isinstance(welcome, p.Welcome), welcome
@@ -81,12 +85,12 @@ def test_duplicate_request_pins_once(
 
 
 def test_lease_expiry_releases_pins(
-    make_producer: MakeProducer, raw_session: MakeRawSession, keyring: Keyring
+    loop_producer: MakeLoopProducer, raw_session: MakeRawSession, keyring: Keyring
 ) -> None:
     lease_s = 1.5
     short = {"lease_s": lease_s, "fetch_deadline_base_s": 1.0, "fetch_deadline_max_s": 1.0}
     h, nbytes = "leased-item", 1 * MiB
-    node, producer = make_producer(keyring.producer_config(), short, entries={h: nbytes})
+    node, producer = loop_producer(keyring.producer_config(), short, entries={h: nbytes})
     session = raw_session(producer.address)
     assert isinstance(session.hello(), p.Welcome)
 
@@ -113,8 +117,8 @@ def test_lease_expiry_releases_pins(
 
 
 def test_pinned_entry_is_never_evicted_while_granted(
-    make_producer: MakeProducer,
-    make_consumer: MakeConsumer,
+    loop_producer: MakeLoopProducer,
+    loop_consumer: MakeLoopConsumer,
     raw_session: MakeRawSession,
     keyring: Keyring,
 ) -> None:
@@ -124,7 +128,7 @@ def test_pinned_entry_is_never_evicted_while_granted(
     entry_bytes = 8 * block - 5
     small = {"region_bytes": 2 * MiB, "block_bytes": block}
     names = ["granted", "b", "c", "d"]
-    node, producer = make_producer(
+    node, producer = loop_producer(
         keyring.producer_config(), small, entries=dict.fromkeys(names, entry_bytes)
     )
     store = node.store
@@ -160,7 +164,7 @@ def test_pinned_entry_is_never_evicted_while_granted(
                 store.put(f"churn-{churned[0]}", rng.integers(0, 256, n, dtype=np.uint8))
             churned[0] += 1
 
-    cnode, consumer = make_consumer(keyring.consumer_config())
+    cnode, consumer = loop_consumer(keyring.consumer_config())
     writer = threading.Thread(target=churn, daemon=True)
     writer.start()
     try:
@@ -186,12 +190,12 @@ def test_pinned_entry_is_never_evicted_while_granted(
 
 
 def test_allocated_entry_is_never_granted(
-    make_producer: MakeProducer,
-    make_consumer: MakeConsumer,
+    loop_producer: MakeLoopProducer,
+    loop_consumer: MakeLoopConsumer,
     raw_session: MakeRawSession,
     keyring: Keyring,
 ) -> None:
-    node, producer = make_producer(keyring.producer_config())
+    node, producer = loop_producer(keyring.producer_config())
     writing = node.store.allocate("half-written", 256 * KiB)
     session = raw_session(producer.address)
     assert isinstance(session.hello(), p.Welcome)
@@ -202,7 +206,7 @@ def test_allocated_entry_is_never_granted(
     (item,) = reply.items
     assert item.status is p.ItemStatus.NOT_READY and not item.grant_id and not item.extents
     assert node.store.stats().pins == 0
-    _, consumer = make_consumer(keyring.consumer_config())
+    _, consumer = loop_consumer(keyring.consumer_config())
     with pytest.raises(FetchFailed) as failed:
         consumer.fetch(["half-written"], [producer.address])[0].result(timeout=10)
     assert failed.value.reason is FailureReason.RETRIES_EXHAUSTED
@@ -244,11 +248,11 @@ def test_stalled_producer_keeps_live_sessions_and_their_pins(
 
 
 def test_session_named_like_another_pin_owner_cannot_touch_its_pins(
-    make_producer: MakeProducer, raw_session: MakeRawSession, keyring: Keyring
+    loop_producer: MakeLoopProducer, raw_session: MakeRawSession, keyring: Keyring
 ) -> None:
     h = "shared-entry"
     lease = {"lease_s": 1.0, "fetch_deadline_base_s": 0.5, "fetch_deadline_max_s": 0.8}
-    node, producer = make_producer(keyring.producer_config(), lease, entries={h: MiB})
+    node, producer = loop_producer(keyring.producer_config(), lease, entries={h: MiB})
     engine = "ecshare.vllm.load"  # an engine sharing the store pins under its own owner
     node.store.table.pin(h, engine, "load-1", lease_s=60.0)
     session = raw_session(producer.address)
