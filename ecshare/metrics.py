@@ -285,6 +285,7 @@ COUNTED: Final[tuple[Counted, ...]] = (
         "fetched_by_push",
         "requests",
         "reads_started",
+        "read_posts",
         "reads_fenced",
         "fenced_reads_ended",
         "late_replies",

@@ -1,6 +1,13 @@
-"""Prometheus metrics across real fetches: a producer process (`ecshare serve`, or the hook
-script where a test must hold a grant open) and a consumer in this process, over NIXL and
-CURVE on 127.0.0.1. Every number is read by scraping the real HTTP endpoints."""
+"""Prometheus metrics across real fetches, read by scraping the real HTTP endpoints.
+
+Two tiers. A fetch across processes over NIXL and CURVE on 127.0.0.1 (a producer
+process, `ecshare serve` or the hook script where a grant must stay open) shows the
+counts end to end. What is refused, and the endpoint's own life, are counted the
+same whatever moves the bytes: those producers and consumers run in this process on
+`LoopbackTransport` (tests/peer/loopback_testing.py), the project's own in-process
+data plane, held to NIXL's contract by tests/transport/test_transport_contract.py,
+not a mock; the control plane is real ZMQ with CURVE.
+"""
 
 from __future__ import annotations
 
@@ -9,11 +16,11 @@ from pathlib import Path
 import numpy as np
 import prometheus_client
 import pytest
+from loopback_testing import MakeLoopConsumer, MakeLoopProducer
 from metrics_testing import free_port, metrics_url, refused, scrape, scrape_until, value
 from peer_testing import (
     Keyring,
     MakeConsumer,
-    MakeProducer,
     SpawnProducer,
     expected,
     stored_bytes,
@@ -111,21 +118,21 @@ def test_outstanding_grant_shows_as_active_grant_and_pin_until_released(
 
 
 def test_missing_key_and_fingerprint_mismatch_count_as_refusals_by_reason(
-    spawn_producer: SpawnProducer, make_consumer: MakeConsumer, keyring: Keyring
+    loop_producer: MakeLoopProducer, loop_consumer: MakeLoopConsumer, keyring: Keyring
 ) -> None:
     pport, cport = free_port(), free_port()
-    producer = spawn_producer(
-        synthetic="64KiB:1", config={**keyring.producer_config(), "metrics_port": pport}
+    _pnode, producer = loop_producer(
+        keyring.producer_config(), {"metrics_port": pport}, entries={"h-metrics": 65536}
     )
     purl = metrics_url(pport)
-    _, consumer = make_consumer(keyring.consumer_config(), {"metrics_port": cport})
+    _, consumer = loop_consumer(keyring.consumer_config(), {"metrics_port": cport})
     with pytest.raises(FetchFailed) as missing:
         consumer.fetch(["never-stored"], [producer.address])[0].result(timeout=20)
     assert missing.value.reason is FailureReason.MISSING
 
     # Another model: the producer refuses the handshake itself.
-    _, other = make_consumer(keyring.consumer_config(), fingerprint="another-model")
-    (h,) = producer.sizes
+    _, other = loop_consumer(keyring.consumer_config(), fingerprint="another-model")
+    h = "h-metrics"
     with pytest.raises(FetchFailed) as mismatch:
         other.fetch([h], [producer.address])[0].result(timeout=20)
     assert mismatch.value.reason is FailureReason.INCOMPATIBLE
@@ -141,15 +148,15 @@ def test_missing_key_and_fingerprint_mismatch_count_as_refusals_by_reason(
 
 
 def test_client_with_unauthorized_key_counts_as_auth_failure(
-    spawn_producer: SpawnProducer, make_consumer: MakeConsumer, keyring: Keyring
+    loop_producer: MakeLoopProducer, loop_consumer: MakeLoopConsumer, keyring: Keyring
 ) -> None:
     pport, cport = free_port(), free_port()
-    producer = spawn_producer(
-        synthetic="64KiB:1", config={**keyring.producer_config(), "metrics_port": pport}
+    _pnode, producer = loop_producer(
+        keyring.producer_config(), {"metrics_port": pport}, entries={"h-metrics": 65536}
     )
     purl = metrics_url(pport)
-    _, stranger = make_consumer(keyring.consumer_config(stranger=True), {"metrics_port": cport})
-    (h,) = producer.sizes
+    _, stranger = loop_consumer(keyring.consumer_config(stranger=True), {"metrics_port": cport})
+    h = "h-metrics"
     with pytest.raises(FetchFailed) as error:
         stranger.fetch([h], [producer.address])[0].result(timeout=20)
     assert error.value.reason is FailureReason.AUTH_FAILED
@@ -167,18 +174,18 @@ def test_client_with_unauthorized_key_counts_as_auth_failure(
 
 
 def test_client_with_wrong_server_key_counts_as_handshake_failure(
-    spawn_producer: SpawnProducer, make_consumer: MakeConsumer, keyring: Keyring
+    loop_producer: MakeLoopProducer, loop_consumer: MakeLoopConsumer, keyring: Keyring
 ) -> None:
     pport = free_port()
-    producer = spawn_producer(
-        synthetic="64KiB:1", config={**keyring.producer_config(), "metrics_port": pport}
+    _pnode, producer = loop_producer(
+        keyring.producer_config(), {"metrics_port": pport}, entries={"h-metrics": 65536}
     )
     # The consumer expects another server key: the CURVE handshake cannot complete.
     wrong_server = Path(keyring.stranger_secret).with_suffix(".key")
-    _, consumer = make_consumer(
+    _, consumer = loop_consumer(
         {**keyring.consumer_config(), "server_public_key_file": str(wrong_server)}
     )
-    (h,) = producer.sizes
+    h = "h-metrics"
     with pytest.raises(FetchFailed):
         consumer.fetch([h], [producer.address])[0].result(timeout=20)
     p = scrape_until(
@@ -190,14 +197,14 @@ def test_client_with_wrong_server_key_counts_as_handshake_failure(
 
 
 def test_endpoint_is_shared_in_one_process_and_closes_with_the_last_peer(
-    make_producer: MakeProducer, make_consumer: MakeConsumer, keyring: Keyring
+    loop_producer: MakeLoopProducer, loop_consumer: MakeLoopConsumer, keyring: Keyring
 ) -> None:
     port = free_port()
     url = metrics_url(port)
-    pnode, producer = make_producer(
+    pnode, producer = loop_producer(
         keyring.producer_config(), {"metrics_port": port}, entries={"h-shared": 65536}
     )
-    cnode, consumer = make_consumer(keyring.consumer_config(), {"metrics_port": port})
+    cnode, consumer = loop_consumer(keyring.consumer_config(), {"metrics_port": port})
     assert consumer.fetch(["h-shared"], [producer.address])[0].result(timeout=20).nbytes == 65536
     both = scrape(url)
     # One endpoint, both peers: the producer's grants and the consumer's fetches, and
@@ -216,10 +223,10 @@ def test_endpoint_is_shared_in_one_process_and_closes_with_the_last_peer(
 
 
 def test_metrics_use_their_own_registry_never_the_global_one(
-    make_producer: MakeProducer, keyring: Keyring
+    loop_producer: MakeLoopProducer, keyring: Keyring
 ) -> None:
     port = free_port()
-    _, producer = make_producer(keyring.producer_config(), {"metrics_port": port})
+    _, producer = loop_producer(keyring.producer_config(), {"metrics_port": port})
     assert value(scrape(metrics_url(port)), "ecshare_sessions") == 0
     global_names = {
         sample.name for family in prometheus_client.REGISTRY.collect() for sample in family.samples
