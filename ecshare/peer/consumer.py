@@ -73,7 +73,15 @@ from ecshare.store import (
     Store,
     StoreFull,
 )
-from ecshare.transport.base import DataTransport, FailureKind, PeerInfo, ReadState, pair_segments
+from ecshare.transport.base import (
+    DataTransport,
+    FailureKind,
+    PeerInfo,
+    ReadState,
+    ReadStatus,
+    Segment,
+    pair_segments,
+)
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +108,20 @@ def _lease_margin(lease_s: float) -> float:
     thread's reaction time (a long synchronous read, a stall), not the clocks,
     which are never compared."""
     return min(1.0, 0.1 * lease_s)
+
+
+class _SharedRead:
+    """One data-plane READ for the granted items of one reply. Each item's transfer
+    holds it as its `read_handle`; the transport's handle is released when the last
+    of them lets it go, so a destination given up early is fenced, as ever, until
+    the backend has ended the whole READ. One READ instead of one per item saves
+    the backend's per-transfer work and merges items that lie end to end."""
+
+    __slots__ = ("handle", "users")
+
+    def __init__(self, handle: object, users: int) -> None:
+        self.handle = handle
+        self.users = users
 
 
 @dataclass(frozen=True)
@@ -457,7 +479,7 @@ class Consumer(NetworkThread):
         with 50 us naps. Returns when one read has ended, or when the time is up so
         that the sockets get their turn.
         """
-        poll = self._transport.poll
+        poll = self._poll_handle
         until = time.monotonic() + _READ_WAIT_S
         while True:
             for handle in handles:
@@ -657,13 +679,15 @@ class Consumer(NetworkThread):
                 link.release([i.grant_id for i in msg.items if i.grant_id])
                 return
             by_hash = {t.mm_hash: t for t in transfers}
+            reads: list[tuple[Transfer, list[Segment]]] = []
             for item in msg.items:
                 t = by_hash.pop(item.mm_hash, None)
                 if t is None or t.state is not TransferState.REQUESTED:
                     if item.grant_id:
                         link.release([item.grant_id])
                     continue
-                self._on_item(link, t, item, now)
+                self._on_item(link, t, item, now, reads)
+            self._post_reads(link, reads)
             for t in by_hash.values():  # the producer skipped an item: treat as missing
                 if t.state is TransferState.REQUESTED:
                     self._move_on(t, FailureReason.MISSING, "not in reply")
@@ -774,7 +798,15 @@ class Consumer(NetworkThread):
 
     # -- items -------------------------------------------------------------------------------
 
-    def _on_item(self, link: PeerLink, t: Transfer, item: p.ItemReply, now: float) -> None:
+    def _on_item(
+        self,
+        link: PeerLink,
+        t: Transfer,
+        item: p.ItemReply,
+        now: float,
+        reads: list[tuple[Transfer, list[Segment]]],
+    ) -> None:
+        """One item of a reply; a granted one joins `reads`, posted as one READ."""
         status = item.status
         if status is p.ItemStatus.GRANTED:
             if self.phases is not None:
@@ -802,7 +834,7 @@ class Consumer(NetworkThread):
             t.checksum = item.checksum
             t.remote_extents = [(e.offset, e.length) for e in item.extents]
             t.deadline = max(t.deadline, t.started + self._config.fetch_deadline_s(item.nbytes))
-            self._start_read(link, t)
+            self._start_read(link, t, reads)
         elif status.retryable:
             if status is p.ItemStatus.OVERLOADED:
                 link.releases_ahead()  # our finished grants may be what fills the session
@@ -825,7 +857,11 @@ class Consumer(NetworkThread):
             }.get(status, FailureReason.MISSING)
             self._move_on(t, reason, item.detail or status.value)
 
-    def _start_read(self, link: PeerLink, t: Transfer) -> None:
+    def _start_read(
+        self, link: PeerLink, t: Transfer, reads: list[tuple[Transfer, list[Segment]]]
+    ) -> None:
+        """Check the grant and take the destination; the READ goes out with the
+        reply's others (`_post_reads`)."""
         region_size = link.region_size
         total = sum(n for _, n in t.remote_extents)
         if (
@@ -859,15 +895,53 @@ class Consumer(NetworkThread):
             self._move_on(t, FailureReason.LOCAL_STORE_FULL, str(exc))
             return
         t.dest = dest
-        segments = pair_segments(dest.byte_extents(self._store.block_size), t.remote_extents)
         t.move(TransferState.READING)
+        reads.append(
+            (t, pair_segments(dest.byte_extents(self._store.block_size), t.remote_extents))
+        )
+
+    def _post_reads(self, link: PeerLink, reads: list[tuple[Transfer, list[Segment]]]) -> None:
+        """One READ for the destinations of a reply's granted items (see `_SharedRead`)."""
+        reads = [
+            (t, segs)
+            for t, segs in reads
+            if t.state is TransferState.READING and t.read_handle is None and t.dest is not None
+        ]
+        if not reads:
+            return
         if self.phases is not None:
-            self.phases.mark(t.mm_hash, "read_start")
-        t.read_handle = self._transport.read(link.agent, segments)
+            start = time.monotonic()
+            for t, _ in reads:
+                self.phases.mark(t.mm_hash, "read_start", start)
+        handle = self._transport.read(link.agent, [s for _, segs in reads for s in segs])
+        shared = handle if len(reads) == 1 else _SharedRead(handle, len(reads))
+        for t, _ in reads:
+            t.read_handle = shared
         if self.phases is not None:
-            self.phases.mark(t.mm_hash, "read_return")
-        self._count("reads_started")
-        self._poll_read(t)
+            back = time.monotonic()
+            for t, _ in reads:
+                self.phases.mark(t.mm_hash, "read_return", back)
+        self._count_add("reads_started", len(reads))
+        self._count("read_posts")
+        for t, _ in reads:
+            # A failed READ that takes its peer down moves the others on with it.
+            if t.state is TransferState.READING and t.read_handle is shared:
+                self._poll_read(t)
+
+    def _poll_handle(self, handle: object) -> ReadStatus:
+        if isinstance(handle, _SharedRead):
+            handle = handle.handle
+        return self._transport.poll(handle)
+
+    def _release_handle(self, handle: object) -> None:
+        """A transfer is done with its READ: the transport's handle goes (a PENDING one
+        abandoned, as `DataTransport.release` says) once no transfer holds it."""
+        if isinstance(handle, _SharedRead):
+            handle.users -= 1
+            if handle.users:
+                return
+            handle = handle.handle
+        self._transport.release(handle)
 
     def _poll_reads(self) -> None:
         for t in list(self._transfers):
@@ -875,12 +949,12 @@ class Consumer(NetworkThread):
                 self._poll_read(t)
 
     def _poll_read(self, t: Transfer) -> None:
-        status = self._transport.poll(t.read_handle)
+        status = self._poll_handle(t.read_handle)
         if status.state is ReadState.PENDING:
             return
         if self.phases is not None:
             self.phases.mark(t.mm_hash, "done")
-        self._transport.release(t.read_handle)
+        self._release_handle(t.read_handle)
         t.read_handle = None
         link = self._links[t.candidates[t.peer_index]]
         link.release([t.grant_id])
@@ -1009,7 +1083,7 @@ class Consumer(NetworkThread):
     ) -> None:
         """Hold `dest` until the transport says `handle` has ended: the one way back."""
         self._table.quarantine(dest.mm_hash, expect=dest)
-        self._transport.release(handle)  # abandoned: the transport keeps driving it
+        self._release_handle(handle)  # abandoned: the transport keeps driving it
         self._fenced.append(_Fenced(handle, dest, endpoint, session_id, grant_id, time.monotonic()))
         self._count("reads_fenced")
 
@@ -1023,7 +1097,7 @@ class Consumer(NetworkThread):
             return
         keep = []
         for f in self._fenced:
-            if self._transport.poll(f.handle).state is ReadState.PENDING:
+            if self._poll_handle(f.handle).state is ReadState.PENDING:
                 keep.append(f)
                 continue
             self._table.release_quarantined(f.dest)
