@@ -31,6 +31,10 @@ class TransferState(enum.Enum):
     DONE = "done"
     FAILED = "failed"
 
+    # Members are singletons compared by identity: hash them by it too, in C (Enum's
+    # own __hash__ is Python code, and every `move` hashes states six times).
+    __hash__ = object.__hash__
+
 
 _LEGAL: Final[dict[TransferState, frozenset[TransferState]]] = {
     TransferState.QUEUED: frozenset(
