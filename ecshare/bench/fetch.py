@@ -20,7 +20,8 @@ sample, so that background load hits them alike:
 * ``memcpy``: ``np.copyto`` of the same sizes inside this process.
 
 Mode ``single`` moves one item at a time; mode ``batch`` moves 32 items (one
-``fetch()`` of 32 hashes against 32 reads started back to back, then polled).
+``fetch()`` of 32 hashes against 32 reads started back to back, then polled;
+the consumer reads the items of one reply with one READ of them all).
 Each mode is warmed up before it is timed, and figures are medians. A last
 loop of sequential single 64 KiB fetches gives the latency p50 and p99.
 Entries carry no checksum, so the figures are the transfer path alone.

@@ -15,7 +15,9 @@ Two promises bind the reads (DESIGN.md, invariants 2 and 4):
   shutdown) is *fenced*: its entry goes QUARANTINED in the store and returns
   only when the transport says the read has ended, which over TCP or RDMA can
   be long after we stopped caring (`_fence` and `_poll_fenced` are the only
-  way such blocks go back).
+  way such blocks go back). The items granted in one reply are read with one
+  data-plane READ (`_SharedRead`): an item given up while it moves stays
+  fenced until that whole READ has ended.
 - Nothing is committed that was read outside the producer's lease. A grant's
   lease (on the wire, per item) is counted from when we sent the request, so
   it can only end early on our clock. A read is given up `_lease_margin`
