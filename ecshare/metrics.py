@@ -289,6 +289,7 @@ COUNTED: Final[tuple[Counted, ...]] = (
         "reads_fenced",
         "fenced_reads_ended",
         "late_replies",
+        "handshakes_retried",
         "unexpected_notifications",
         "checksum_missing",
         "grants_expired_on_arrival",

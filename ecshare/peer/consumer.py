@@ -657,8 +657,19 @@ class Consumer(NetworkThread):
         except AuthenticationFailed as exc:
             self._peer_failed(link, FailureReason.AUTH_FAILED, str(exc), now)
             return
-        if problem is not None:
-            self._peer_failed(link, problem[0], problem[1], now)
+        if problem is None:
+            return
+        if link.state is PeerLinkState.HELLO_SENT and not any(
+            t.peer == link.endpoint for t in self._transfers
+        ):
+            # A session opened ahead of any fetch (connect(), a push consumer's start-up)
+            # to a producer not up yet: start over instead of quarantining it, or the
+            # first fetches after it comes up would be refused for quarantine_s.
+            log.info("peer %s: %s; trying again", link.endpoint, problem[1])
+            self._count("handshakes_retried")
+            link.close()
+            return
+        self._peer_failed(link, problem[0], problem[1], now)
 
     def _peer_failed(self, link: PeerLink, reason: FailureReason, detail: str, now: float) -> None:
         log.warning("peer %s failed (%s): %s", link.endpoint, reason.value, detail)

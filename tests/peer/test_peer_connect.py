@@ -7,6 +7,8 @@ pays that before any item is needed.
 
 from __future__ import annotations
 
+import socket
+
 import numpy as np
 import pytest
 
@@ -51,3 +53,34 @@ def test_connect_never_takes_the_place_of_a_link(
     assert wait_until(lambda: first.session_count() == 1, 0.5)
     assert [p.endpoint for p in consumer.peer_liveness()] == [first.address]
     assert second.session_count() == 0
+
+
+def test_a_producer_not_up_yet_is_not_quarantined_by_an_early_connect(
+    make_producer: MakeProducer, make_consumer: MakeConsumer, keyring: Keyring
+) -> None:
+    # A prefill/decode instance starts before its encoder: its start-up connect finds
+    # nobody. Once the producer is up, the first fetch must be served, not refused as
+    # quarantined for quarantine_s (it was: a media-free request then failed).
+    h, nbytes = "late-producer", 1 << 16
+    port = free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    _, consumer = make_consumer(
+        keyring.consumer_config(), {"handshake_timeout_s": 0.3, "quarantine_s": 600}
+    )
+
+    consumer.connect([address])
+    assert wait_until(lambda: consumer.counter_snapshot().get("handshakes_retried", 0) >= 1, 10.0)
+    _, producer = make_producer(
+        keyring.producer_config(), {"listen_port": port}, entries={h: nbytes}
+    )
+
+    result = consumer.fetch([h], peers=[address])[0].result(timeout=10)
+    assert result.nbytes == nbytes
+    assert consumer.counter_snapshot().get("peer_failures.peer_unreachable", 0) == 0
+    assert producer.address == address
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
