@@ -9,6 +9,7 @@ and imported only by the parts that need them (`ecshare.transport.nixl`, `ecshar
 # `metrics_port` (ecshare.peer.thread.add_exporter). `peer/` never imports it.
 from ecshare import metrics as _metrics  # noqa: F401
 from ecshare.config import Config, ConfigError, load_config
+from ecshare.errors import ECShareError
 from ecshare.peer import (
     Consumer,
     FailureReason,
@@ -30,6 +31,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "Consumer",
+    "ECShareError",
     "FailureReason",
     "FetchFailed",
     "FetchItem",

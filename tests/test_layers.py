@@ -3,7 +3,7 @@
 The layers, lowest first, as the code stands (each imports only from those below
 it, and from its own):
 
-    config < protocol < store < transport < control < peer < metrics < the rest
+    errors < config < protocol < store < transport < control < peer < metrics < the rest
 
 "The rest" is the engine integration (vllm/), the proxy and the operator apps
 (cli, launch, demo, bench, chaos, ops), and the package root, which gathers the
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "ecshare"
-LAYERS = ("config", "protocol", "store", "transport", "control", "peer", "metrics")
+LAYERS = ("errors", "config", "protocol", "store", "transport", "control", "peer", "metrics")
 # Anything not named in LAYERS (vllm, proxy, cli, bench, the root, ...) is above them all.
 TOP = len(LAYERS)
 

@@ -28,6 +28,7 @@ import zmq
 from ecshare import protocol as p
 from ecshare.config import Config
 from ecshare.control import ControlServer, KeyPair, Waker
+from ecshare.errors import IllegalTransition
 from ecshare.peer.notices import Notices
 from ecshare.peer.phases import PhaseLog
 from ecshare.peer.pusher import Pusher, PushOutcome, PushState, PushTarget
@@ -318,7 +319,8 @@ class Producer(NetworkThread):
             received = time.monotonic() if self.phases is not None else 0.0
             try:
                 reply = self._handle(inbound.peer, inbound.user, inbound.message)
-            except StoreError as exc:  # a bug, not the peer's fault: answer, count, go on
+            # A bug, not the peer's fault: answer, count, go on.
+            except (StoreError, IllegalTransition) as exc:
                 log.exception("store error while serving %s", type(inbound.message).__name__)
                 self._count("internal_error")
                 reply = p.Error(code=p.ErrorCode.INTERNAL, message=str(exc)[:4000])

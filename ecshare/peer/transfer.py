@@ -20,6 +20,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Final
 
+from ecshare.errors import ECShareError, IllegalTransition
 from ecshare.store import Entry, Hold
 
 
@@ -72,11 +73,7 @@ class FailureReason(enum.Enum):
     INTERNAL = "internal"  # the consumer's network thread died (a bug; see its log)
 
 
-class IllegalTransition(RuntimeError):
-    pass
-
-
-class FetchFailed(Exception):
+class FetchFailed(ECShareError):
     """The final, typed outcome of a fetch that delivered no data."""
 
     def __init__(self, mm_hash: str, reason: FailureReason, detail: str = "") -> None:

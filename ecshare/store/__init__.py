@@ -5,6 +5,7 @@
 region and for tests.
 """
 
+from ecshare.errors import IllegalTransition
 from ecshare.store.allocator import AllocatorError, BlockAllocator, Run
 from ecshare.store.entries import (
     Entry,
@@ -13,7 +14,6 @@ from ecshare.store.entries import (
     EntryState,
     EntryTable,
     Hold,
-    IllegalTransition,
     NotFound,
     NotReady,
     Pin,

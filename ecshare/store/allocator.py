@@ -26,13 +26,15 @@ from collections.abc import Sequence
 import msgspec
 from sortedcontainers import SortedList
 
+from ecshare.errors import ECShareError
+
 __all__ = ["AllocatorError", "BlockAllocator", "Run"]
 
 _FREE, _USED = 0, 1
 _USED_BYTE = bytes((_USED,))
 
 
-class AllocatorError(Exception):
+class AllocatorError(ECShareError):
     """A free() that does not match what was allocated: out of range, overlapping, double free."""
 
 

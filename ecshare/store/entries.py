@@ -41,6 +41,7 @@ from typing import Literal
 import msgspec
 from sortedcontainers import SortedList
 
+from ecshare.errors import ECShareError, IllegalTransition
 from ecshare.store.allocator import BlockAllocator, Run
 
 __all__ = [
@@ -66,7 +67,7 @@ MIN_BLOCK_SIZE = 4 << 10
 MAX_BLOCK_SIZE = 16 << 20
 
 
-class StoreError(Exception):
+class StoreError(ECShareError):
     """Base of every error the store raises on purpose."""
 
 
@@ -84,10 +85,6 @@ class EntryExists(StoreError):
 
 class StoreFull(StoreError):
     """Not enough free plus evictable blocks; everything else is pinned or being written."""
-
-
-class IllegalTransition(StoreError):
-    """An operation that the entry's current state does not allow."""
 
 
 class PinConflict(StoreError):

@@ -27,6 +27,8 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from ecshare.errors import ECShareError
+
 __all__ = ["Region", "RegionError", "RegionHandle"]
 
 PAGE_SIZE = mmap.PAGESIZE
@@ -35,7 +37,7 @@ PAGE_SIZE = mmap.PAGESIZE
 _MAX_NAME = 200
 
 
-class RegionError(Exception):
+class RegionError(ECShareError):
     """The region cannot be created, attached or used (owner gone, bad handle, closed)."""
 
 

@@ -21,8 +21,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from ecshare.errors import ECShareError
 
-class TransportError(Exception):
+
+class TransportError(ECShareError):
     """The transport could not be set up or used (bad config, missing library)."""
 
 

@@ -13,17 +13,24 @@ import numpy as np
 import pytest
 import xxhash
 
+from ecshare import ECShareError
+from ecshare.errors import IllegalTransition
+from ecshare.peer import transfer
 from ecshare.store import (
+    AllocatorError,
     EntryExists,
     EntryMeta,
     EntryState,
     NotFound,
     NotReady,
     Region,
+    RegionError,
     Store,
     StoreError,
     StoreFull,
+    entries,
 )
+from ecshare.transport import TransportError
 
 BLOCK = 64 << 10
 
@@ -377,3 +384,10 @@ def test_canary_off_by_default_leaves_the_region_alone(region: Region) -> None:
     ((off, n),) = entry.extents
     assert np.array_equal(region.array[off : off + n], payload(BLOCK))
     assert store.stats().canary_violations == 0
+
+
+def test_every_store_error_is_an_ecshare_error_and_illegal_transition_is_one_class() -> None:
+    for error in (StoreError, RegionError, AllocatorError, TransportError, transfer.FetchFailed):
+        assert issubclass(error, ECShareError)
+    assert entries.IllegalTransition is transfer.IllegalTransition is IllegalTransition
+    assert issubclass(IllegalTransition, ECShareError)
