@@ -13,8 +13,8 @@ from collections.abc import Sequence
 
 from ecshare.config import ConfigError, add_config_arguments, load_config
 
-# `ecshare serve` prints this, then one JSON object, once it accepts connections.
-READY_PREFIX = "ecshare-ready "
+# Re-exported: callers that start `ecshare serve` look for its ready line by this prefix.
+from ecshare.ready import READY_PREFIX as READY_PREFIX
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -214,6 +214,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from ecshare.bench.synthetic import fill_synthetic
     from ecshare.peer import Node, start_producer
+    from ecshare.ready import ProducerReady, ServedEntry, print_ready
 
     config = load_config(cli=args)
     node = Node.create(config, "producer")
@@ -227,9 +228,9 @@ def _serve(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    # One JSON line tells a supervising process where we are and what we hold.
-    ready = {"address": producer.address, "entries": entries, "metrics": producer.metrics_url}
-    print(READY_PREFIX + json.dumps(ready), flush=True)
+    # One line tells a supervising process where we are and what we hold.
+    served = tuple(ServedEntry(str(e["mm_hash"]), int(e["nbytes"])) for e in entries)
+    print_ready(ProducerReady(producer.address, served, producer.metrics_url))
     try:
         while not stop.wait(0.5):
             pass

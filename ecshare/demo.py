@@ -7,31 +7,28 @@ each byte, shows one refusal and one failover, and shuts everything down.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from ecshare.bench.synthetic import synthetic_bytes
-from ecshare.cli import READY_PREFIX
 from ecshare.config import Config
 from ecshare.control import generate_keypair
 from ecshare.peer import Consumer, FetchFailed, Node, start_consumer
+from ecshare.ready import ProducerReady, ServedEntry, parse_ready
 
 SPEC = "64KiB:8,1MiB:4,4MiB:4,16MiB:2"
 FINGERPRINT = "ecshare-demo"
-Entry = dict[str, Any]
 
 
 def _start_producer(
     workdir: Path, keys: dict[str, Path]
-) -> tuple[subprocess.Popen[str], dict[str, Any]]:
+) -> tuple[subprocess.Popen[str], ProducerReady]:
     env = {**os.environ, "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo")}
     cmd = [
         sys.executable, "-m", "ecshare", "serve",
@@ -46,8 +43,9 @@ def _start_producer(
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     assert proc.stdout is not None
     for line in proc.stdout:
-        if line.startswith(READY_PREFIX):
-            return proc, json.loads(line[len(READY_PREFIX) :])
+        ready = parse_ready(line, ProducerReady)
+        if ready is not None:
+            return proc, ready
     proc.wait(timeout=10)
     raise RuntimeError(f"producer exited with {proc.returncode} before it was ready")
 
@@ -62,11 +60,11 @@ def run_demo() -> int:
         print(f"1. generated CURVE key pairs for producer and consumer in {workdir}")
         t0 = time.monotonic()
         proc, ready = _start_producer(workdir, keys)
-        entries = ready["entries"]
-        total = sum(e["nbytes"] for e in entries)
+        entries = ready.entries
+        total = sum(e.nbytes for e in entries)
         print(
             f"2. producer pid {proc.pid} serving {len(entries)} entries "
-            f"({total / 2**20:.1f} MiB) on {ready['address']} "
+            f"({total / 2**20:.1f} MiB) on {ready.address} "
             f"(ready in {time.monotonic() - t0:.2f} s)"
         )
         config = Config.from_dict(
@@ -82,9 +80,9 @@ def run_demo() -> int:
         node = Node.create(config, "consumer")
         consumer = start_consumer(node, fingerprint=FINGERPRINT)
         try:
-            _fetch_all(consumer, node, ready["address"], entries)
-            _show_refusal(consumer, ready["address"])
-            _show_failover(consumer, node, ready["address"], entries)
+            _fetch_all(consumer, node, ready.address, entries)
+            _show_refusal(consumer, ready.address)
+            _show_failover(consumer, node, ready.address, entries)
         finally:
             consumer.stop()
             node.close()
@@ -94,15 +92,17 @@ def run_demo() -> int:
         return 0
 
 
-def _fetch_all(consumer: Consumer, node: Node, address: str, entries: list[Entry]) -> None:
+def _fetch_all(
+    consumer: Consumer, node: Node, address: str, entries: tuple[ServedEntry, ...]
+) -> None:
     t0 = time.perf_counter()
-    futures = consumer.fetch([e["mm_hash"] for e in entries], [address])
+    futures = consumer.fetch([e.mm_hash for e in entries], [address])
     results = [f.result(timeout=30) for f in futures]
     elapsed = time.perf_counter() - t0
     bad = 0
     for e in entries:
-        got = node.store.read(e["mm_hash"]).reshape(-1).view(np.uint8)
-        bad += not np.array_equal(got, synthetic_bytes(e["mm_hash"], e["nbytes"]))
+        got = node.store.read(e.mm_hash).reshape(-1).view(np.uint8)
+        bad += not np.array_equal(got, synthetic_bytes(e.mm_hash, e.nbytes))
     total = sum(r.nbytes for r in results)
     print(
         f"3. fetched {len(results)} entries, {total / 2**20:.1f} MiB, in {elapsed * 1000:.1f} ms "
@@ -129,9 +129,11 @@ def _show_refusal(consumer: Consumer, address: str) -> None:
         print(f"4. an item no producer holds fails with a typed reason: {exc.reason.value}")
 
 
-def _show_failover(consumer: Consumer, node: Node, address: str, entries: list[Entry]) -> None:
+def _show_failover(
+    consumer: Consumer, node: Node, address: str, entries: tuple[ServedEntry, ...]
+) -> None:
     dead = "tcp://127.0.0.1:1"  # nothing listens here
-    h = entries[-1]["mm_hash"]
+    h = entries[-1].mm_hash
     node.store.remove(h)
     result = consumer.fetch([h], [dead, address])[0].result(timeout=30)
     print(

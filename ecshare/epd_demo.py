@@ -39,9 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import msgspec
-
-from ecshare.launch import READY_PREFIX, LaunchReady
+from ecshare.ready import LaunchReady, parse_ready
 from ecshare.vllm.launch import (
     SERVED_MODEL_NAME,
     chat_request,
@@ -89,12 +87,13 @@ def _exposed(url: str) -> dict[str, tuple[float, float]]:
     return {mode: (counts.get(mode, 0.0), sums.get(mode, 0.0)) for mode in ("pushed", "pulled")}
 
 
-def _forward(proc: subprocess.Popen[str], ready: queue.Queue[str | None]) -> None:
-    """Echo launch's output, handing its ready line (or None at EOF) to `ready`."""
+def _forward(proc: subprocess.Popen[str], ready: queue.Queue[LaunchReady | None]) -> None:
+    """Echo launch's output, handing what its ready line says (or None at EOF) to `ready`."""
     assert proc.stdout is not None
     for line in proc.stdout:
-        if line.startswith(READY_PREFIX):
-            ready.put(line[len(READY_PREFIX) :])
+        said = parse_ready(line, LaunchReady)
+        if said is not None:
+            ready.put(said)
         else:
             print("   " + line.rstrip("\n"), flush=True)
     ready.put(None)
@@ -138,13 +137,12 @@ def run_epd_demo(model_dir: Path = MODEL_DIR, *, push: bool = True) -> int:
             text=True,
             start_new_session=True,
         )
-        lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=_forward, args=(proc, lines), daemon=True).start()
+        said: queue.Queue[LaunchReady | None] = queue.Queue()
+        threading.Thread(target=_forward, args=(proc, said), daemon=True).start()
         try:
-            found = lines.get(timeout=READY_TIMEOUT_S)
-            if found is None:
+            ready = said.get(timeout=READY_TIMEOUT_S)
+            if ready is None:
                 raise RuntimeError(f"ecshare launch exited ({proc.wait()}) before it was ready")
-            ready = msgspec.json.decode(found, type=LaunchReady)
             print(
                 f"3. encoder {ready.encoders[0]} and prefill/decode {ready.prefill_decode[0]} "
                 f"ready behind the proxy on {ready.url} in {time.monotonic() - t0:.0f} s"

@@ -14,7 +14,7 @@ names as their `push_targets`, and tells the proxy each instance's name
 `ecshare.vllm.launch`) with its `--ec-transfer-config` on a free port and its own CPU
 core (round-robin over the cores this process may use), waits until every instance
 answers /health, then serves the EPD proxy in front of them and prints one ready line
-(`READY_PREFIX` and a JSON object with the proxy URL). `--proxy-workers N` runs the
+(`ecshare.ready.LaunchReady`, with the proxy URL). `--proxy-workers N` runs the
 proxy as N processes on its port (`ecshare.proxy.workers`). SIGINT or SIGTERM, at any
 point, stops the proxy and every instance.
 
@@ -40,24 +40,10 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-import msgspec
-
 from ecshare.proxy.config import PD_MEDIA
+from ecshare.ready import LaunchReady, print_ready
 from ecshare.vllm.launch import Keys, ServerSpec, VllmServer, free_port
 from ecshare.vllm.settings import PUSH_TARGETS, TRUSTED_PRODUCERS
-
-READY_PREFIX = "ecshare-launch-ready "
-
-
-class LaunchReady(msgspec.Struct):
-    url: str
-    model: str
-    encoders: tuple[str, ...]
-    prefill_decode: tuple[str, ...]
-    workdir: str
-    # Each prefill/decode instance's push name, in the order of `prefill_decode`;
-    # empty with --no-push.
-    push_names: tuple[str, ...] = ()
 
 
 @dataclass
@@ -292,22 +278,23 @@ def run_launch(options: LaunchOptions) -> int:
                     pd_media=options.pd_media,
                 )
 
-                def announce(url: str, *_: object) -> None:
-                    ready = LaunchReady(
-                        url=url,
-                        model=options.served_model_name or options.model,
-                        encoders=config.encoders,
-                        prefill_decode=config.prefill_decode,
-                        workdir=str(workdir),
-                        push_names=config.pd_push_names,
+                def ready(url: str, *_: object) -> None:
+                    print_ready(
+                        LaunchReady(
+                            url=url,
+                            model=options.served_model_name or options.model,
+                            encoders=config.encoders,
+                            prefill_decode=config.prefill_decode,
+                            workdir=str(workdir),
+                            push_names=config.pd_push_names,
+                        )
                     )
-                    print(READY_PREFIX + msgspec.json.encode(ready).decode(), flush=True)
 
                 status = 0
                 if config.workers > 1:
-                    status = supervise(config, announce)
+                    status = supervise(config, ready)
                 else:
-                    asyncio.run(serve_until_signalled(config, lambda r: announce(r.url)))
+                    asyncio.run(serve_until_signalled(config, lambda r: ready(r.url)))
                 print("ecshare launch: stopping", flush=True)
                 return status
             except _Stop as exc:

@@ -1,7 +1,7 @@
 """``ecshare bench proxy``: the latency and throughput the EPD proxy adds over its backends.
 
 Three processes on 127.0.0.1: stub backends that answer instantly with prepared bytes
-(`ecshare.proxy.stubs --canned`, one encoder and one prefill/decode instance), a real
+(`ecshare.bench.instant`, one encoder and one prefill/decode instance), a real
 ``ecshare proxy`` in front of them (``--workers N`` processes), and this process, the load.
 
 Per scenario and concurrency the same load goes to the stub prefill/decode instance
@@ -48,6 +48,7 @@ import numpy as np
 from ecshare.bench.progress import BenchProgress
 from ecshare.bench.schema import ReportHeader, machine_info, utc_now
 from ecshare.proxy.server import use_uvloop
+from ecshare.ready import AnyReady, ProxyReady, StubsReady, parse_ready
 
 __all__ = ["run_proxy_bench"]
 
@@ -57,8 +58,6 @@ CONCURRENCIES = (1, 64)
 # The paced row offers this share of the proxy's closed-loop throughput, at 64 clients.
 PACED_LOAD = 0.5
 ROUNDS = 4
-_STUBS_READY = "ecshare-stubs-ready "
-_PROXY_READY = "ecshare-proxy-ready "
 
 _TEXT = {
     "model": "stub-model",
@@ -181,14 +180,13 @@ def _servers(workers: int) -> Iterator[_Servers]:
     procs: list[subprocess.Popen[str]] = []
     try:
         roles = ["--role", "prefill_decode", "--role", "encoder"]
-        stubs = _spawn(["-m", "ecshare.proxy.stubs", *roles, "--canned"], procs)
-        stub_urls: dict[str, str] = msgspec.json.decode(_ready(stubs, _STUBS_READY))["urls"]
+        stubs = _spawn(["-m", "ecshare.bench.instant", *roles], procs)
+        stub_urls = _ready(stubs, StubsReady).urls
         proxy_args = ["-m", "ecshare", "proxy", "--port", "0", "--workers", str(workers)]
         proxy_args += ["--pd", stub_urls["prefill_decode"], "--encoder", stub_urls["encoder"]]
         proxy = _spawn(proxy_args, procs)
-        ready = msgspec.json.decode(_ready(proxy, _PROXY_READY))
-        pids = tuple(ready["pids"])
-        yield _Servers(stub_urls["prefill_decode"], (stubs.pid,), ready["url"], pids)
+        ready = _ready(proxy, ProxyReady)
+        yield _Servers(stub_urls["prefill_decode"], (stubs.pid,), ready.url, ready.pids)
     finally:
         for proc in procs:
             proc.terminate()
@@ -206,12 +204,13 @@ def _spawn(args: list[str], procs: list[subprocess.Popen[str]]) -> subprocess.Po
     return proc
 
 
-def _ready(proc: subprocess.Popen[str], prefix: str) -> str:
+def _ready(proc: subprocess.Popen[str], kind: type[AnyReady]) -> AnyReady:
     assert proc.stdout is not None
     line = proc.stdout.readline()
-    if not line.startswith(prefix):
+    ready = parse_ready(line, kind)
+    if ready is None:
         raise RuntimeError(f"proxy bench: a server did not start (exit {proc.poll()}): {line!r}")
-    return line.removeprefix(prefix)
+    return ready
 
 
 async def _measure_all(

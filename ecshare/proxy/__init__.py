@@ -10,8 +10,7 @@ instances that share encoder outputs through ecshare. Layout, each module one jo
 * `fanout`: the encoder stage, finding media items, fanning them out, merging by mm_hash;
 * `forward`: the prefill/decode stage, relaying whole and streamed answers;
 * `app`: the routes and the guard (API key, errors, metrics) around them;
-* `server`: serving it, in a caller's loop or as the `ecshare proxy` command;
-* `stubs`: OpenAI-shaped stub backends for tests and `ecshare bench proxy`.
+* `server`: serving it, in a caller's loop or as the `ecshare proxy` command.
 
 It imports neither vllm nor torch.
 """

@@ -5,8 +5,8 @@ many proxy processes on one port; each of them serves through `serve_worker` her
 
 Handler cancellation is on: when a client disconnects, its handler is cancelled at once,
 which closes the upstream connection, even while the proxy waits on a silent backend.
-`run_proxy` uses uvloop when it is installed, prints one ready line (`READY_PREFIX` and a
-JSON object with the URL) once it accepts connections, and stops cleanly on SIGINT/SIGTERM.
+`run_proxy` uses uvloop when it is installed, prints one ready line (`ecshare.ready.ProxyReady`,
+with the URL) once it accepts connections, and stops cleanly on SIGINT/SIGTERM.
 """
 
 from __future__ import annotations
@@ -20,25 +20,14 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import msgspec
 from aiohttp import web
 
 from ecshare.proxy.app import PROXY_KEY, Proxy, build_app
 from ecshare.proxy.config import ProxyConfig
 from ecshare.proxy.metrics import ProxyMetrics
+from ecshare.ready import ProxyReady, print_ready
 
 log = logging.getLogger(__name__)
-
-READY_PREFIX = "ecshare-proxy-ready "
-
-
-class ReadyLine(msgspec.Struct):
-    url: str
-    encoders: tuple[str, ...]
-    prefill_decode: tuple[str, ...]
-    api_key: bool
-    loop: str
-    pids: tuple[int, ...]  # the processes that serve requests: one per worker
 
 
 @dataclass
@@ -123,7 +112,7 @@ def serve_worker(config: ProxyConfig, *, reuse_port: bool) -> int:
     loop_name = use_uvloop()
 
     def announce(running: RunningProxy) -> None:
-        print(READY_PREFIX + ready_line(config, running.url, loop_name, (os.getpid(),)), flush=True)
+        print_ready(proxy_ready(config, running.url, loop_name, (os.getpid(),)))
 
     try:
         asyncio.run(serve_until_signalled(config, announce, reuse_port=reuse_port))
@@ -138,9 +127,9 @@ def cannot_listen(config: ProxyConfig, exc: OSError) -> int:
     return 1
 
 
-def ready_line(config: ProxyConfig, url: str, loop: str, pids: tuple[int, ...]) -> str:
-    """The JSON object of the ready line (after `READY_PREFIX`)."""
-    ready = ReadyLine(
+def proxy_ready(config: ProxyConfig, url: str, loop: str, pids: tuple[int, ...]) -> ProxyReady:
+    """What the proxy's ready line says."""
+    return ProxyReady(
         url=url,
         encoders=config.encoders,
         prefill_decode=config.prefill_decode,
@@ -148,4 +137,3 @@ def ready_line(config: ProxyConfig, url: str, loop: str, pids: tuple[int, ...]) 
         loop=loop,
         pids=pids,
     )
-    return msgspec.json.encode(ready).decode()

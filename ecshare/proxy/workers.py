@@ -41,13 +41,8 @@ import msgspec
 
 from ecshare.proxy.config import ProxyConfig
 from ecshare.proxy.metrics import MULTIPROC_DIR_ENV
-from ecshare.proxy.server import (
-    READY_PREFIX,
-    ReadyLine,
-    cannot_listen,
-    ready_line,
-    serve_worker,
-)
+from ecshare.proxy.server import cannot_listen, proxy_ready, serve_worker
+from ecshare.ready import ProxyReady, parse_ready, print_ready
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +62,7 @@ class _Worker:
     def __init__(self, proc: subprocess.Popen[bytes]) -> None:
         self.proc = proc
         self.pidfd = os.pidfd_open(proc.pid)
-        self.ready: ReadyLine | None = None
+        self.ready: ProxyReady | None = None
 
     def close(self) -> None:
         os.close(self.pidfd)
@@ -121,7 +116,7 @@ class _Pool:
         if self.announce is not None:
             self.announce(first.url, pids)
         else:
-            print(READY_PREFIX + ready_line(self.config, first.url, first.loop, pids), flush=True)
+            print_ready(proxy_ready(self.config, first.url, first.loop, pids))
         while True:
             dead = self._wait_event(wakeup)
             if dead is None:
@@ -160,9 +155,9 @@ class _Pool:
                         raise WorkerFailed(f"worker {worker.proc.pid} exited ({code}) at start")
                     got += chunk
         line = got.decode(errors="replace").strip()
-        if not line.startswith(READY_PREFIX):
+        worker.ready = parse_ready(line, ProxyReady)
+        if worker.ready is None:
             raise WorkerFailed(f"worker {worker.proc.pid} printed {line!r}, not its ready line")
-        worker.ready = msgspec.json.decode(line.removeprefix(READY_PREFIX), type=ReadyLine)
 
     def _wait_event(self, wakeup: int) -> _Worker | None:
         """Block until a worker exits (it is returned) or a stop signal arrives (None)."""

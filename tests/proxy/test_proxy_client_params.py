@@ -7,10 +7,10 @@ import argparse
 from typing import Any
 
 import pytest
+from proxy_stubs import stub_mm_hash
 from proxy_testing import IMAGE_A, Rig, chat
 
 from ecshare.proxy.config import add_proxy_arguments, config_from_args
-from ecshare.proxy.stubs import stub_mm_hash
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

@@ -9,14 +9,13 @@ import sys
 from pathlib import Path
 
 import httpx
-import msgspec
 import pytest
 from proxy_testing import Rig
 
 from ecshare.cli import build_parser
 from ecshare.config import ConfigError, load_config
 from ecshare.proxy.config import API_KEY_ENV, ProxyConfig, config_from_args
-from ecshare.proxy.server import READY_PREFIX
+from ecshare.ready import ProxyReady, parse_ready
 
 
 def _config(*flags: str, environ: dict[str, str] | None = None) -> ProxyConfig:
@@ -83,10 +82,10 @@ def test_ecshare_proxy_command_serves_until_sigterm(rig: Rig) -> None:
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()
-        assert line.startswith(READY_PREFIX), line
-        ready = msgspec.json.decode(line.removeprefix(READY_PREFIX))
-        assert ready["api_key"] is True and ready["prefill_decode"] == rig.pd_urls
-        url = ready["url"]
+        ready = parse_ready(line, ProxyReady)
+        assert ready is not None, line
+        assert ready.api_key is True and list(ready.prefill_decode) == rig.pd_urls
+        url = ready.url
         assert httpx.get(url + "/health", timeout=10).status_code == 200
         headers = {"Authorization": "Bearer k"}
         assert httpx.get(url + "/v1/models", headers=headers, timeout=10).status_code == 200

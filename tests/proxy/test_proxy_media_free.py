@@ -1,6 +1,6 @@
 """Media-free prefill/decode: encoded media reaches prefill/decode as its placeholder metadata only.
 
-Against stub backends (`ecshare.proxy.stubs`): the stub encoder publishes a
+Against stub backends (`proxy_stubs`): the stub encoder publishes a
 grid for images and videos and nothing for audio, as a model that declares
 no audio fields; the stub prefill/decode instance records what reached it,
 and can fail metadata-only requests the way vLLM does when a fetch fails.
@@ -10,12 +10,12 @@ The same path with real vLLM instances is tests/vllm/test_media_free_e2e.py.
 from __future__ import annotations
 
 import pytest
+from proxy_stubs import stub_mm_hash
 from proxy_testing import AUDIO, IMAGE_A, IMAGE_B, VIDEO, Rig, chat
 
 from ecshare.config import ConfigError
 from ecshare.proxy.config import ProxyConfig
 from ecshare.proxy.forward import _event_outcome
-from ecshare.proxy.stubs import stub_mm_hash
 
 CHAT = "/v1/chat/completions"
 

@@ -14,26 +14,25 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import httpx
-import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from proxy_testing import Rig, wait_until
 
-from ecshare.proxy.server import READY_PREFIX
+from ecshare.ready import ProxyReady, parse_ready
 
 
 @contextmanager
-def _proxy(rig: Rig, *flags: str) -> Iterator[tuple[subprocess.Popen[str], dict[str, Any]]]:
+def _proxy(rig: Rig, *flags: str) -> Iterator[tuple[subprocess.Popen[str], ProxyReady]]:
     cmd = [sys.executable, "-m", "ecshare", "proxy", "--pd", *rig.pd_urls, "--port", "0", *flags]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()
-        assert line.startswith(READY_PREFIX), (line, proc.stderr and proc.stderr.read())
-        yield proc, msgspec.json.decode(line.removeprefix(READY_PREFIX))
+        ready = parse_ready(line, ProxyReady)
+        assert ready is not None, (line, proc.stderr and proc.stderr.read())
+        yield proc, ready
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -77,7 +76,7 @@ def _send(url: str, n: int) -> None:
 
 def test_workers_share_the_port_and_report_one_set_of_metrics(rig: Rig) -> None:
     with _proxy(rig, "--workers", "2") as (proc, ready):
-        url, pids = ready["url"], set(ready["pids"])
+        url, pids = ready.url, set(ready.pids)
         assert len(pids) == 2 and all(_alive(p) for p in pids)
         _send(url, 40)
         calls = rig.prefill_decode[0].calls
@@ -96,7 +95,7 @@ def test_workers_share_the_port_and_report_one_set_of_metrics(rig: Rig) -> None:
 
 def test_a_killed_worker_is_replaced_and_its_counts_are_kept(rig: Rig) -> None:
     with _proxy(rig, "--workers", "2") as (proc, ready):
-        url, pids = ready["url"], set(ready["pids"])
+        url, pids = ready.url, set(ready.pids)
         _send(url, 10)
         victim = min(pids)
         os.kill(victim, signal.SIGKILL)
@@ -122,7 +121,7 @@ def test_workers_end_with_a_killed_supervisor(rig: Rig) -> None:
     with _proxy(rig, "--workers", "2") as (proc, ready):
         proc.kill()
         proc.wait()
-        wait_until(lambda: not any(_alive(p) for p in ready["pids"]), timeout_s=10)
+        wait_until(lambda: not any(_alive(p) for p in ready.pids), timeout_s=10)
 
 
 @pytest.mark.parametrize("workers", ["1", "2"])

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import importlib.util
-import json
 import random
 import socket
 import subprocess
@@ -50,7 +49,7 @@ if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("nixl") 
     )
 
 from ecshare.proxy.fanout import encoder_request, media_parts
-from ecshare.proxy.server import READY_PREFIX
+from ecshare.ready import ProxyReady, parse_ready
 from ecshare.vllm.launch import (
     Keys,
     ServerSpec,
@@ -145,8 +144,9 @@ def start_proxy(encoder: str, prefill_decode: str, log: Path) -> tuple[subproces
     lines: list[str] = []
     for line in proc.stdout:
         lines.append(line)
-        if line.startswith(READY_PREFIX):
-            url = str(json.loads(line[len(READY_PREFIX) :])["url"])
+        ready = parse_ready(line, ProxyReady)
+        if ready is not None:
+            url = ready.url
             break
     else:
         raise AssertionError("ecshare proxy did not get ready:\n" + "".join(lines[-30:]))

@@ -1,0 +1,163 @@
+"""Recording stub backends for the proxy's tests: real aiohttp servers, OpenAI-shaped.
+
+A stub answers like a vLLM instance in the role it plays, instantly unless told otherwise,
+with the answers of `ecshare.bench.instant` (its stand-in mm_hashes, grids and chunks); a
+prefill/decode stub with `fail_media_free` fails, as vLLM does when a fetch fails, every
+request that carries an item as metadata only.
+
+Its `behaviour` can be changed while it serves, to produce what real servers rarely do on
+demand: a delay, an error status, a failed health check, a stream that never ends or that
+breaks. It records every request (`calls`) and sets `aborted` when its client goes away
+before the answer ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from ecshare.bench.instant import (
+    MODEL,
+    chat_answer,
+    chunk,
+    encoder_answer,
+    json_response,
+    models_response,
+    serve_apps,
+    sse,
+    stub_mm_hash,
+)
+from ecshare.proxy.backends import ENCODER, PREFILL_DECODE
+
+__all__ = ["ENCODER", "MODEL", "PREFILL_DECODE", "StubBackend", "serve_stubs", "stub_mm_hash"]
+
+
+@dataclass
+class Behaviour:
+    """How a stub answers; tests change it while the stub serves."""
+
+    delay_s: float = 0.0  # before the headers of any /v1 answer
+    status: int = 200  # of every /v1 answer
+    healthy: bool = True  # /health answers 200, else 503
+    stream_chunks: int = 3  # content chunks of a streamed answer, before [DONE]
+    chunk_interval_s: float = 0.0
+    stream_forever: bool = False  # stream chunks until the client goes away
+    break_stream_after: int | None = None  # drop the connection after this many chunks
+    # Fail requests carrying a metadata-only item, as vLLM does when its fetch fails: 500,
+    # or a role chunk and then an error event when streamed.
+    fail_media_free: bool = False
+
+
+@dataclass
+class Call:
+    """One request a stub received."""
+
+    path: str
+    body: dict[str, Any]
+    headers: dict[str, str]  # names lower-cased
+
+
+@dataclass
+class StubBackend:
+    """One stub instance in `role`; `app()` is its aiohttp application."""
+
+    role: str
+    behaviour: Behaviour = field(default_factory=Behaviour)
+    calls: list[Call] = field(default_factory=list)
+    aborted: threading.Event = field(default_factory=threading.Event)
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=1 << 30)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/chat/completions", self._generate)
+        app.router.add_post("/v1/completions", self._generate)
+        return app
+
+    def bodies(self, path: str = "/v1/chat/completions") -> list[dict[str, Any]]:
+        return [c.body for c in self.calls if c.path == path]
+
+    async def _health(self, _request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.behaviour.healthy else 503)
+
+    async def _models(self, _request: web.Request) -> web.Response:
+        return models_response()
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        body = msgspec.json.decode(await request.read())
+        headers = {k.lower(): v for k, v in request.headers.items()}
+        self.calls.append(Call(request.path, body, headers))
+        try:
+            return await self._answer(request, body)
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.aborted.set()
+            raise
+
+    async def _answer(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        b = self.behaviour
+        if b.delay_s:
+            await asyncio.sleep(b.delay_s)
+        if b.status != 200:
+            error = {"error": {"message": "stub failure", "type": "stub", "code": b.status}}
+            return json_response(error, status=b.status)
+        if self.role == ENCODER:
+            return json_response(encoder_answer(body))
+        if b.fail_media_free and _metadata_only_items(body):
+            return await self._fail(request, body)
+        if body.get("stream"):
+            return await self._stream(request)
+        return json_response(chat_answer(request.path))
+
+    async def _fail(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        error = {"error": {"message": "Internal server error", "type": "InternalServerError"}}
+        if not body.get("stream"):
+            return json_response(error, status=500)
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        role = chunk(request.path, "")
+        role["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+        await out.write(sse(role) + sse(error) + b"data: [DONE]\n\n")
+        await out.write_eof()
+        return out
+
+    async def _stream(self, request: web.Request) -> web.StreamResponse:
+        b = self.behaviour
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        sent = 0
+        while b.stream_forever or sent < b.stream_chunks:
+            if b.break_stream_after is not None and sent >= b.break_stream_after:
+                assert request.transport is not None
+                request.transport.close()
+                return out
+            await out.write(sse(chunk(request.path, f"tok{sent} ")))
+            sent += 1
+            if b.chunk_interval_s:
+                await asyncio.sleep(b.chunk_interval_s)
+        await out.write(b"data: [DONE]\n\n")
+        await out.write_eof()
+        return out
+
+
+def _metadata_only_items(body: dict[str, Any]) -> int:
+    """The items of a chat request sent as pre-computed-embedding parts with metadata only."""
+    count = 0
+    for message in body.get("messages", []):
+        content = message.get("content")
+        for part in content if isinstance(content, list) else []:
+            kind = part.get("type", "")
+            if kind.endswith("_embeds") and isinstance(part.get(kind), dict):
+                count += 1
+    return count
+
+
+async def serve_stubs(
+    stubs: list[StubBackend], host: str = "127.0.0.1"
+) -> list[tuple[web.AppRunner, str]]:
+    """Serve each stub on its own free port of `host`; their runners and base URLs."""
+    return await serve_apps([stub.app() for stub in stubs], host)
