@@ -69,7 +69,9 @@ from ecshare.store import (
     EntryExists,
     EntryMeta,
     EntryState,
+    EntryTooLarge,
     Hold,
+    InvalidMeta,
     NotFound,
     NotReady,
     Store,
@@ -903,9 +905,15 @@ class Consumer(NetworkThread):
             else:
                 self._move_on(t, FailureReason.LOCAL_STORE_FULL, "entry being written locally")
             return
-        except (StoreFull, ValueError) as exc:
+        except (StoreFull, EntryTooLarge) as exc:
             link.release([t.grant_id])
             self._move_on(t, FailureReason.LOCAL_STORE_FULL, str(exc))
+            return
+        except InvalidMeta as exc:
+            # The grant disagrees with itself (dtype and shape against nbytes):
+            # a grant we cannot trust, like one with bad extents.
+            link.release([t.grant_id])
+            self._move_on(t, FailureReason.TRANSPORT, f"grant meta invalid: {exc}")
             return
         t.dest = dest
         t.move(TransferState.READING)

@@ -37,7 +37,17 @@ from typing import Final
 from ecshare import protocol as p
 from ecshare.config import Config
 from ecshare.peer.notices import PUSH_NOTICE
-from ecshare.store import Entry, EntryExists, EntryMeta, EntryState, Hold, Store, StoreFull
+from ecshare.store import (
+    Entry,
+    EntryExists,
+    EntryMeta,
+    EntryState,
+    EntryTooLarge,
+    Hold,
+    InvalidMeta,
+    Store,
+    StoreFull,
+)
 from ecshare.transport.base import DataTransport, PeerInfo, ReadState, Segment
 
 log = logging.getLogger(__name__)
@@ -182,7 +192,7 @@ class Inbox:
         except StoreFull as exc:
             self._count("push_refused.full", 1)
             return self._reply(msg, p.PushStatus.FULL, str(exc))
-        except ValueError as exc:
+        except (InvalidMeta, EntryTooLarge) as exc:
             self._count("push_refused.invalid", 1)
             return self._reply(msg, p.PushStatus.INVALID, str(exc))
         deadline_s = self._config.push_deadline_s + self._config.fetch_deadline_per_gib_s * (

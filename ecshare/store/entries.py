@@ -52,8 +52,10 @@ __all__ = [
     "EntryMeta",
     "EntryState",
     "EntryTable",
+    "EntryTooLarge",
     "Hold",
     "IllegalTransition",
+    "InvalidMeta",
     "NotFound",
     "NotReady",
     "Pin",
@@ -85,6 +87,16 @@ class EntryExists(StoreError):
 
 class StoreFull(StoreError):
     """Not enough free plus evictable blocks; everything else is pinned or being written."""
+
+
+class InvalidMeta(StoreError, ValueError):
+    """A size, dtype and shape that cannot describe an entry: zero bytes, or a
+    dtype and shape whose size is not the entry's. From a peer, a grant or an
+    offer that disagrees with itself."""
+
+
+class EntryTooLarge(StoreError, ValueError):
+    """More bytes than the whole store holds, even with everything evicted."""
 
 
 class PinConflict(StoreError):
@@ -269,10 +281,10 @@ class EntryTable:
     def allocate(self, mm_hash: str, nbytes: int, meta: EntryMeta | None = None) -> Entry:
         """Reserve blocks for ``nbytes``, evicting LRU unpinned READY entries if needed."""
         if nbytes <= 0:
-            raise ValueError(f"{mm_hash}: entries must hold at least one byte, got {nbytes}")
+            raise InvalidMeta(f"{mm_hash}: entries must hold at least one byte, got {nbytes}")
         nblocks = -(-nbytes // self._block_size)
         if nblocks > self._alloc.total_blocks:
-            raise ValueError(
+            raise EntryTooLarge(
                 f"{mm_hash}: {nbytes} bytes need {nblocks} blocks, "
                 f"capacity is {self._alloc.total_blocks} blocks of {self._block_size}"
             )

@@ -33,6 +33,7 @@ from ecshare.store.entries import (
     EntryMeta,
     EntryState,
     EntryTable,
+    InvalidMeta,
     NotFound,
     StoreError,
     StoreStats,
@@ -153,7 +154,9 @@ class Store:
             raise StoreError(f"{entry.mm_hash} is {entry.state.name}; only ALLOCATED is writable")
         src, _ = _as_bytes(data)
         if src.nbytes != entry.nbytes:
-            raise ValueError(f"{entry.mm_hash}: entry holds {entry.nbytes} bytes, got {src.nbytes}")
+            raise InvalidMeta(
+                f"{entry.mm_hash}: entry holds {entry.nbytes} bytes, got {src.nbytes}"
+            )
         self._copy_in(entry, src)
 
     def commit(self, entry: Entry) -> Entry:
@@ -286,7 +289,7 @@ def _check_meta(meta: EntryMeta, nbytes: int, mm_hash: str) -> EntryMeta:
     # transfer, it would be a silently garbled tensor.
     itemsize = _itemsize(meta.dtype)
     if itemsize is not None and math.prod(meta.shape) * itemsize != nbytes:
-        raise ValueError(
+        raise InvalidMeta(
             f"{mm_hash}: meta {meta.dtype}{list(meta.shape)} is "
             f"{math.prod(meta.shape) * itemsize} bytes, data is {nbytes}"
         )

@@ -34,7 +34,7 @@ from peer_testing import (
 
 from ecshare import protocol as p
 from ecshare.peer import FailureReason, FetchFailed
-from ecshare.store import EntryState, StoreFull
+from ecshare.store import EntryMeta, EntryState, StoreFull
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -217,6 +217,29 @@ def test_allocated_entry_is_never_granted(
     assert wait_until(lambda: not consumer.pending(), 5.0)
     result = consumer.fetch(["half-written"], [producer.address])[0].result(timeout=10)
     assert result.nbytes == 256 * KiB
+
+
+def test_grant_whose_meta_disagrees_with_its_size_fails_as_a_bad_grant_not_store_full(
+    loop_producer: MakeLoopProducer,
+    loop_consumer: MakeLoopConsumer,
+    keyring: Keyring,
+) -> None:
+    node, producer = loop_producer(keyring.producer_config(), entries={"misdescribed": 256 * KiB})
+    entry = node.store.get("misdescribed")
+    assert entry is not None
+    # The producer's own store refuses such meta; a peer that lies about it is
+    # what this stands for: 3 float32 are 12 bytes, the grant says 256 KiB.
+    entry.meta = EntryMeta(dtype="float32", shape=(3,))
+    consumer_node, consumer = loop_consumer(keyring.consumer_config())
+
+    with pytest.raises(FetchFailed) as failed:
+        consumer.fetch(["misdescribed"], [producer.address])[0].result(timeout=10)
+
+    assert failed.value.reason is FailureReason.TRANSPORT
+    assert "grant meta invalid" in failed.value.detail
+    assert consumer_node.store.get("misdescribed") is None
+    assert consumer_node.store.stats().used_blocks == 0
+    assert wait_until(lambda: node.store.stats().pins == 0, 5.0)
 
 
 def test_stalled_producer_keeps_live_sessions_and_their_pins(

@@ -22,7 +22,9 @@ from ecshare.store import (
     EntryMeta,
     EntryState,
     EntryTable,
+    EntryTooLarge,
     IllegalTransition,
+    InvalidMeta,
     NotFound,
     NotReady,
     PinConflict,
@@ -471,9 +473,9 @@ def test_state_errors_are_distinct_and_transitions_checked() -> None:
 
 def test_empty_and_oversized_entries_are_rejected() -> None:
     table, _ = make_table(4)
-    with pytest.raises(ValueError, match="at least one byte"):
+    with pytest.raises(InvalidMeta, match="at least one byte"):
         table.allocate("empty", 0)
-    with pytest.raises(ValueError, match="capacity"):
+    with pytest.raises(EntryTooLarge, match="capacity"):
         table.allocate("huge", 4 * BLOCK + 1)
     with pytest.raises(ValueError, match="power of two"):
         EntryTable(4, 3000)

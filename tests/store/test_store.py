@@ -21,6 +21,7 @@ from ecshare.store import (
     EntryExists,
     EntryMeta,
     EntryState,
+    InvalidMeta,
     NotFound,
     NotReady,
     Region,
@@ -111,7 +112,7 @@ def test_write_then_commit(store: Store) -> None:
     with pytest.raises(NotReady):
         store.read("staged")
     store.write(entry, data[: data.nbytes])
-    with pytest.raises(ValueError):
+    with pytest.raises(InvalidMeta):
         store.write(entry, data[:10])
     store.commit(entry)
     assert np.array_equal(store.read("staged"), data)
@@ -128,12 +129,14 @@ def test_failed_put_gives_blocks_back(store: Store, monkeypatch: pytest.MonkeyPa
         store.put("broken", payload(3 * BLOCK))
     assert store.get("broken") is None and store.stats().used_blocks == 0
     monkeypatch.undo()
-    with pytest.raises(ValueError, match="meta"):
+    with pytest.raises(InvalidMeta, match="meta"):
         store.put("bad", payload(100), EntryMeta(dtype="float32", shape=(100,)))
+    with pytest.raises(InvalidMeta, match="meta"):
+        store.allocate("bad", 100, EntryMeta(dtype="float32", shape=(100,)))
     assert store.stats().used_blocks == 0
     with pytest.raises(TypeError):
         store.put("objects", np.array([object()] * 4))
-    with pytest.raises(ValueError, match="at least one byte"):
+    with pytest.raises(InvalidMeta, match="at least one byte"):
         store.put("empty", b"")
     assert store.get("bad") is None and store.stats().entries == 0
 
