@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
+
 from ecshare.store import Entry
 from ecshare.vllm.ops import TransferParam
 
@@ -22,20 +24,26 @@ if TYPE_CHECKING:
     from vllm.multimodal.inputs import MultiModalFeatureSpec
 
 Shape = tuple[tuple[int, ...], str]  # (shape, dtype) of an encoder output
-ITEMSIZE = {
-    "float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float64": 8,
-    "int8": 1, "uint8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
-}  # fmt: skip
 
 
 def torch_dtype_name(dtype: object) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def itemsize(dtype: str) -> int:
+    """The bytes of one element of the torch dtype named `dtype` (torch, whose dtype the
+    model runs in, is the table); ValueError for a name torch does not know."""
+    found = getattr(torch, dtype, None)
+    if not isinstance(found, torch.dtype):
+        raise ValueError(f"{dtype!r} is not a torch dtype")
+    return found.itemsize
+
+
 class Expectations:
     def __init__(self, vllm_config: VllmConfig) -> None:
         self._vllm_config = vllm_config
         self.dtype = torch_dtype_name(vllm_config.model_config.dtype)
+        itemsize(self.dtype)  # a dtype of unknown size fails here, not on the first request
         self._by_hash: dict[str, Shape] = {}
         self._refs: dict[str, int] = {}
 
@@ -46,7 +54,7 @@ class Expectations:
 
     def nbytes(self, shape: Shape) -> int:
         rows, width = shape[0]
-        return rows * width * ITEMSIZE.get(shape[1], 2)
+        return rows * width * itemsize(shape[1])
 
     def _output_width(self, modality: str) -> int:
         widths = getattr(self._vllm_config.ec_transfer_config, "mm_encoder_output_widths", {})

@@ -19,6 +19,8 @@ import torch
 from conftest import EC, HIDDEN, embedding
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from ecshare.vllm.shapes import itemsize
+
 QUICK_FAILURE = {
     "handshake_timeout_s": 0.3,
     "request_timeout_s": 0.3,
@@ -151,6 +153,18 @@ def test_fetch_of_the_wrong_size_is_never_loaded(ec: EC, lie: str) -> None:
     assert seen == {"encoded": 1, "loaded": 0}
     assert ec.side(consumer).store.get("h-size") is None
     assert ec.totals(consumer)["size_mismatch"] == 1
+
+
+def test_an_item_size_comes_from_torch_and_an_unknown_dtype_is_refused() -> None:
+    assert [itemsize(d) for d in ("float32", "bfloat16", "float16", "float8_e4m3fn")] == [
+        4,
+        2,
+        2,
+        1,
+    ]
+    for name in ("float128", "Tensor"):  # not a dtype; never a guessed size
+        with pytest.raises(ValueError, match="not a torch dtype"):
+            itemsize(name)
 
 
 # -- a consumer that stops answering ---------------------------------------------------------
