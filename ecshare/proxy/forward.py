@@ -193,18 +193,8 @@ class PrefillDecodeStage:
             self._pool.failed(backend, f"unreachable: {describe(exc)}", eject=True)
             log.warning("prefill/decode %s unreachable: %s", url, describe(exc))
             return None
-        except asyncio.TimeoutError:
-            self._pool.failed(backend, "timed out")
-            self._metrics.upstream_errors.labels("timeout").inc()
-            raise ProxyError(
-                504, f"prefill/decode instance {backend.url} sent nothing in {self._timeout_s}s"
-            ) from None
-        except aiohttp.ClientError as exc:
-            self._pool.failed(backend, describe(exc))
-            self._metrics.upstream_errors.labels("error").inc()
-            raise ProxyError(
-                502, f"prefill/decode instance {backend.url} failed: {describe(exc)}"
-            ) from None
+        except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
+            raise self._failed(backend, exc, "sent nothing", "failed") from None
 
     def _no_backend(self, tried: list[Backend]) -> ProxyError:
         if tried:
@@ -239,18 +229,21 @@ class PrefillDecodeStage:
     async def _read(self, backend: Backend, resp: aiohttp.ClientResponse) -> bytes:
         try:
             return await resp.read()
-        except asyncio.TimeoutError:
+        except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
+            raise self._failed(backend, exc, "stalled", "broke off its answer") from None
+
+    def _failed(self, backend: Backend, exc: BaseException, stalled: str, broke: str) -> ProxyError:
+        """What the client is told when `backend` times out (504, `stalled`) or breaks
+        (502, `broke`); the backend is marked failed and the failure counted."""
+        if isinstance(exc, asyncio.TimeoutError):
             self._pool.failed(backend, "timed out")
             self._metrics.upstream_errors.labels("timeout").inc()
-            raise ProxyError(
-                504, f"prefill/decode instance {backend.url} stalled for {self._timeout_s}s"
-            ) from None
-        except aiohttp.ClientError as exc:
-            self._pool.failed(backend, describe(exc))
-            self._metrics.upstream_errors.labels("error").inc()
-            raise ProxyError(
-                502, f"prefill/decode instance {backend.url} broke off its answer: {describe(exc)}"
-            ) from None
+            return ProxyError(
+                504, f"prefill/decode instance {backend.url} {stalled} for {self._timeout_s}s"
+            )
+        self._pool.failed(backend, describe(exc))
+        self._metrics.upstream_errors.labels("error").inc()
+        return ProxyError(502, f"prefill/decode instance {backend.url} {broke}: {describe(exc)}")
 
     async def _stream(
         self,
