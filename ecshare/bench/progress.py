@@ -52,10 +52,6 @@ class BenchProgress:
         self._label = label
         self._task = self._progress.add_task(label, total=total)
 
-    @property
-    def enabled(self) -> bool:
-        return self._progress is not None
-
     def advance(self, n: int = 1, step: str | None = None) -> None:
         if self._progress is None or self._task is None:
             return
