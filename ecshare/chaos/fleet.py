@@ -238,9 +238,6 @@ class Fleet(RunState):
     def _later(self, delay_s: float, label: str, action: Callable[[], None]) -> None:
         self.scheduled.append((time.monotonic() + delay_s, label, action))
 
-    def _live_producers(self) -> list[int]:
-        return [i for i, c in enumerate(self.producers) if c is not None and c.alive()]
-
     def _running_producers(self) -> list[int]:
         """Live producers that are not paused or armed: the ones a fault may take."""
         return [i for i, c in enumerate(self.producers) if c is not None and c.answers()]
