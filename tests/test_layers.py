@@ -131,3 +131,19 @@ def test_an_upward_import_hidden_anywhere_is_caught() -> None:
         "ecshare.vllm.connector",
         "ecshare",
     ]
+
+
+def test_the_store_has_one_face_in_the_core() -> None:
+    """Outside store/, the core goes through `Store`: it never imports the entry
+    table, and never reaches it through `Store.table` (kept only for the engine
+    integration and the apps until they move)."""
+    found = []
+    for path in CORE:
+        if module_name(path).startswith("ecshare.store"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and any(a.name == "EntryTable" for a in node.names):
+                found.append(f"{module_name(path)}:{node.lineno} imports EntryTable")
+            elif isinstance(node, ast.Attribute) and node.attr == "table":
+                found.append(f"{module_name(path)}:{node.lineno} uses .table")
+    assert found == []

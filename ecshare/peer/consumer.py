@@ -166,7 +166,7 @@ class FetchItem:
     `hold` is a pin the caller wants on the entry from the moment it is READY
     here: taken in the same step as the commit (or the local hit), so that
     nothing can evict the entry before the caller sees its future resolved.
-    The caller releases it (`EntryTable.unpin`), or its lease ends it.
+    The caller releases it (`Store.unpin`), or its lease ends it.
     """
 
     mm_hash: str
@@ -195,7 +195,6 @@ class Consumer(NetworkThread):
         """`push_keys`: producer keys that may push here (with `config.push_name` set;
         any producer when insecure)."""
         self._store = store
-        self._table = store.table
         self._config = config
         self._fingerprint = fingerprint
         self._transport = transport
@@ -286,7 +285,7 @@ class Consumer(NetworkThread):
             return running.future
         future: Future[FetchResult] = Future()
         future.set_running_or_notify_cancel()
-        entry = self._table.get(item.mm_hash)
+        entry = self._store.get(item.mm_hash)
         if entry is not None and entry.state is EntryState.READY and self._held(item):
             self._count("local_hits")
             pushed = self._pushed.pop(item.mm_hash, 0) is None
@@ -894,7 +893,7 @@ class Consumer(NetworkThread):
             dest = self._store.allocate(t.mm_hash, t.nbytes, meta)
         except EntryExists:
             link.release([t.grant_id])
-            existing = self._table.get(t.mm_hash)
+            existing = self._store.get(t.mm_hash)
             if (
                 existing is not None
                 and existing.state is EntryState.READY
@@ -917,9 +916,7 @@ class Consumer(NetworkThread):
             return
         t.dest = dest
         t.move(TransferState.READING)
-        reads.append(
-            (t, pair_segments(dest.byte_extents(self._store.block_size), t.remote_extents))
-        )
+        reads.append((t, pair_segments(dest.extents, t.remote_extents)))
 
     def _post_reads(self, link: PeerLink, reads: list[tuple[Transfer, list[Segment]]]) -> None:
         """One READ for the destinations of a reply's granted items (see `_SharedRead`)."""
@@ -1002,7 +999,8 @@ class Consumer(NetworkThread):
             self._move_on(t, FailureReason.CHECKSUM_MISMATCH, "checksum differs")
             return
         holds = list(t.holds)
-        self._table.commit(t.mm_hash, expect=t.dest, holds=holds)
+        assert t.dest is not None  # a READ is posted only for a transfer with its destination
+        self._store.commit(t.dest, holds=holds)
         self._count_add("fetched_bytes", t.nbytes)
         self._succeed(t, link.endpoint)  # no caller joins the transfer after this
         for late in t.holds[len(holds) :]:  # joined between the commit and _succeed
@@ -1021,7 +1019,7 @@ class Consumer(NetworkThread):
 
     def _take_hold(self, mm_hash: str, hold: Hold) -> bool:
         try:
-            self._table.pin(mm_hash, hold.owner, hold.grant_id, hold.lease_s)
+            self._store.pin(mm_hash, hold.owner, hold.grant_id, hold.lease_s)
         except (NotFound, NotReady):
             return False
         return True
@@ -1037,7 +1035,7 @@ class Consumer(NetworkThread):
         self._record_exposed("pushed" if pushed else "pulled", latency)
         self._finish(t)
         if pushed:
-            entry = self._table.get(t.mm_hash)
+            entry = self._store.get(t.mm_hash)
             if entry is not None:
                 t.nbytes, t.dtype, t.shape = entry.nbytes, entry.meta.dtype, entry.meta.shape
         result = FetchResult(
@@ -1094,7 +1092,7 @@ class Consumer(NetworkThread):
         if dest is None:
             return
         if handle is None:
-            self._table.abort(dest.mm_hash, expect=dest)
+            self._store.abort(dest)
             return
         link = self._links.get(t.peer or "")
         self._fence(handle, dest, t.peer or "", link.session_id if link else "", t.grant_id)
@@ -1103,14 +1101,14 @@ class Consumer(NetworkThread):
         self, handle: object, dest: Entry, endpoint: str, session_id: str, grant_id: str
     ) -> None:
         """Hold `dest` until the transport says `handle` has ended: the one way back."""
-        self._table.quarantine(dest.mm_hash, expect=dest)
+        self._store.quarantine(dest)
         self._release_handle(handle)  # abandoned: the transport keeps driving it
         self._fenced.append(_Fenced(handle, dest, endpoint, session_id, grant_id, time.monotonic()))
         self._count("reads_fenced")
 
     def _drop_dest(self, t: Transfer) -> None:
         if t.dest is not None:
-            self._table.abort(t.mm_hash, expect=t.dest)
+            self._store.abort(t.dest)
             t.dest = None
 
     def _poll_fenced(self) -> None:
@@ -1121,7 +1119,7 @@ class Consumer(NetworkThread):
             if self._poll_handle(f.handle).state is ReadState.PENDING:
                 keep.append(f)
                 continue
-            self._table.release_quarantined(f.dest)
+            self._store.release_quarantined(f.dest)
             self._count("fenced_reads_ended")
             link = self._links.get(f.endpoint)
             if link is not None and link.session_id == f.session_id:

@@ -129,7 +129,6 @@ class Inbox:
         pins to take as it commits; `ended(r, committed)`: a reservation is over (no
         longer a push to wait for); `agent_loaded(agent)`: a live link has it loaded."""
         self._store = store
-        self._table = store.table
         self._config = config
         self._transport = transport
         self._count = count
@@ -202,7 +201,7 @@ class Inbox:
             msg,
             p.PushStatus.ACCEPTED,
             "",
-            extents=[p.Extent(o, n) for o, n in entry.byte_extents(self._store.block_size)],
+            extents=[p.Extent(o, n) for o, n in entry.extents],
             deadline_ms=int(deadline_s * 1000),
         )
         r = Reservation(
@@ -289,7 +288,7 @@ class Inbox:
             return p.PushStatus.FORBIDDEN, "this consumer takes no push from this producer"
         if self._config.checksum != "none" and msg.checksum is None:
             return p.PushStatus.INVALID, f"{self._config.checksum} checksum required"
-        entry = self._table.get(msg.mm_hash)
+        entry = self._store.get(msg.mm_hash)
         if entry is not None:
             if entry.state is EntryState.READY:
                 return p.PushStatus.PRESENT, ""
@@ -331,7 +330,7 @@ class Inbox:
             return
         r.move(ReservationState.COMMITTED)
         self._drop(r)
-        self._table.commit(r.mm_hash, expect=r.entry, holds=self._holds_for(r.mm_hash))
+        self._store.commit(r.entry, holds=self._holds_for(r.mm_hash))
         self._count("push_committed", 1)
         self._count("push_committed_bytes", r.entry.nbytes)
         self._ended(r, True)
@@ -339,12 +338,12 @@ class Inbox:
     def _over(self, r: Reservation) -> None:
         """The write has ended (or never began): the blocks go back now."""
         if r.state is ReservationState.RESERVED:
-            self._table.abort(r.mm_hash, expect=r.entry)
+            self._store.abort(r.entry)
         elif r.state is ReservationState.FENCED:
             if r.probe is not None:
                 r.write_ended = True  # the probe reads into these blocks: wait for it
                 return
-            self._table.release_quarantined(r.entry)
+            self._store.release_quarantined(r.entry)
             self._count("push_fenced_ended", 1)
         else:
             return
@@ -356,7 +355,7 @@ class Inbox:
 
     def _fence(self, r: Reservation, why: str) -> None:
         log.info("push %s of %s from %s given up (%s)", r.push_id, r.mm_hash, r.endpoint, why)
-        self._table.quarantine(r.mm_hash, expect=r.entry)
+        self._store.quarantine(r.entry)
         r.move(ReservationState.FENCED)
         self._reserved.pop(r.mm_hash, None)
         self._count("push_fenced", 1)

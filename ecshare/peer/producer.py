@@ -119,7 +119,6 @@ class Producer(NetworkThread):
         name: str = "ecshare-producer",
     ) -> None:
         self._store = store
-        self._table = store.table
         self._config = config
         self._fingerprint = fingerprint
         self._transport = transport
@@ -195,7 +194,7 @@ class Producer(NetworkThread):
         for session in list(self._sessions.values()):
             self._end_session(session, "shutdown", keep_leases=False)
         for owner, grant_id in list(self._lingering):
-            self._table.unpin(owner, grant_id)
+            self._store.unpin(owner, grant_id)
         self._lingering.clear()
 
     @property
@@ -503,7 +502,7 @@ class Producer(NetworkThread):
         now = time.monotonic()
         sessions = []
         for s in self._sessions.values():
-            pinned = (self._table.pinned_entry(s.owner, g) for g in s.grants)
+            pinned = (self._store.pinned_entry(s.owner, g) for g in s.grants)
             sessions.append(
                 SessionView(
                     user=s.user,
@@ -556,7 +555,7 @@ class Producer(NetworkThread):
 
     def _grant_one(self, session: _Session, req: p.ItemRequest) -> p.ItemReply:
         cfg = self._config
-        entry = self._table.get(req.mm_hash)
+        entry = self._store.get(req.mm_hash)
         if entry is None or entry.state in (EntryState.EVICTING, EntryState.FREED):
             self._count("refused_missing")
             return p.ItemReply(mm_hash=req.mm_hash, status=p.ItemStatus.MISSING)
@@ -600,7 +599,7 @@ class Producer(NetworkThread):
             )
         grant_id = f"g{next(self._grant_ids)}"
         try:
-            self._table.pin(req.mm_hash, session.owner, grant_id, cfg.lease_s)
+            self._store.pin(req.mm_hash, session.owner, grant_id, cfg.lease_s)
         except NotReady:
             self._count("refused_not_ready")
             return p.ItemReply(mm_hash=req.mm_hash, status=p.ItemStatus.NOT_READY)
@@ -608,7 +607,7 @@ class Producer(NetworkThread):
             self._count("refused_missing")
             return p.ItemReply(mm_hash=req.mm_hash, status=p.ItemStatus.MISSING)
         # Re-read under the pin: the entry cannot change or move from here on.
-        pinned = self._table.pinned_entry(session.owner, grant_id)
+        pinned = self._store.pinned_entry(session.owner, grant_id)
         assert pinned is not None
         with self._lock:
             session.grants[grant_id] = pinned.nbytes
@@ -619,7 +618,7 @@ class Producer(NetworkThread):
             mm_hash=req.mm_hash,
             status=p.ItemStatus.GRANTED,
             grant_id=grant_id,
-            extents=[p.Extent(o, n) for o, n in pinned.byte_extents(self._store.block_size)],
+            extents=[p.Extent(o, n) for o, n in pinned.extents],
             nbytes=pinned.nbytes,
             dtype=pinned.meta.dtype,
             shape=list(pinned.meta.shape),
@@ -637,7 +636,7 @@ class Producer(NetworkThread):
         """Extend one of the session's grants; False if it is not (or no longer) live."""
         if grant_id not in session.grants:
             return False
-        if self._table.renew(session.owner, grant_id, self._config.lease_s):
+        if self._store.renew(session.owner, grant_id, self._config.lease_s):
             return True
         # The lease ran out before the reaper saw it, and the table has just let the
         # pin go: forget the grant too, or it would count against the session's
@@ -667,7 +666,7 @@ class Producer(NetworkThread):
             with self._lock:
                 if not session.forget(grant_id):
                     continue  # another session's grant, or already released: no effect
-            if self._table.unpin(session.owner, grant_id):
+            if self._store.unpin(session.owner, grant_id):
                 released.append(grant_id)
         self._add("released", len(released))
         return released
@@ -693,7 +692,7 @@ class Producer(NetworkThread):
             self._pusher.renew_pins()  # a write's source stays pinned until it has ended
         # Every expired pin of the table, not only our sessions': an engine sharing
         # this store (vLLM's connector) leaves its own lost pins to this reaper.
-        for owner, grant_id in self._table.reap_expired():
+        for owner, grant_id in self._store.reap_expired():
             if not owner.startswith(SESSION_OWNER_PREFIX):
                 continue
             session = self._sessions.get(owner.removeprefix(SESSION_OWNER_PREFIX))
@@ -703,7 +702,7 @@ class Producer(NetworkThread):
             self._lingering.discard((owner, grant_id))
             self._count("leases_expired")
         # Anyone may end a pin whose lease ran out (the table does, on sight).
-        self._lingering = {k for k in self._lingering if self._table.pinned_entry(*k)}
+        self._lingering = {k for k in self._lingering if self._store.pinned_entry(*k)}
         dead_after = self._config.heartbeat_timeout_s
         for session in list(self._sessions.values()):
             if now - session.last_seen > dead_after:
@@ -720,7 +719,7 @@ class Producer(NetworkThread):
             self._lingering.update((session.owner, g) for g in grants)
             self._add("grants_left_to_lease", len(grants))
         else:
-            self._table.unpin_owner(session.owner)
+            self._store.unpin_owner(session.owner)
         with self._lock:
             self._sessions.pop(session.session_id, None)
             session.grants.clear()

@@ -125,7 +125,6 @@ class Pusher:
         count: Callable[[str, int], None],
     ) -> None:
         self._store = store
-        self._table = store.table
         self._config = config
         self._transport = transport
         self._count = count
@@ -214,7 +213,7 @@ class Pusher:
     def renew_pins(self) -> None:
         """Keep every source pinned while its write may read it: leases never end them."""
         for push in self._pushes.values():
-            self._table.renew(push.owner, push.push_id, self._config.lease_s)
+            self._store.renew(push.owner, push.push_id, self._config.lease_s)
 
     def on_reply(self, session_id: str, msg: p.PushReply) -> None:
         push = self._pushes.get(msg.push_id)
@@ -277,12 +276,12 @@ class Pusher:
         push_id = f"p{next(self._ids)}"
         owner = PUSH_OWNER_PREFIX + target.session_id
         try:
-            self._table.pin(mm_hash, owner, push_id, self._config.lease_s)
+            self._store.pin(mm_hash, owner, push_id, self._config.lease_s)
         except (NotFound, NotReady) as exc:
             self._count("push_refused.not_ready", 1)
             future.set_result(PushOutcome(mm_hash, to, PushState.REFUSED, str(exc)))
             return
-        entry = self._table.pinned_entry(owner, push_id)
+        entry = self._store.pinned_entry(owner, push_id)
         assert entry is not None and entry.state is EntryState.READY
         push = _Push(push_id, mm_hash, to, target, owner, asked, [future], nbytes=entry.nbytes)
         push.offered_at = time.monotonic()
@@ -308,7 +307,7 @@ class Pusher:
         return found[-1] if found else None
 
     def _write(self, push: _Push, msg: p.PushReply) -> None:
-        entry = self._table.pinned_entry(push.owner, push.push_id)
+        entry = self._store.pinned_entry(push.owner, push.push_id)
         dest = [(e.offset, e.length) for e in msg.extents]
         if (
             entry is None
@@ -319,7 +318,7 @@ class Pusher:
             self._count("push_bad_extents", 1)
             self._end(push, PushState.FAILED, "reserved extents invalid", tell=True)
             return
-        segments = pair_segments(entry.byte_extents(self._store.block_size), dest)
+        segments = pair_segments(entry.extents, dest)
         push.move(PushState.WRITING)
         push.handle = self._transport.write(
             push.target.agent, segments, PUSH_NOTICE + push.push_id.encode()
@@ -361,7 +360,7 @@ class Pusher:
         """The push is over: the backend has ended its write, or none was posted."""
         assert push.handle is None, "a push ends only once its write has"
         push.move(state)
-        self._table.unpin(push.owner, push.push_id)
+        self._store.unpin(push.owner, push.push_id)
         del self._pushes[push.push_id]
         if self._single.get((push.to, push.mm_hash)) is push:
             del self._single[(push.to, push.mm_hash)]

@@ -1,5 +1,9 @@
 """Store: the region's bytes plus the entry table's bookkeeping.
 
+``Store`` is the one face of the store package: allocate, write, commit, abort,
+quarantine, pin and unpin all go through it. The entry table behind it keeps
+the state machine and its invariants (``ecshare/store/entries.py``).
+
 Payload copies run outside the table's lock. The state machine makes that
 safe: an ALLOCATED entry's blocks belong to its writer alone, and a pinned
 entry's blocks are never freed. Every copy is ``np.copyto`` between uint8
@@ -33,8 +37,10 @@ from ecshare.store.entries import (
     EntryMeta,
     EntryState,
     EntryTable,
+    Hold,
     InvalidMeta,
     NotFound,
+    Pin,
     StoreError,
     StoreStats,
 )
@@ -95,7 +101,9 @@ class Store:
 
     @property
     def table(self) -> EntryTable:
-        """The entry table, for pins, leases and removal."""
+        """TRANSITIONAL: the entry table itself, for the callers not yet moved to
+        the methods below (ecshare/vllm, ecshare/chaos, ecshare/bench/store.py).
+        New code uses ``Store``'s own methods; this goes once they do."""
         return self._table
 
     @property
@@ -159,11 +167,72 @@ class Store:
             )
         self._copy_in(entry, src)
 
-    def commit(self, entry: Entry) -> Entry:
-        return self._table.commit(entry.mm_hash, expect=entry)
+    def commit(
+        self, entry: Entry, *, checksum: int | None = None, holds: Sequence[Hold] = ()
+    ) -> Entry:
+        """ALLOCATED -> READY. ``checksum`` records the digest of the bytes just
+        written; ``holds`` are pins taken in the same step, so that no eviction
+        comes between the entry turning READY and its readers holding it."""
+        return self._table.commit(entry.mm_hash, expect=entry, checksum=checksum, holds=holds)
 
     def abort(self, entry: Entry) -> None:
+        """ALLOCATED -> FREED: the writer gives up; the blocks go back at once."""
         self._table.abort(entry.mm_hash, expect=entry)
+
+    def quarantine(self, entry: Entry) -> None:
+        """ALLOCATED -> QUARANTINED: the writer gives up, but a read may still write
+        the blocks; they stay held until ``release_quarantined``."""
+        self._table.quarantine(entry.mm_hash, expect=entry)
+
+    def release_quarantined(self, entry: Entry) -> None:
+        """QUARANTINED -> FREED: nothing can write the entry's blocks any more."""
+        self._table.release_quarantined(entry)
+
+    # -- pins and leases -----------------------------------------------------
+
+    def pin(self, mm_hash: str, owner: str, grant_id: str, lease_s: float) -> Pin:
+        """Hold a READY entry's blocks until unpin or lease expiry; idempotent per
+        (owner, grant_id)."""
+        return self._table.pin(mm_hash, owner, grant_id, lease_s)
+
+    def renew(self, owner: str, grant_id: str, lease_s: float) -> bool:
+        """Extend a live pin to now + lease_s. False if unknown, released or expired."""
+        return self._table.renew(owner, grant_id, lease_s)
+
+    def pinned_entry(self, owner: str, grant_id: str) -> Entry | None:
+        """The entry that (owner, grant_id) pins; its blocks stay valid while the pin lives."""
+        return self._table.pinned_entry(owner, grant_id)
+
+    def unpin(self, owner: str, grant_id: str) -> bool:
+        """Release a pin. True exactly once per pin."""
+        return self._table.unpin(owner, grant_id)
+
+    def unpin_owner(self, owner: str) -> int:
+        """Release every pin of ``owner`` (its session ended); returns how many."""
+        return self._table.unpin_owner(owner)
+
+    def reap_expired(
+        self, now: float | None = None, *, owner_prefix: str = ""
+    ) -> list[tuple[str, str]]:
+        """Release the pins whose lease has run out (of owners starting with
+        ``owner_prefix``); returns their (owner, grant_id)."""
+        return self._table.reap_expired(now, owner_prefix=owner_prefix)
+
+    def next_expiry(self) -> float | None:
+        """When the earliest lease runs out (clock time), for a reaper's sleep."""
+        return self._table.next_expiry()
+
+    def touch(self, mm_hash: str) -> bool:
+        """Mark a READY entry as just used (LRU). False if there is no READY entry."""
+        return self._table.touch(mm_hash)
+
+    def evict_bytes(self, nbytes: int) -> int:
+        """Evict LRU unpinned READY entries until ``nbytes`` of blocks are freed."""
+        return self._table.evict_bytes(nbytes)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the bookkeeping disagrees (tests, fault harness)."""
+        self._table.check_invariants()
 
     # -- reading -------------------------------------------------------------
 
@@ -183,7 +252,7 @@ class Store:
 
         A single-run entry comes back as a read-only zero-copy view of the
         region. It is valid only while the entry is not evicted, so hold a pin
-        (``table.pin``) or copy it if the store may evict it meanwhile. A
+        (``Store.pin``) or copy it if the store may evict it meanwhile. A
         multi-run entry comes back as a copy. That copy raises NotFound if
         the entry was evicted while it was being copied.
         """

@@ -86,7 +86,7 @@ def _assert_quiet(node: Node, consumer: Consumer) -> None:
     assert stats.free_blocks + stats.used_blocks == stats.total_blocks
     assert stats.entries == stats.ready and stats.evicting == 0, stats
     assert stats.used_blocks == stats.ready * (BIG // stats.block_size), stats
-    node.store.table.check_invariants()
+    node.store.check_invariants()
 
 
 def test_producer_sigkilled_during_large_read_fails_over_or_fails_within_deadline(
@@ -201,4 +201,4 @@ def test_consumer_sigkilled_during_read_leaves_pins_to_their_lease(
     assert producer.counters["leases_expired"] == COUNT
     stats = node.store.stats()
     assert stats.pinned_entries == 0 and stats.ready == COUNT, stats
-    node.store.table.check_invariants()
+    node.store.check_invariants()

@@ -195,15 +195,15 @@ def test_a_hold_is_pinned_as_the_entry_turns_ready_and_on_a_local_hit(
     h = "held"
     _pnode, producer = loop_producer(keyring.producer_config(), entries={h: 3 * 4096})
     cnode, consumer = loop_consumer(keyring.consumer_config())
-    table = cnode.store.table
+    store = cnode.store
     first = FetchItem(h, peers=(producer.address,), hold=Hold("engine", "fetch-1", 30.0))
     consumer.fetch([first])[0].result(timeout=10)
     # Pinned by the time the future is resolved, so no eviction can take it now.
-    assert table.pinned_entry("engine", "fetch-1") is not None
-    assert cnode.store.table.evict_bytes(cnode.store.stats().total_blocks * 4096) == 0
+    assert store.pinned_entry("engine", "fetch-1") is not None
+    assert cnode.store.evict_bytes(cnode.store.stats().total_blocks * 4096) == 0
     # A local hit pins in the same step as it finds the entry.
     again = FetchItem(h, peers=(producer.address,), hold=Hold("engine", "fetch-2", 30.0))
     assert consumer.fetch([again])[0].result(timeout=10).peer == "local"
-    assert table.pinned_entry("engine", "fetch-2") is not None
-    assert table.unpin("engine", "fetch-1") and table.unpin("engine", "fetch-2")
-    table.check_invariants()
+    assert store.pinned_entry("engine", "fetch-2") is not None
+    assert store.unpin("engine", "fetch-1") and store.unpin("engine", "fetch-2")
+    store.check_invariants()

@@ -81,7 +81,7 @@ def test_duplicate_request_pins_once(
     session.call(p.Release(session_id=session.session_id, grant_ids=[third.grant_id]))
     assert node.store.stats().pins == 0
     assert producer.active_grants() == 0
-    node.store.table.check_invariants()
+    node.store.check_invariants()
 
 
 def test_lease_expiry_releases_pins(
@@ -111,9 +111,9 @@ def test_lease_expiry_releases_pins(
     assert late == p.Released(released=[])
     # The entry is evictable again: eviction takes it.
     assert node.store.stats().pinned_entries == 0
-    assert node.store.table.evict_bytes(nbytes) >= nbytes
+    assert node.store.evict_bytes(nbytes) >= nbytes
     assert node.store.get(h) is None
-    node.store.table.check_invariants()
+    node.store.check_invariants()
 
 
 def test_pinned_entry_is_never_evicted_while_granted(
@@ -186,7 +186,7 @@ def test_pinned_entry_is_never_evicted_while_granted(
     np.testing.assert_array_equal(stored_bytes(node, "granted"), original)
     entry = store.get("granted")
     assert entry is not None and entry.state is EntryState.READY
-    store.table.check_invariants()
+    store.check_invariants()
 
 
 def test_allocated_entry_is_never_granted(
@@ -277,7 +277,7 @@ def test_session_named_like_another_pin_owner_cannot_touch_its_pins(
     lease = {"lease_s": 1.0, "fetch_deadline_base_s": 0.5, "fetch_deadline_max_s": 0.8}
     node, producer = loop_producer(keyring.producer_config(), lease, entries={h: MiB})
     engine = "ecshare.vllm.load"  # an engine sharing the store pins under its own owner
-    node.store.table.pin(h, engine, "load-1", lease_s=60.0)
+    node.store.pin(h, engine, "load-1", lease_s=60.0)
     session = raw_session(producer.address)
     session.session_id = engine  # client-chosen: the same string as that owner
     assert isinstance(session.hello(), p.Welcome)
@@ -288,4 +288,4 @@ def test_session_named_like_another_pin_owner_cannot_touch_its_pins(
     assert wait_until(lambda: producer.session_count() == 0, 1.0)
     # The session's own grant runs out with its lease; the engine's pin stays.
     assert wait_until(lambda: node.store.stats().pins == 1, 3.0)
-    assert node.store.table.pinned_entry(engine, "load-1") is not None
+    assert node.store.pinned_entry(engine, "load-1") is not None

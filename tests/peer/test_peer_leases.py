@@ -98,7 +98,7 @@ def test_consumer_gives_up_before_the_lease_the_producer_granted(
     counters = consumer.counter_snapshot()
     assert counters["reads_fenced"] == counters["fenced_reads_ended"] == 1
     assert cnode.store.stats().canary_violations == 0
-    cnode.store.table.check_invariants()
+    cnode.store.check_invariants()
 
 
 def test_slow_healthy_read_renews_its_lease_and_lands_intact(
@@ -150,7 +150,7 @@ def test_bye_leaves_grants_pinned_until_their_lease_ends(
     assert wait_until(lambda: producer.session_count() == 0, 1.0)
     # A read of it may still be moving over the data plane: the pin stays.
     assert node.store.stats().pins == 1
-    assert node.store.table.pinned_entry(pin_owner(session.session_id), item.grant_id) is not None
+    assert node.store.pinned_entry(pin_owner(session.session_id), item.grant_id) is not None
     assert wait_until(lambda: node.store.stats().pins == 0, 3.0)
     assert time.monotonic() - t0 >= 0.9
     assert producer.counters["leases_expired"] == 1

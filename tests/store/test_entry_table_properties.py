@@ -21,7 +21,6 @@ from ecshare.store import (
     EntryExists,
     EntryMeta,
     EntryState,
-    EntryTable,
     EntryTooLarge,
     IllegalTransition,
     InvalidMeta,
@@ -30,6 +29,7 @@ from ecshare.store import (
     PinConflict,
     StoreFull,
 )
+from ecshare.store.entries import EntryTable
 
 BLOCK = 4096
 HASHES = [f"h{i}" for i in range(5)]

@@ -234,7 +234,7 @@ def test_eviction_picks_lru_unpinned_ready(region: Region) -> None:
         store.put(name, payload(16 * BLOCK))
     clock.now += 1
     store.read("a")  # a is now the most recently used
-    store.table.pin("b", "reader", "g1", 30.0)  # b is pinned
+    store.pin("b", "reader", "g1", 30.0)  # b is pinned
     store.put("e", payload(16 * BLOCK))
     assert store.get("c") is None  # the least recently used unpinned READY entry
     assert all(store.get(n) is not None for n in ("a", "b", "d", "e"))
@@ -243,15 +243,15 @@ def test_eviction_picks_lru_unpinned_ready(region: Region) -> None:
 
 def test_evicting_entry_freed_when_last_pin_released(store: Store) -> None:
     entry = store.put("a", payload(3 * BLOCK))
-    store.table.pin("a", "consumer", "g1", 30.0)
-    store.table.pin("a", "consumer", "g2", 30.0)
+    store.pin("a", "consumer", "g1", 30.0)
+    store.pin("a", "consumer", "g2", 30.0)
     assert store.remove("a")
     assert entry.state is EntryState.EVICTING and store.stats().evicting == 1
     with pytest.raises(NotFound):
         store.read("a")
-    store.table.unpin("consumer", "g1")
+    store.unpin("consumer", "g1")
     assert entry.state is EntryState.EVICTING
-    store.table.unpin("consumer", "g2")
+    store.unpin("consumer", "g2")
     assert entry.state is EntryState.FREED
     assert store.stats().used_blocks == 0
 
@@ -261,7 +261,7 @@ def test_block_not_reused_while_grant_readable(region: Region) -> None:
     total = store.stats().total_blocks
     data = payload(4 * BLOCK, seed=1)
     entry = store.put("granted", data)
-    store.table.pin("granted", "peer", "grant-1", 30.0)
+    store.pin("granted", "peer", "grant-1", 30.0)
     held = {b for r in entry.runs for b in range(r.start, r.end)}
     store.remove("granted")  # doomed, but a grant on it may still be read
     # Churn through twice the region: LRU eviction recycles every other block.
@@ -271,7 +271,7 @@ def test_block_not_reused_while_grant_readable(region: Region) -> None:
         assert not held & {b for r in other.runs for b in range(r.start, r.end)}
     readable = b"".join(bytes(v) for v in store.views(entry))
     assert readable == data.tobytes()  # the grant still reads the right bytes
-    store.table.unpin("peer", "grant-1")
+    store.unpin("peer", "grant-1")
     store.put("after", payload(4 * BLOCK))  # now the blocks can be reused
 
 
@@ -293,13 +293,13 @@ def test_concurrent_puts_reads_pins_and_removes_keep_invariants(store: Store) ->
 
     def pinned_read(seed: int, step: int, h: str) -> None:
         owner, grant = f"t{seed}", f"g{step}"
-        store.table.pin(h, owner, grant, 5.0)
+        store.pin(h, owner, grant, 5.0)
         try:
-            entry = store.table.pinned_entry(owner, grant)
+            entry = store.pinned_entry(owner, grant)
             assert entry is not None
             check(np.frombuffer(b"".join(bytes(v) for v in store.views(entry)), np.uint8))
         finally:
-            assert store.table.unpin(owner, grant)
+            assert store.unpin(owner, grant)
 
     def unpinned_read(h: str) -> None:
         entry = store.get(h)
@@ -338,7 +338,7 @@ def test_concurrent_puts_reads_pins_and_removes_keep_invariants(store: Store) ->
     for t in threads:
         t.join(timeout=120)
     assert not errors, errors
-    store.table.check_invariants()
+    store.check_invariants()
     stats = store.stats()
     assert stats.pins == 0 and stats.free_blocks + stats.used_blocks == stats.total_blocks
 
@@ -346,7 +346,7 @@ def test_concurrent_puts_reads_pins_and_removes_keep_invariants(store: Store) ->
 def test_quarantined_blocks_are_never_reused_until_released(region: Region) -> None:
     store = Store(region, BLOCK, clock=FakeClock(), canary=True)
     entry = store.allocate("q", 10 * BLOCK)
-    store.table.quarantine("q", expect=entry)
+    store.quarantine(entry)
     assert store.get("q") is None
     stats = store.stats()
     assert (stats.quarantined, stats.quarantined_blocks) == (1, 10)
@@ -358,10 +358,10 @@ def test_quarantined_blocks_are_never_reused_until_released(region: Region) -> N
     assert store.get("other") is None and entry.state is EntryState.QUARANTINED
     # The same item can be stored again elsewhere meanwhile.
     store.put("q", payload(BLOCK, seed=1))
-    store.table.release_quarantined(entry)
+    store.release_quarantined(entry)
     assert entry.state is EntryState.FREED
     assert store.stats().quarantined_blocks == 0
-    store.table.check_invariants()
+    store.check_invariants()
 
 
 def test_canary_counts_a_write_into_freed_blocks(region: Region) -> None:
