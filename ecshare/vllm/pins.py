@@ -4,7 +4,7 @@ Four kinds, all under one owner (`ENGINE_PIN_OWNER`), each with a grant id of
 its own, so that releasing one never touches another:
 
 - **probe** (`probe`): taken by `has_cache_item` at the moment it answers yes,
-  by `EntryTable.pin`, which looks the entry up and pins it under one lock.
+  by `Store.pin`, which looks the entry up and pins it under one lock.
   vLLM asks `has_cache_item`, and later in the same `schedule()` calls
   `update_state_after_alloc`; without the pin the consumer thread's next
   `allocate` could evict the entry in between, and the engine would have
@@ -37,7 +37,7 @@ import typing
 import msgspec
 
 from ecshare import protocol as p
-from ecshare.store import Entry, EntryTable, Hold, NotFound, NotReady
+from ecshare.store import Entry, Hold, NotFound, NotReady, Store
 
 
 def _longest_session_id() -> int:
@@ -59,8 +59,8 @@ class EnginePins:
     """Pins on one store's entries, owned by the engine; used by the scheduler thread, except
     `pin` and `release`, which `fetches` also calls from the consumer's thread."""
 
-    def __init__(self, table: EntryTable) -> None:
-        self._table = table
+    def __init__(self, store: Store) -> None:
+        self._store = store
         self._ids = itertools.count(1)
         self._probes: dict[str, str] = {}  # mm_hash -> grant, this step's only
 
@@ -68,10 +68,10 @@ class EnginePins:
         """Pin the READY entry of `mm_hash` under a new grant id; None if there is none."""
         grant = f"{kind}-{next(self._ids)}"
         try:
-            self._table.pin(mm_hash, ENGINE_PIN_OWNER, grant, lease_s)
+            self._store.pin(mm_hash, ENGINE_PIN_OWNER, grant, lease_s)
         except (NotFound, NotReady):
             return None
-        entry = self._table.pinned_entry(ENGINE_PIN_OWNER, grant)
+        entry = self._store.pinned_entry(ENGINE_PIN_OWNER, grant)
         assert entry is not None  # pinned just now, and only we release it
         return grant, entry
 
@@ -80,14 +80,14 @@ class EnginePins:
         return Hold(ENGINE_PIN_OWNER, f"{kind}-{next(self._ids)}", lease_s)
 
     def entry(self, grant: str) -> Entry | None:
-        return self._table.pinned_entry(ENGINE_PIN_OWNER, grant)
+        return self._store.pinned_entry(ENGINE_PIN_OWNER, grant)
 
     def release(self, grant: str) -> bool:
-        return self._table.unpin(ENGINE_PIN_OWNER, grant)
+        return self._store.unpin(ENGINE_PIN_OWNER, grant)
 
     def renew(self, grant: str, lease_s: float) -> bool:
         """Extend a live pin; False if it is gone (released, or reaped after its lease)."""
-        return self._table.renew(ENGINE_PIN_OWNER, grant, lease_s)
+        return self._store.renew(ENGINE_PIN_OWNER, grant, lease_s)
 
     # -- this step's probes ------------------------------------------------------------------
 

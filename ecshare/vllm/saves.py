@@ -82,7 +82,7 @@ class SaveBook:
             grant = f"save-{next(self._ids)}"
             self._pending[grant] = _Save(mm_hash, entry, time.monotonic() + self._config.lease_s)
             self._by_hash[mm_hash] = grant
-        return SaveOp(grant, mm_hash, tuple(entry.byte_extents(self._store.block_size)), nbytes)
+        return SaveOp(grant, mm_hash, entry.extents, nbytes)
 
     def apply(self, report: StepReport) -> None:
         """Commit the saves the workers finished, free the ones that failed."""
@@ -96,7 +96,7 @@ class SaveBook:
                 self._free(save, f"worker saved {dtype}{list(shape)}")
                 continue
             checksum = self._store.checksum(entry) if self._config.checksum != "none" else None
-            self._store.table.commit(save.mm_hash, expect=entry, checksum=checksum)
+            self._store.commit(entry, checksum=checksum)
             self._tally.add("saved_items")
             self._tally.add("saved_bytes", entry.nbytes)
         for grant, why in report.save_failed.items():

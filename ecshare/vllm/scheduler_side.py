@@ -109,7 +109,7 @@ class SchedulerSide:
         # thread, which would only compete with its own polls of TCP reads.
         self._node = Node.create(config, "engine" if produce else "consumer")
         self._store = self._node.store
-        self._pins = EnginePins(self._store.table)
+        self._pins = EnginePins(self._store)
         self._saves = SaveBook(self._store, config, self._tally)
         self.producer: Producer | None = None
         self.consumer: Consumer | None = None
@@ -268,7 +268,7 @@ class SchedulerSide:
         if now < self._reap_due:
             return
         self._reap_due = now + self._config.reap_interval_s
-        reaped = self._store.table.reap_expired(owner_prefix=ENGINE_PIN_OWNER)
+        reaped = self._store.reap_expired(owner_prefix=ENGINE_PIN_OWNER)
         if reaped:
             self._tally.add("pins_reaped", len(reaped))
             log.warning("ecshare: %d pins reaped after their lease ran out", len(reaped))
