@@ -2,8 +2,8 @@
 
 Each child (a producer or a consumer node) gets one spec at start, takes
 commands and answers with events. All of them are msgspec Structs, pickled
-over a `multiprocessing` pipe; the harness is one trusted program, so this is
-not a wire protocol and never crosses a host.
+over a `multiprocessing` pipe (`ecshare.bench.child`, which also defines the
+`Ready`, `Failed` and `Stop` every child shares).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Any
 
 import msgspec
 
+from ecshare.bench.child import Failed, Ready, Stop
 from ecshare.store import StoreStats
 
 
@@ -69,10 +70,6 @@ class Stats(msgspec.Struct, frozen=True):
     verify: bool = False
 
 
-class Stop(msgspec.Struct, frozen=True):
-    """Stop cleanly and exit."""
-
-
 class Arm(msgspec.Struct, frozen=True):
     """Answer `ReadInFlight` once a read of at least `min_nbytes` is in flight here.
 
@@ -93,12 +90,6 @@ class Arm(msgspec.Struct, frozen=True):
 
 
 Command = Fetch | Push | Fill | Quiesce | Stats | Stop | Arm
-
-
-class Ready(msgspec.Struct, frozen=True):
-    pid: int
-    address: str = ""  # a producer's control endpoint
-    port: int = 0
 
 
 class Outcome(msgspec.Struct, frozen=True):
@@ -146,12 +137,6 @@ class ReadInFlight(msgspec.Struct, frozen=True):
     kind: str
     nbytes: int  # the read seen in flight; 0: none within the bound (and no freeze)
     frozen: bool  # the child stops itself right after sending this
-
-
-class Failed(msgspec.Struct, frozen=True):
-    """The child could not start or serve; it exits after sending this."""
-
-    error: str
 
 
 Event = Ready | Outcome | PushEnded | NodeStats | Failed | ReadInFlight

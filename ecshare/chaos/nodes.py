@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import multiprocessing as mp
 import os
 import queue
 import random
@@ -32,6 +31,7 @@ from typing import Any
 
 import xxhash
 
+from ecshare.bench.child import ChildGone, ChildPipe, ChildProcess, Failed, Ready
 from ecshare.bench.synthetic import fill_synthetic, parse_spec, synthetic_bytes, synthetic_hash
 from ecshare.chaos.hosts import become_host
 from ecshare.chaos.messages import (
@@ -39,7 +39,6 @@ from ecshare.chaos.messages import (
     Command,
     ConsumerSpec,
     Event,
-    Failed,
     Fetch,
     Fill,
     NodeStats,
@@ -49,9 +48,7 @@ from ecshare.chaos.messages import (
     PushEnded,
     Quiesce,
     ReadInFlight,
-    Ready,
     Stats,
-    Stop,
 )
 from ecshare.config import Config
 from ecshare.peer import (
@@ -77,30 +74,10 @@ _CHECK_LEASE_S = 600.0
 _ARM_POLL_S = 0.0005
 
 
-class ChildGone(Exception):
-    """The child died, or did not answer within its bound."""
+__all__ = ["Child", "ChildGone", "consumer_main", "producer_main", "working_set_keys"]
 
 
 # -- in the child ----------------------------------------------------------------------------
-
-
-class _Pipe:
-    """The child's end: sends from several threads, one at a time."""
-
-    def __init__(self, conn: Connection) -> None:
-        self._conn = conn
-        self._lock = threading.Lock()
-
-    def send(self, event: Event) -> None:
-        with self._lock, contextlib.suppress(OSError, ValueError):
-            self._conn.send(event)  # the parent may be gone; nothing to tell then
-
-    def commands(self) -> Iterable[Command]:
-        while True:
-            try:
-                yield self._conn.recv()
-            except (EOFError, OSError):
-                return  # the parent is gone: stop
 
 
 class _Checker:
@@ -176,7 +153,7 @@ def _stats(
     )
 
 
-def _arm(pipe: _Pipe, cmd: Arm, in_flight: Callable[[], int]) -> None:
+def _arm(pipe: ChildPipe, cmd: Arm, in_flight: Callable[[], int]) -> None:
     """Watch on a thread of its own, so the child keeps serving, for the read `cmd` asks."""
 
     def watch() -> None:
@@ -217,7 +194,7 @@ def _watch(
     return look
 
 
-def _push_ended(pipe: _Pipe, push_id: int, t0: float, future: Future[PushOutcome]) -> None:
+def _push_ended(pipe: ChildPipe, push_id: int, t0: float, future: Future[PushOutcome]) -> None:
     out = future.result()  # a push's future never raises
     pipe.send(PushEnded(push_id, out.state.value, out.detail[:300], time.monotonic() - t0))
 
@@ -258,7 +235,7 @@ def _fill(store: Store, seconds: float) -> None:
 
 
 def producer_main(conn: Connection, spec: ProducerSpec) -> None:
-    pipe = _Pipe(conn)
+    pipe = ChildPipe(conn)
     try:
         config = Config.from_dict(spec.config)
         node = Node.create(config, "producer")
@@ -322,8 +299,6 @@ def producer_main(conn: Connection, spec: ProducerSpec) -> None:
                     _arm(pipe, cmd, partial(_at_least, producer.largest_push_in_flight, cmd))
                 else:
                     _arm(pipe, cmd, _watch(node.store, keys, cmd, "pinned"))
-            elif isinstance(cmd, Stop):
-                break
     finally:
         churn_stop.set()
         if churner.is_alive():
@@ -333,7 +308,7 @@ def producer_main(conn: Connection, spec: ProducerSpec) -> None:
 
 
 def consumer_main(conn: Connection, spec: ConsumerSpec) -> None:
-    pipe = _Pipe(conn)
+    pipe = ChildPipe(conn)
     try:
         config = Config.from_dict(spec.config)
         node = Node.create(config, "consumer")
@@ -391,8 +366,6 @@ def consumer_main(conn: Connection, spec: ConsumerSpec) -> None:
                     _arm(pipe, cmd, _reserved(consumer, list(fetched.items()), cmd))
                 else:
                     _arm(pipe, cmd, _watch(node.store, fetched.items(), cmd, "allocated"))
-            elif isinstance(cmd, Stop):
-                break
     finally:
         consumer.stop()
         settled.put(None)
@@ -448,8 +421,8 @@ def working_set_keys(spec: str) -> list[tuple[str, int]]:
 # -- in the parent ---------------------------------------------------------------------------
 
 
-class Child:
-    """One child process: commands in, events out (a reader thread sorts them)."""
+class Child(ChildProcess):
+    """One node's child process, and the faults the fleet holds it under."""
 
     def __init__(
         self,
@@ -464,96 +437,38 @@ class Child:
     ) -> None:
         self.role = role
         self.index = index
-        self.paused = False
-        self.killed = False
         self.armed = ""  # the fault kind it was armed for (`Arm`), until it answers
         self.strike_s = 0.0  # how long that fault lasts once it strikes
-        self.stopping = False  # told to stop
         self.push_name = ""  # a consumer's: the name producers push to it by
         self.push_shrunk = False  # a consumer under SHRUNK_PUSH_DEADLINE_S
         self.struck_kill = False  # SIGKILLed by a fault that waited for a push in flight
         self._on_event = on_event
-        self._replies: queue.Queue[Event | None] = queue.Queue()
-        ctx = mp.get_context("spawn")
-        self._conn, child_conn = ctx.Pipe()
-        self.process = ctx.Process(
-            target=_child_entry,
-            args=(target, child_conn, spec, verbose),
-            name=f"ecshare-chaos-{role}-{index}",
-            daemon=True,
+        super().__init__(
+            role,
+            _child_entry,
+            (target, spec, verbose),
+            process_name=f"ecshare-chaos-{role}-{index}",
+            start_timeout_s=start_timeout_s,
         )
-        self.process.start()
-        child_conn.close()
-        self._reader = threading.Thread(target=self._read, name=f"{self.process.name}-reader")
-        self._reader.daemon = True
-        self._reader.start()
-        ready = self._reply(start_timeout_s, "start")
-        if not isinstance(ready, Ready):
-            self.kill()
-            raise ChildGone(f"{self.name} did not start: {ready}")
-        self.ready = ready
+        self.ready: Ready
 
     @property
     def name(self) -> str:
         return f"{self.role} {self.index} (pid {self.process.pid})"
 
-    @property
-    def pid(self) -> int:
-        assert self.process.pid is not None
-        return self.process.pid
-
-    def drained(self, within_s: float) -> None:
-        """Wait (up to `within_s`) until everything the child said has been handed on:
-        once it has exited, its reader ends at the pipe's end."""
-        self._reader.join(timeout=within_s)
-
-    def alive(self) -> bool:
-        return not self.killed and self.process.is_alive()
-
-    def exited(self, within_s: float) -> bool:
-        """Whether the process has exited, waiting up to `within_s` for it: a crashing
-        child closes its pipe a moment before it can be reaped."""
-        self.process.join(timeout=within_s)
-        return self.process.exitcode is not None
-
-    def crashed(self) -> bool:
-        """It exited by itself: neither killed nor told to stop."""
-        return not self.killed and not self.stopping and self.process.exitcode is not None
-
     def answers(self) -> bool:
         """Alive, and neither stopped nor about to stop itself: a call gets its answer."""
         return self.alive() and not self.paused and not self.armed
 
-    def _read(self) -> None:
-        while True:
-            try:
-                event = self._conn.recv()
-            except (EOFError, OSError):
-                self._replies.put(None)
-                return
-            if isinstance(event, Outcome | PushEnded | ReadInFlight):  # unasked, not replies
-                self._on_event(self, event)
-            else:
-                self._replies.put(event)
-
-    def _reply(self, timeout_s: float, what: str) -> Event:
-        try:
-            event = self._replies.get(timeout=timeout_s)
-        except queue.Empty:
-            raise ChildGone(f"{self.name}: no answer to {what} within {timeout_s} s") from None
-        if event is None:
-            raise ChildGone(f"{self.name} exited (code {self.process.exitcode})")
-        return event
-
-    def send(self, cmd: Command) -> None:
-        try:
-            self._conn.send(cmd)
-        except (OSError, ValueError) as exc:
-            raise ChildGone(f"{self.name}: cannot send {type(cmd).__name__}: {exc}") from exc
+    def _unasked(self, event: Any) -> bool:
+        if isinstance(event, Outcome | PushEnded | ReadInFlight):
+            self._on_event(self, event)
+            return True
+        return False
 
     def call(self, cmd: Command, timeout_s: float) -> Event:
-        self.send(cmd)
-        return self._reply(timeout_s, type(cmd).__name__)
+        reply: Event = super().call(cmd, timeout_s)
+        return reply
 
     def stats(self, timeout_s: float, *, verify: bool = False) -> NodeStats:
         reply = self.call(Stats(verify=verify), timeout_s)
@@ -561,46 +476,10 @@ class Child:
             raise ChildGone(f"{self.name}: answered Stats with {reply}")
         return reply
 
-    def signal(self, sig: signal.Signals) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, sig)
-
-    def kill(self) -> None:
-        """SIGKILL, as a crash would; reaped within a bound."""
-        self.killed = True
-        self.signal(signal.SIGKILL)
-        self.process.join(timeout=10)
-        self._conn.close()
-
-    def pause(self) -> None:
-        self.signal(signal.SIGSTOP)
-        self.paused = True
-
-    def resume(self) -> None:
-        self.signal(signal.SIGCONT)
-        self.paused = False
-
-    def stop(self, timeout_s: float) -> bool:
-        """Ask the child to stop; False (and SIGKILL) if it does not exit within `timeout_s`."""
-        self.stopping = True
-        if self.paused:
-            self.resume()
-        if not self.process.is_alive():
-            self.process.join(timeout=1)
-            return True
-        with contextlib.suppress(ChildGone):
-            self.send(Stop())
-        self.process.join(timeout=timeout_s)
-        if self.process.is_alive():
-            self.kill()
-            return False
-        self._conn.close()
-        return True
-
 
 def _child_entry(
-    target: Callable[[Connection, Any], None],
     conn: Connection,
+    target: Callable[[Connection, Any], None],
     spec: ProducerSpec | ConsumerSpec,
     verbose: bool,
 ) -> None:
