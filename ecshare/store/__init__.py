@@ -27,9 +27,9 @@ from ecshare.store.entries import (
     StoreStats,
 )
 
-# TRANSITIONAL, not public: ecshare/vllm/pins.py and ecshare/bench/store.py still
-# import the entry table from here. It goes once they use `Store` (or, for the
-# table benchmark, `ecshare.store.entries`).
+# TRANSITIONAL, not public: ecshare/bench/store.py (the entry table's own
+# benchmark) still imports it from here. It goes once that imports it from
+# `ecshare.store.entries`.
 from ecshare.store.entries import EntryTable as EntryTable
 from ecshare.store.region import Region, RegionError, RegionHandle
 from ecshare.store.store import Store
