@@ -1,10 +1,12 @@
 """The vLLM EC connector. Only this package imports vllm.
 
---ec-transfer-config '{"ec_connector": "ECShareConnector",
-                       "ec_connector_module_path": "ecshare.vllm", ...}'
+--ec-transfer-config '{"ec_connector": "ECShareConnector", "ec_role": ..., ...}'
 
-The connector classes are loaded on first access, so that the modules here
-that need no vllm (`router`, `tiny_model`) import without it.
+Installing ecshare registers the name with vLLM (`plugin`, a `vllm.general_plugins`
+entry point); `"ec_connector_module_path": "ecshare.vllm"` is needed only where
+`VLLM_PLUGINS` leaves that plugin out. The connector classes are loaded on first
+access, so that the modules here that need no vllm (`launch`, `tiny_model`) import
+without it.
 """
 
 from __future__ import annotations

@@ -1,53 +1,25 @@
-"""Fixtures for the end-to-end EPD tests: real `vllm serve` processes over the tiny model.
+"""Helpers for the tests that serve the tiny model with real `vllm serve` processes.
 
-Once per module, in this order, never more than two instances at a time:
-
-1. `reference_tokens`: one plain instance (no connector) answers every case
-   of `epd_cases` at temperature 0, and is stopped;
-2. `epd`: an encoder (ec_producer, CPU core 0) and a prefill/decode instance
-   (ec_consumer, core 1) with the ECShare connector, CURVE keys generated
-   into a tmp dir, are started together; one warm-up request through both
-   sets up their session, so that the tests see steady-state fetches.
-
-Each case has images of its own, drawn fresh for every run: an instance that
-had seen an image would answer from its in-memory encoder cache first.
-The instances' logs are in the module's tmp dir, and a failed start shows
-their tail.
+`start_proxy` runs `ecshare proxy` as operators do (a subprocess) and reads its ready
+line; `single_instance_tokens` is the reference every EPD answer must equal: the same
+request answered by one instance that encodes its images itself; `wait_metric` and
+`delta` read the connector's counters (`vllm:ecshare_*`) on an instance's Prometheus
+endpoint.
 """
 
 from __future__ import annotations
 
+import copy
 import random
+import subprocess
+import sys
+import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pytest
-
-from ecshare.vllm.launch import (
-    Keys,
-    ServerSpec,
-    VllmServer,
-    chat_request,
-    free_port,
-    post_chat,
-    random_image_url,
-    start_all,
-)
-from ecshare.vllm.router import Route, route_chat_sync
-
-REGION_BYTES = 64 << 20
-# Generous on a loaded 2-core machine; the dead-producer test waits this long.
-CONSUMER_TUNING = {"fetch_deadline_base_s": 5.0}
-
-
-@dataclass
-class EPD:
-    encoder: VllmServer
-    prefill_decode: VllmServer
-    route: Route
+from ecshare.ready import ProxyReady, parse_ready
+from ecshare.vllm.launch import VllmServer, post_chat, random_image_url
 
 
 def token_ids(answer: dict[str, Any]) -> list[int]:
@@ -76,61 +48,61 @@ def delta(after: dict[str, float], before: dict[str, float], key: str) -> float:
     return after.get(key, 0.0) - before.get(key, 0.0)
 
 
-@pytest.fixture(scope="module")
-def epd_cases() -> dict[str, dict[str, Any]]:
+def fresh_images(*sizes: tuple[int, int]) -> list[str]:
+    """Images no instance has seen (an instance that had would answer from its own
+    encoder cache first), one per (width, height)."""
     seed = random.SystemRandom().randrange(1 << 40)
-    image = [random_image_url(seed + i) for i in range(5)]
-    return {
-        "single": chat_request([image[0]]),
-        "two_images": chat_request([image[1], image[2]], text="Compare the two images."),
-        "text_only": chat_request([], text="Tell me a story."),
-        "dead_producer": chat_request([image[3]]),
-        "warm_up": chat_request([image[4]], max_tokens=1),
-    }
+    return [random_image_url(seed + i, w, h) for i, (w, h) in enumerate(sizes)]
 
 
-@pytest.fixture(scope="module")
-def reference_tokens(
-    tiny_model: Path, epd_cases: dict[str, dict[str, Any]], tmp_path_factory: pytest.TempPathFactory
-) -> dict[str, list[int]]:
-    logs = tmp_path_factory.mktemp("reference")
-    server = VllmServer(ServerSpec(tiny_model, free_port(), core=0), logs / "single.log")
-    start_all([server])
-    try:
-        return {name: token_ids(post_chat(server.url, body)) for name, body in epd_cases.items()}
-    finally:
-        server.stop()
+def single_instance_tokens(server: VllmServer, body: dict[str, Any]) -> list[int]:
+    """The request's tokens from `server` alone: its images under uuids no encoder
+    announced, so that it encodes them itself (checked on its counters)."""
+    alone = copy.deepcopy(body)
+    images = 0
+    for part in (p for m in alone["messages"] for p in m["content"]):
+        if part["type"] == "image_url":
+            part["uuid"] = f"single-{random.getrandbits(64):x}-{images}"
+            images += 1
+    before = server.metrics()
+    tokens = token_ids(post_chat(server.url, alone))
+    key = "local_encodes_total"
+    after = wait_metric(server, key, before.get(key, 0) + images)
+    assert delta(after, before, key) == images  # it really encoded them
+    return tokens
 
 
-@pytest.fixture(scope="module")
-def epd(
-    tiny_model: Path,
-    epd_cases: dict[str, dict[str, Any]],
-    reference_tokens: dict[str, list[int]],  # the plain instance is stopped before these start
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[EPD]:
-    tmp = tmp_path_factory.mktemp("epd")
-    keys = Keys.generate(tmp)
-    region = {"region_bytes": REGION_BYTES}
-    encoder = VllmServer(
-        ServerSpec(
-            tiny_model, free_port(), core=0, ec_role="ec_producer",
-            extra_config={**keys.producer_config(), **region},
-        ),
-        tmp / "encoder.log",
-    )  # fmt: skip
-    prefill_decode = VllmServer(
-        ServerSpec(
-            tiny_model, free_port(), core=1, ec_role="ec_consumer",
-            extra_config={**keys.consumer_config(), **region, **CONSUMER_TUNING},
-        ),
-        tmp / "prefill_decode.log",
-    )  # fmt: skip
-    start_all([encoder, prefill_decode])
-    try:
-        route = Route(encoders=[encoder.url], prefill_decode=prefill_decode.url, timeout_s=120)
-        route_chat_sync(epd_cases["warm_up"], route)
-        yield EPD(encoder, prefill_decode, route)
-    finally:
-        prefill_decode.stop()
-        encoder.stop()
+def start_proxy(
+    encoder: str, prefill_decode: str, log: Path, *flags: str
+) -> tuple[subprocess.Popen[str], str]:
+    """`ecshare proxy` in front of `encoder` and `prefill_decode` (a `--pd` value) on a
+    free port; the process and its URL. Its output goes to `log`."""
+    command = [
+        sys.executable, "-m", "ecshare", "proxy", "--encoder", encoder, "--pd", prefill_decode,
+        "--port", "0", *flags,
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        command,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert proc.stdout is not None
+    lines: list[str] = []
+    for line in proc.stdout:
+        lines.append(line)
+        ready = parse_ready(line, ProxyReady)
+        if ready is not None:
+            break
+    else:
+        raise AssertionError("ecshare proxy did not get ready:\n" + "".join(lines[-30:]))
+
+    def drain() -> None:  # keep its pipe from filling up
+        with open(log, "w") as out:
+            out.writelines(lines)
+            for rest in proc.stdout or ():
+                out.write(rest)
+
+    threading.Thread(target=drain, daemon=True).start()
+    return proc, ready.url

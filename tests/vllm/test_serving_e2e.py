@@ -30,7 +30,6 @@ import importlib.util
 import random
 import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -48,8 +47,9 @@ if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("nixl") 
         allow_module_level=True,
     )
 
+from serving_testing import start_proxy, token_ids
+
 from ecshare.proxy.fanout import encoder_request, media_parts
-from ecshare.ready import ProxyReady, parse_ready
 from ecshare.vllm.launch import (
     Keys,
     ServerSpec,
@@ -88,12 +88,6 @@ class Served:
     most_in_flight: int
 
 
-def token_ids(answer: dict[str, Any]) -> list[int]:
-    ids = answer["choices"][0]["token_ids"]
-    assert isinstance(ids, list) and ids, answer
-    return ids
-
-
 def post_all(
     url: str, cases: dict[str, dict[str, Any]], stagger_s: float = 0.0
 ) -> tuple[dict[str, dict[str, Any]], int]:
@@ -126,39 +120,6 @@ def serving_cases() -> dict[str, dict[str, Any]]:
         images = [random_image_url(seed + 2 * i + j, IMAGE_SIDE, IMAGE_SIDE) for j in range(2)]
         cases[f"client{i}"] = chat_request(images, text=f"Compare the images ({i}).", max_tokens=16)
     return cases
-
-
-def start_proxy(encoder: str, prefill_decode: str, log: Path) -> tuple[subprocess.Popen[str], str]:
-    command = [
-        sys.executable, "-m", "ecshare", "proxy", "--encoder", encoder, "--pd", prefill_decode,
-        "--port", "0",
-    ]  # fmt: skip
-    proc = subprocess.Popen(
-        command,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    assert proc.stdout is not None
-    lines: list[str] = []
-    for line in proc.stdout:
-        lines.append(line)
-        ready = parse_ready(line, ProxyReady)
-        if ready is not None:
-            url = ready.url
-            break
-    else:
-        raise AssertionError("ecshare proxy did not get ready:\n" + "".join(lines[-30:]))
-
-    def drain() -> None:  # keep its pipe from filling up
-        with open(log, "w") as out:
-            out.writelines(lines)
-            for rest in proc.stdout or ():
-                out.write(rest)
-
-    threading.Thread(target=drain, daemon=True).start()
-    return proc, url
 
 
 @pytest.fixture(scope="module")
