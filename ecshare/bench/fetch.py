@@ -1,14 +1,14 @@
 """``ecshare bench fetch``: fetch throughput and latency against raw NIXL and memcpy.
 
-Two processes on this host. A producer child (``multiprocessing`` spawn) runs
-a real `Producer` with CURVE keys, and this process is the consumer: a real
-`Consumer` on its own thread fetches over the authenticated control plane and
-READs with NIXL into its region. The child fills the entries of one size at a
-time on command over a pipe and sends back, beside the control-plane address,
-its data-plane `PeerInfo` and each entry's extents. The harness is trusted:
-that is how the raw baseline, a second `NixlTransport` in this process with
-its own registered buffer, reads exactly the same remote bytes with none of
-ecshare's control plane.
+Two processes on this host. A producer child (`ecshare.bench.fetch_producer`)
+runs a real `Producer` with CURVE keys, and this process is the consumer: a
+real `Consumer` on its own thread fetches over the authenticated control plane
+and READs with NIXL into its region. The child fills the entries of one size
+at a time on command and sends back, beside the control-plane address, its
+data-plane `PeerInfo` and each entry's extents. The harness is trusted: that
+is how the raw baseline, a second `NixlTransport` in this process with its own
+registered buffer, reads exactly the same remote bytes with none of ecshare's
+control plane.
 
 Per item size, three ways of moving the same bytes run back to back in every
 sample, so that background load hits them alike:
@@ -47,14 +47,12 @@ about 20 us.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import platform
 import tempfile
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import wait
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +60,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from ecshare.bench.fetch_producer import FetchProducer, fill_value
 from ecshare.bench.progress import BenchProgress
 from ecshare.bench.schema import ReportHeader, load_average, machine_info, utc_now
 from ecshare.bench.sporadic import (
@@ -70,7 +69,6 @@ from ecshare.bench.sporadic import (
     SPORADIC_WARMUP,
     ProducerCpu,
     SporadicFigures,
-    fill_value,
     hold_grant_cpu,
     measure_sporadic,
     sporadic_samples,
@@ -78,10 +76,9 @@ from ecshare.bench.sporadic import (
 from ecshare.bench.synthetic import format_size
 from ecshare.config import Config
 from ecshare.control import generate_keypair, load_keypair, load_public_key
-from ecshare.peer import Consumer, Node, start_consumer, start_producer
-from ecshare.peer.phases import PhaseLog
-from ecshare.store import Entry, Region, Store
-from ecshare.transport.base import PeerInfo, ReadState, Segment, pair_segments
+from ecshare.peer import Consumer, Node, start_consumer
+from ecshare.store import Region
+from ecshare.transport.base import ReadState, Segment, pair_segments
 from ecshare.transport.nixl import NixlTransport
 
 __all__ = ["run_fetch_bench"]
@@ -178,116 +175,6 @@ class FetchBenchResult(ReportHeader, tag_field="bench", tag="fetch"):
     quick: bool
 
 
-# -- the producer process ---------------------------------------------------------------------
-
-
-def _item_value(index: int) -> int:
-    return (index * 37 + 11) % 251
-
-
-def _producer_main(conn: Connection, settings: dict[str, Any]) -> None:
-    """Child: a real Producer; fills entries of one size at a time on command."""
-    config = Config.from_dict(settings)
-    node = Node.create(config, "producer")
-    producer = start_producer(node, fingerprint=FINGERPRINT)
-    producer.phases = PhaseLog()
-    assert producer.thread_ident is not None
-    cpu_clock = time.pthread_getcpuclockid(producer.thread_ident)
-    store = node.store
-    held: list[str] = []
-    fresh = ""
-    try:
-        conn.send((producer.address, node.transport.local_info()))
-        while True:
-            cmd, arg = conn.recv()
-            if cmd == "fill":
-                size, count = arg
-                _clear(store, held)
-                out = []
-                for i in range(count):
-                    h = f"bench-{size}-{i}"
-                    entry = store.put(h, np.full(size, _item_value(i), dtype=np.uint8))
-                    held.append(h)
-                    out.append((h, entry.byte_extents(store.block_size)))
-                conn.send(out)
-            elif cmd == "fresh":
-                # Sporadic mode: a new entry in newly allocated blocks, written in place.
-                size, seq = arg
-                if fresh:
-                    store.remove(fresh)
-                fresh = f"sporadic-{size}-{seq}"
-                entry = store.allocate(fresh, size)
-                _fill(store, entry, fill_value(seq))
-                store.commit(entry)
-                conn.send((fresh, entry.byte_extents(store.block_size), producer.phases.take()))
-            elif cmd == "refill":
-                # Fresh bytes over the blocks of an entry no grant holds any more, for
-                # the raw read of the same extents (the harness knows no one reads it).
-                mm_hash, value = arg
-                written = store.get(mm_hash)
-                assert written is not None
-                _fill(store, written, value)
-                conn.send(None)
-            elif cmd == "marks":
-                conn.send(producer.phases.take())
-            elif cmd == "cpu":
-                conn.send((time.clock_gettime(cpu_clock), time.monotonic()))
-            elif cmd == "counters":
-                conn.send(dict(producer.counters))
-            elif cmd == "stop":
-                break
-    finally:
-        producer.stop()
-        node.close()
-        conn.send("stopped")
-
-
-def _fill(store: Store, entry: Entry, value: int) -> None:
-    for view in store.views(entry):
-        np.frombuffer(view, dtype=np.uint8).fill(value)
-
-
-def _clear(store: Any, held: list[str]) -> None:
-    for h in held:
-        store.remove(h)
-    held.clear()
-    # A removed entry with a pin left (a Release still in flight) is freed once
-    # the pin goes; wait for that, so that the next fill finds the whole region.
-    deadline = time.monotonic() + 10
-    while store.stats().used_blocks and time.monotonic() < deadline:
-        time.sleep(0.005)
-
-
-class _ProducerProcess:
-    def __init__(self, settings: dict[str, Any]) -> None:
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_producer_main, args=(child, settings), daemon=True)
-        self.proc.start()
-        child.close()
-        reply = self.call(None, timeout=60)
-        self.address: str = reply[0]
-        self.info: PeerInfo = reply[1]
-
-    def call(self, msg: Any, timeout: float = 120) -> Any:
-        if msg is not None:
-            self.conn.send(msg)
-        if not self.conn.poll(timeout):
-            raise TimeoutError(f"producer process did not answer {msg!r}")
-        return self.conn.recv()
-
-    def stop(self) -> None:
-        try:
-            if self.proc.is_alive():
-                self.call(("stop", None), timeout=30)
-        except (OSError, EOFError, TimeoutError):
-            pass
-        self.proc.join(timeout=10)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(timeout=5)
-
-
 # -- the consumer side ------------------------------------------------------------------------
 
 
@@ -296,7 +183,7 @@ class _Bench:
         self,
         node: Node,
         consumer: Consumer,
-        producer: _ProducerProcess,
+        producer: FetchProducer,
         raw: NixlTransport,
         raw_peer: str,
         raw_buf: Bytes,
@@ -418,7 +305,7 @@ def _bench_size(
     b: _Bench, size: int, batch: int, quick: bool, memcpy_dst: Bytes, bar: BenchProgress
 ) -> tuple[list[Row], list[float], list[float]]:
     bar.advance(0, step=f"{_size_label(size)}, filling")
-    entries: list[tuple[str, Extents]] = b.producer.call(("fill", (size, batch)))
+    entries = b.producer.fill(size, batch)
     hashes = [h for h, _ in entries]
     singles, batches = _samples_for(size, quick)
     # Raw reads go to distinct local slots, as the batch's fetches go to distinct blocks.
@@ -428,10 +315,10 @@ def _bench_size(
 
     # The first fetch also checks the bytes: the figures are of real transfers.
     b.consumer.fetch([hashes[0]], b.peers)[0].result(timeout=FETCH_TIMEOUT_S)
-    b.check_fetched(hashes[0], _item_value(0))
+    b.check_fetched(hashes[0], fill_value(0))
     b.node.store.remove(hashes[0])
     b.raw_read([raw_reads[1]])
-    if not np.all(b.raw_buf[size : 2 * size] == _item_value(1)):
+    if not np.all(b.raw_buf[size : 2 * size] == fill_value(1)):
         raise RuntimeError(f"raw NIXL read of {hashes[1]} returned other bytes")
     bar.advance(step=f"{_size_label(size)}, single")
 
@@ -667,7 +554,7 @@ def _run_sporadic(
 ) -> tuple[list[Row], ProducerCpu]:
     rows = []
     fetches = 0
-    cpu0, wall0 = b.producer.call(("cpu", None))
+    cpu0, wall0 = b.producer.cpu()
     for size in sizes:
         bar.advance(0, step=f"{_size_label(size)}, sporadic")
         memcpy_dst = np.ones(size, dtype=np.uint8)
@@ -679,7 +566,7 @@ def _run_sporadic(
             consumer=b.consumer,
             store=b.node.store,
             peers=b.peers,
-            call=b.producer.call,
+            producer=b.producer,
             raw=b.raw,
             raw_peer=b.raw_peer,
             raw_buf=b.raw_buf,
@@ -688,7 +575,7 @@ def _run_sporadic(
         )
         fetches += samples + SPORADIC_WARMUP
         rows.append(_sporadic_row(fig))
-    cpu1, wall1 = b.producer.call(("cpu", None))
+    cpu1, wall1 = b.producer.cpu()
     cpu = ProducerCpu(
         sporadic_share=(cpu1 - cpu0) / (wall1 - wall0),
         sporadic_us_per_fetch=(cpu1 - cpu0) / max(1, fetches) * 1e6,
@@ -735,13 +622,14 @@ def run_fetch_bench(
     with tempfile.TemporaryDirectory(prefix="ecshare-bench-fetch-") as tmp:
         workdir = Path(tmp)
         keys = {r: generate_keypair(workdir, r) for r in ("producer", "consumer")}
-        producer = _ProducerProcess(
+        producer = FetchProducer(
             {
                 "region_bytes": region_bytes,
                 "block_bytes": BLOCK_BYTES,
                 "server_secret_key_file": str(keys["producer"].secret_path),
                 "authorized_keys_file": str(keys["consumer"].public_path),
-            }
+            },
+            FINGERPRINT,
         )
         node: Node | None = None
         consumer: Consumer | None = None
@@ -776,7 +664,7 @@ def run_fetch_bench(
                     keys=consumer_keys,
                     server_key=server_key,
                     fingerprint=FINGERPRINT,
-                    call=bench.producer.call,
+                    producer=bench.producer,
                     size=64 * KiB,
                 )
 
@@ -801,7 +689,7 @@ def run_fetch_bench(
             environment = _environment()
             environment["load_average_1m"] = {"start": load_start, "end": load_average()}
             environment["consumer_counters"] = dict(consumer.counters)
-            environment["producer_counters"] = producer.call(("counters", None))
+            environment["producer_counters"] = producer.counters()
         finally:
             if consumer is not None:
                 consumer.stop()

@@ -27,13 +27,13 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import wait
-from typing import Any
 
 import msgspec
 import numpy as np
 import numpy.typing as npt
 
 from ecshare import protocol as p
+from ecshare.bench.fetch_producer import FetchProducer, fill_value
 from ecshare.control import ControlClient, KeyPair
 from ecshare.peer import Consumer
 from ecshare.peer.phases import PhaseLog
@@ -47,7 +47,6 @@ __all__ = [
     "SPORADIC_WARMUP",
     "ProducerCpu",
     "SporadicFigures",
-    "fill_value",
     "hold_grant_cpu",
     "measure_sporadic",
     "sporadic_samples",
@@ -136,17 +135,14 @@ def measure_sporadic(
     consumer: Consumer,
     store: Store,
     peers: list[str],
-    call: Callable[[Any], Any],
+    producer: FetchProducer,
     raw: NixlTransport,
     raw_peer: str,
     raw_buf: Bytes,
     memcpy_dst: Bytes,
     advance: Callable[[], None],
 ) -> SporadicFigures:
-    """`samples` sporadic fetches of `size` bytes and as many raw reads, after a warm-up.
-
-    `call` sends one command to the producer process and returns its answer.
-    """
+    """`samples` sporadic fetches of `size` bytes and as many raw reads, after a warm-up."""
     consumer.phases = PhaseLog()
     eco: list[float] = []
     raws: list[float] = []
@@ -158,8 +154,9 @@ def measure_sporadic(
         for i in range(SPORADIC_WARMUP + samples):
             seq = i + 1
             # ecshare: fresh entry, gap, fetch.
-            h, extents, marks_so_far = call(("fresh", (size, seq)))
-            produced += marks_so_far
+            fresh = producer.fresh(size, seq)
+            h, extents = fresh.mm_hash, fresh.extents
+            produced += fresh.marks
             time.sleep(gap_s)
             t0 = time.monotonic()
             futures = consumer.fetch([h], peers)
@@ -171,7 +168,7 @@ def measure_sporadic(
             marks = _by_key(consumer.phases.take()).get(h, {})
             marks["woken"] = t1
             # raw NIXL: fresh bytes over the same extents, gap, one READ.
-            call(("refill", (h, fill_value(seq + 1))))
+            producer.refill(h, fill_value(seq + 1))
             time.sleep(gap_s)
             segments = pair_segments([(0, size)], extents)
             r0 = time.monotonic()
@@ -196,7 +193,7 @@ def measure_sporadic(
             raws.append(r2 - r0)
             mems.append(m1 - m0)
             raw_marks.append({"call": r0, "read_return": r1, "done": r2})
-        produced += call(("marks", None))
+        produced += producer.marks()
     finally:
         consumer.phases = None
     for key, marks in _by_key(produced).items():
@@ -214,11 +211,6 @@ def measure_sporadic(
     )
 
 
-def fill_value(seq: int) -> int:
-    """The byte a fresh entry of sample `seq` is filled with."""
-    return (seq * 37 + 11) % 251
-
-
 def _check(got: Bytes, value: int, what: str) -> None:
     if not (got[0] == value and got[-1] == value and np.all(got == value)):
         raise RuntimeError(f"bytes of {what} differ from what the producer wrote")
@@ -230,11 +222,11 @@ def hold_grant_cpu(
     keys: KeyPair,
     server_key: bytes,
     fingerprint: str,
-    call: Callable[[Any], Any],
+    producer: FetchProducer,
     size: int,
 ) -> float:
     """The producer thread's CPU share over a quiet second while a grant is held."""
-    h = call(("fresh", (size, 1)))[0]
+    h = producer.fresh(size, 1).mm_hash
     client = ControlClient(address, server_public_key=server_key, keys=keys)
     try:
         session = uuid.uuid4().hex
@@ -252,9 +244,9 @@ def hold_grant_cpu(
         reply = client.recv(timeout_ms=10_000)
         if not isinstance(reply, p.FetchReply) or not reply.items[0].grant_id:
             raise RuntimeError(f"the producer did not grant the bench's held item: {reply}")
-        cpu0, wall0 = call(("cpu", None))
+        cpu0, wall0 = producer.cpu()
         time.sleep(_HOLD_S)
-        cpu1, wall1 = call(("cpu", None))
+        cpu1, wall1 = producer.cpu()
         client.send(p.Release(session_id=session, grant_ids=[reply.items[0].grant_id]))
         client.recv(timeout_ms=10_000)
         client.send(p.Bye(session_id=session))
