@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from ecshare.bench.synthetic import parse_size
@@ -31,24 +32,24 @@ def _sizes(text: str) -> list[int]:
     return sizes
 
 
-def _percent(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a percentage, not {text!r}") from None
-    if not 0 <= value < 1e6:
-        raise argparse.ArgumentTypeError(f"{text} is not a percentage of 0 or more")
-    return value
+def _float_in(expected: str, low: float, high: float, refused: str) -> Callable[[str], float]:
+    """An argparse type: a number from `low` to `high`; `expected` names it when the text
+    is no number, and `refused` (with `{text}`) says why a number out of range is."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, not {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(refused.format(text=text))
+        return value
+
+    return parse
 
 
-def _gap_ms(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected milliseconds, not {text!r}") from None
-    if not 0 <= value <= 10_000:
-        raise argparse.ArgumentTypeError(f"{text} ms is not between 0 and 10000")
-    return value
+_percent = _float_in("a percentage", 0, 1e6, "{text} is not a percentage from 0 to 1000000")
+_gap_ms = _float_in("milliseconds", 0, 10_000, "{text} ms is not between 0 and 10000")
 
 
 def _common(parser: argparse.ArgumentParser, sizes: bool) -> None:
