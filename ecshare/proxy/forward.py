@@ -194,7 +194,7 @@ class PrefillDecodeStage:
             log.warning("prefill/decode %s unreachable: %s", url, describe(exc))
             return None
         except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
-            raise self._failed(backend, exc, "sent nothing", "failed") from None
+            raise self._failed(backend, exc, reading=False) from None
 
     def _no_backend(self, tried: list[Backend]) -> ProxyError:
         if tried:
@@ -230,20 +230,24 @@ class PrefillDecodeStage:
         try:
             return await resp.read()
         except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
-            raise self._failed(backend, exc, "stalled", "broke off its answer") from None
+            raise self._failed(backend, exc, reading=True) from None
 
-    def _failed(self, backend: Backend, exc: BaseException, stalled: str, broke: str) -> ProxyError:
-        """What the client is told when `backend` times out (504, `stalled`) or breaks
-        (502, `broke`); the backend is marked failed and the failure counted."""
+    def _failed(self, backend: Backend, exc: BaseException, *, reading: bool) -> ProxyError:
+        """What the client is told when `backend` times out (504) or breaks (502), before
+        its answer began or while `reading` it; the backend is marked failed and counted."""
+        url, timeout = backend.url, self._timeout_s
         if isinstance(exc, asyncio.TimeoutError):
             self._pool.failed(backend, "timed out")
             self._metrics.upstream_errors.labels("timeout").inc()
-            return ProxyError(
-                504, f"prefill/decode instance {backend.url} {stalled} for {self._timeout_s}s"
-            )
-        self._pool.failed(backend, describe(exc))
+            if reading:
+                return ProxyError(504, f"prefill/decode instance {url} stalled for {timeout}s")
+            return ProxyError(504, f"prefill/decode instance {url} sent nothing in {timeout}s")
+        error = describe(exc)
+        self._pool.failed(backend, error)
         self._metrics.upstream_errors.labels("error").inc()
-        return ProxyError(502, f"prefill/decode instance {backend.url} {broke}: {describe(exc)}")
+        if reading:
+            return ProxyError(502, f"prefill/decode instance {url} broke off its answer: {error}")
+        return ProxyError(502, f"prefill/decode instance {url} failed: {error}")
 
     async def _stream(
         self,
