@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from ecshare.config import ConfigError, add_config_arguments, load_config
 
 # Re-exported: callers that start `ecshare serve` look for its ready line by this prefix.
-from ecshare.ready import READY_PREFIX as READY_PREFIX
 
 
 def build_parser() -> argparse.ArgumentParser:

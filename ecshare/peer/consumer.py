@@ -96,7 +96,6 @@ _MAX_IDLE_S = 0.1
 # sockets again, napping this long between polls (see `_wait_reads`).
 _READ_WAIT_S = 0.0005
 _READ_NAP_S = 0.00005
-_LATENCY_SAMPLES = 4096
 # Items committed by a push and not yet asked for, remembered (this many at most)
 # so that the fetch that finds one counts as pushed.
 _PUSHED_REMEMBERED = 65536
@@ -213,8 +212,7 @@ class Consumer(NetworkThread):
         self._pool: ClientPool | None = None
         self.counters: Counter[str] = Counter()
         self._counters_lock = threading.Lock()
-        self.latencies: collections.deque[float] = collections.deque(maxlen=_LATENCY_SAMPLES)
-        # Every latency ever, in buckets (under `_counters_lock`): the deque above forgets.
+        # Every fetch's latency, in buckets (under `_counters_lock`).
         self._latency_counts = [0] * (len(LATENCY_BUCKETS_S) + 1)
         self._latency_sum_s = 0.0
         # Per-item timestamps of each step (see peer/phases.py); off unless set.
@@ -324,7 +322,6 @@ class Consumer(NetworkThread):
             candidates=list(dict.fromkeys(peers)),
             started=now,
             deadline=now + wait_s + self._config.fetch_deadline_s(item.nbytes),
-            nbytes_hint=item.nbytes,
             max_nbytes=item.max_nbytes,
             holds=[item.hold] if item.hold is not None else [],
             not_before=now + wait_s,
@@ -1027,7 +1024,6 @@ class Consumer(NetworkThread):
     def _succeed(self, t: Transfer, peer: str, *, pushed: bool = False) -> None:
         t.move(TransferState.DONE)
         latency = time.monotonic() - t.started
-        self.latencies.append(latency)
         with self._counters_lock:
             self.counters["fetched_by_push" if pushed else "fetched"] += 1
             self._latency_counts[bisect.bisect_left(LATENCY_BUCKETS_S, latency)] += 1

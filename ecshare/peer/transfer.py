@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import enum
 import math
-from collections import Counter
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Final
@@ -118,9 +117,6 @@ LATENCY_BUCKETS_S: Final = (
     10.0,
 )
 
-# Transition counts across all transfers of the process, for metrics.
-TRANSITIONS: Counter[tuple[TransferState, TransferState]] = Counter()
-
 
 @dataclass(eq=False)
 class Transfer:
@@ -129,7 +125,6 @@ class Transfer:
     candidates: list[str]  # peer endpoints, in preference order
     started: float
     deadline: float
-    nbytes_hint: int = 0
     max_nbytes: int = 0
     state: TransferState = TransferState.QUEUED
     peer_index: int = 0
@@ -168,7 +163,6 @@ class Transfer:
     def move(self, new: TransferState) -> None:
         if new not in _LEGAL[self.state]:
             raise IllegalTransition(f"{self.mm_hash}: {self.state.value} -> {new.value}")
-        TRANSITIONS[(self.state, new)] += 1
         self.state = new
 
     def clear_grant(self) -> None:

@@ -27,9 +27,9 @@ import time
 import msgspec
 
 from ecshare.bench.synthetic import fill_synthetic
-from ecshare.cli import READY_PREFIX
 from ecshare.config import add_config_arguments, load_config
 from ecshare.peer import Node, Producer, start_producer
+from ecshare.ready import READY_PREFIX
 
 
 def _stats(node: Node, producer: Producer) -> dict[str, object]:

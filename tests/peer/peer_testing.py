@@ -32,10 +32,10 @@ import pytest
 from ecshare import protocol as p
 from ecshare.bench.synthetic import synthetic_bytes
 from ecshare.chaos.options import TIMING
-from ecshare.cli import READY_PREFIX
 from ecshare.config import Config
 from ecshare.control import ControlClient, KeyPair, generate_keypair, load_keypair
 from ecshare.peer import Consumer, Node, Producer, start_consumer, start_producer
+from ecshare.ready import READY_PREFIX
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
