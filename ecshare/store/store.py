@@ -358,7 +358,10 @@ def _check_meta(meta: EntryMeta, nbytes: int, mm_hash: str) -> EntryMeta:
     # A wrong shape found here is a clear error. Found on the far side of a
     # transfer, it would be a silently garbled tensor.
     itemsize = _itemsize(meta.dtype)
-    if itemsize is not None and math.prod(meta.shape) * itemsize != nbytes:
+    if itemsize is None:
+        # Its size unknown, its shape could not be checked: refused rather than trusted.
+        raise InvalidMeta(f"{mm_hash}: unknown dtype {meta.dtype!r}")
+    if math.prod(meta.shape) * itemsize != nbytes:
         raise InvalidMeta(
             f"{mm_hash}: meta {meta.dtype}{list(meta.shape)} is "
             f"{math.prod(meta.shape) * itemsize} bytes, data is {nbytes}"

@@ -134,6 +134,8 @@ def test_failed_put_gives_blocks_back(store: Store, monkeypatch: pytest.MonkeyPa
     with pytest.raises(InvalidMeta, match="meta"):
         store.allocate("bad", 100, EntryMeta(dtype="float32", shape=(100,)))
     assert store.stats().used_blocks == 0
+    with pytest.raises(InvalidMeta, match="unknown dtype"):  # its size could not be checked
+        store.allocate("bad", 100, EntryMeta(dtype="float3", shape=(25,)))
     with pytest.raises(TypeError):
         store.put("objects", np.array([object()] * 4))
     with pytest.raises(InvalidMeta, match="at least one byte"):
