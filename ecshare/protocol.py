@@ -22,6 +22,8 @@ from typing import Annotated, Any, Final, Union
 
 import msgspec
 
+from ecshare.errors import ECShareError
+
 PROTOCOL_VERSION: Final = 1
 # Versions this build can speak, newest first. A handshake picks the highest
 # version both sides list.
@@ -48,7 +50,7 @@ LOCAL_CAPABILITIES: Final = (CAP_CHECKSUM_XXH3_64, CAP_RENEW, CAP_PUSH)
 MAX_STATUS_SESSIONS: Final = 4096
 
 
-class ProtocolError(ValueError):
+class ProtocolError(ECShareError, ValueError):
     """A frame that is not a valid message of this protocol."""
 
 

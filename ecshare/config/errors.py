@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from ecshare.errors import ECShareError
 
-class ConfigError(ValueError):
+
+class ConfigError(ECShareError, ValueError):
     """A configuration value is wrong; the message names the key, the value and what is allowed."""
 
     def __init__(

@@ -7,8 +7,10 @@ that cannot work, or a peer that refused us for good.
 
 from __future__ import annotations
 
+from ecshare.errors import ECShareError
 
-class ControlError(Exception):
+
+class ControlError(ECShareError):
     """Base of every error the control plane raises."""
 
 
