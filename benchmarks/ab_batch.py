@@ -15,34 +15,10 @@ change of that ratio, median over rounds.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-from ab_sporadic import ROOT, _export
-
-
-def _run(tree: Path, extra: list[str]) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": str(tree), "UCX_NET_DEVICES": "lo"}
-    command = ["bench", "fetch", "--mode", "back-to-back", "--json", "--quiet", *extra]
-    proc = subprocess.run(
-        [sys.executable, "-m", "ecshare", *command],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tree,
-        timeout=1200,
-    )
-    if proc.returncode != 0:
-        raise SystemExit(f"bench failed in {tree}:\n{proc.stderr[-3000:]}")
-    result: dict[str, Any] = json.loads(proc.stdout)
-    return result
+from ab_sporadic import interleaved
 
 
 def _rows(result: dict[str, Any]) -> dict[tuple[int, str], dict[str, Any]]:
@@ -50,26 +26,7 @@ def _rows(result: dict[str, Any]) -> dict[tuple[int, str], dict[str, Any]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("before", help="git ref of the tree to compare against")
-    parser.add_argument("--after", help="git ref (default: the working tree)")
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--json", type=Path, help="also write every run's result here")
-    args, extra = parser.parse_known_args()
-    extra = [a for a in extra if a != "--"]
-    runs: dict[str, list[dict[str, Any]]] = {"before": [], "after": []}
-    with tempfile.TemporaryDirectory(prefix="ecshare-ab-") as tmp:
-        trees = {
-            "before": _export(args.before, Path(tmp) / "before"),
-            "after": _export(args.after, Path(tmp) / "after") if args.after else ROOT,
-        }
-        for i in range(args.rounds):
-            order = ["before", "after"] if i % 2 == 0 else ["after", "before"]
-            for name in order:
-                runs[name].append(_run(trees[name], extra))
-                print(f"round {i + 1}/{args.rounds}: {name} done", file=sys.stderr)
-    if args.json:
-        args.json.write_text(json.dumps(runs))
+    args, runs = interleaved(__doc__, "back-to-back")
     print(f"{args.rounds} rounds, medians over rounds (ms); after = "
           f"{args.after or 'working tree'}, before = {args.before}")  # fmt: skip
     head = ("size", "mode", "tree", "eco ms", "raw ms", "raw/eco")

@@ -33,6 +33,8 @@ from typing import Any
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+# Each tree's bench results, in round order.
+Runs = dict[str, list[dict[str, Any]]]
 
 
 def _export(ref: str, into: Path) -> Path:
@@ -45,10 +47,11 @@ def _export(ref: str, into: Path) -> Path:
     return into
 
 
-def _run(tree: Path, extra: list[str]) -> dict[str, Any]:
+def run_bench(tree: Path, mode: str, extra: list[str]) -> dict[str, Any]:
+    """One `ecshare bench fetch --mode MODE --json` of `tree`, its parsed result."""
     env = {**os.environ, "PYTHONPATH": str(tree), "UCX_NET_DEVICES": "lo"}
     env.update({k: v for k, v in os.environ.items() if k.startswith("UCX_")})
-    command = ["bench", "fetch", "--mode", "sporadic", "--json", "--quiet", *extra]
+    command = ["bench", "fetch", "--mode", mode, "--json", "--quiet", *extra]
     proc = subprocess.run(
         [sys.executable, "-m", "ecshare", *command],
         capture_output=True,
@@ -63,19 +66,18 @@ def _run(tree: Path, extra: list[str]) -> dict[str, Any]:
     return result
 
 
-def _rows(result: dict[str, Any]) -> dict[int, dict[str, Any]]:
-    return {r["size_bytes"]: r for r in result["rows"] if r["mode"] == "sporadic"}
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def interleaved(description: str, mode: str) -> tuple[argparse.Namespace, Runs]:
+    """Parse the command line (a ref to compare against, `--after`, `--rounds`, `--json`,
+    the bench's own arguments after `--`) and run the bench in `mode` on both trees,
+    in alternating order each round; each tree's results in round order."""
+    parser = argparse.ArgumentParser(description=description.split("\n")[0])
     parser.add_argument("before", help="git ref of the tree to compare against")
     parser.add_argument("--after", help="git ref (default: the working tree)")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--json", type=Path, help="also write every run's result here")
     args, extra = parser.parse_known_args()
     extra = [a for a in extra if a != "--"]  # the rest goes to `ecshare bench fetch`
-    runs: dict[str, list[dict[str, Any]]] = {"before": [], "after": []}
+    runs: Runs = {"before": [], "after": []}
     with tempfile.TemporaryDirectory(prefix="ecshare-ab-") as tmp:
         trees = {
             "before": _export(args.before, Path(tmp) / "before"),
@@ -84,10 +86,19 @@ def main() -> None:
         for i in range(args.rounds):
             order = ["before", "after"] if i % 2 == 0 else ["after", "before"]
             for name in order:
-                runs[name].append(_run(trees[name], extra))
+                runs[name].append(run_bench(trees[name], mode, extra))
                 print(f"round {i + 1}/{args.rounds}: {name} done", file=sys.stderr)
     if args.json:
         args.json.write_text(json.dumps(runs))
+    return args, runs
+
+
+def _rows(result: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    return {r["size_bytes"]: r for r in result["rows"] if r["mode"] == "sporadic"}
+
+
+def main() -> None:
+    args, runs = interleaved(__doc__, "sporadic")
     sizes = sorted(_rows(runs["before"][0]))
     print(f"{args.rounds} rounds, medians over rounds (ms); after = "
           f"{args.after or 'working tree'}, before = {args.before}")  # fmt: skip
