@@ -4,6 +4,7 @@ processes) and loopback_testing.py (in-process nodes on LoopbackTransport)."""
 from loopback_testing import fabric, loop_consumer, loop_producer
 from peer_testing import (
     children,
+    gate,
     keyring,
     make_consumer,
     make_producer,
@@ -14,6 +15,7 @@ from peer_testing import (
 __all__ = [
     "children",
     "fabric",
+    "gate",
     "keyring",
     "loop_consumer",
     "loop_producer",

@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -85,6 +86,37 @@ def granted(reply: p.Message) -> p.ItemReply:
     (item,) = reply.items
     assert item.status is p.ItemStatus.GRANTED, item
     return item
+
+
+# A producer that a test stalls by holding back its own progress calls
+# (`throttle_progress`): its data plane moves by them alone, so no NIXL progress
+# thread; over UCX TCP, where reads are asynchronous; with the store canary on.
+STALLABLE_TCP: dict[str, Any] = {
+    "ucx_tls": "tcp",
+    "store_canary": True,
+    "nixl_progress_thread": False,
+}
+
+
+def throttle_progress(node: Node, producer: Producer, pause: Callable[[], None]) -> None:
+    """Run `pause` before each data-plane progress call while the producer has grants."""
+    progress = node.transport.progress
+
+    def throttled() -> list[tuple[str, bytes]]:
+        if producer.active_grants():
+            pause()
+        return progress()
+
+    node.transport.progress = throttled  # type: ignore[method-assign]
+
+
+@pytest.fixture
+def gate() -> Iterator[threading.Event]:
+    """An event a throttled producer waits on; set at teardown, so that no producer
+    thread is left waiting."""
+    event = threading.Event()
+    yield event
+    event.set()
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.01) -> bool:

@@ -8,9 +8,7 @@ that whole READ, over UCX TCP where the READ is asynchronous.
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -18,33 +16,23 @@ import pytest
 
 pytest.importorskip("nixl._api")
 
-from peer_testing import Keyring, MakeConsumer, MakeProducer, expected, stored_bytes, wait_until
+from peer_testing import (
+    STALLABLE_TCP,
+    Keyring,
+    MakeConsumer,
+    MakeProducer,
+    expected,
+    stored_bytes,
+    throttle_progress,
+    wait_until,
+)
 
-from ecshare.peer import FailureReason, FetchFailed, Node, Producer
+from ecshare.peer import FailureReason, FetchFailed
 
 pytestmark = pytest.mark.timeout(90)
 
 MiB = 1 << 20
-TCP: dict[str, Any] = {"ucx_tls": "tcp", "store_canary": True, "nixl_progress_thread": False}
-
-
-def _throttle(node: Node, producer: Producer, pause: Callable[[], None]) -> None:
-    """Run `pause` before each data-plane progress call while the producer has grants."""
-    progress = node.transport.progress
-
-    def throttled() -> list[tuple[str, bytes]]:
-        if producer.active_grants():
-            pause()
-        return progress()
-
-    node.transport.progress = throttled  # type: ignore[method-assign]
-
-
-@pytest.fixture
-def gate() -> Iterator[threading.Event]:
-    event = threading.Event()
-    yield event
-    event.set()  # never leave a producer thread waiting
+TCP = STALLABLE_TCP
 
 
 @pytest.mark.parametrize("data_plane", ["cma", "tcp"])
@@ -78,7 +66,7 @@ def test_batch_read_given_up_fences_every_destination_until_the_one_read_ends(
     short = {"lease_s": 1.0, "fetch_deadline_base_s": 0.5, "fetch_deadline_max_s": 0.8}
     sizes = {f"stall-{i}": 8 * MiB for i in range(3)}
     pnode, producer = make_producer(keyring.producer_config(), TCP, short, entries=sizes)
-    _throttle(pnode, producer, lambda: gate.wait(10.0))  # stalled: nothing moves
+    throttle_progress(pnode, producer, lambda: gate.wait(10.0))  # stalled: nothing moves
     cnode, consumer = make_consumer(
         keyring.consumer_config(),
         TCP,

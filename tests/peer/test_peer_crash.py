@@ -30,6 +30,7 @@ from peer_testing import (
     expected,
     fetch_command,
     stored_bytes,
+    throttle_progress,
     wait_until,
 )
 
@@ -151,14 +152,7 @@ def test_consumer_sigkilled_during_read_leaves_pins_to_their_lease(
     # consumer's reads (over TCP they need the producer's progress) stay in flight
     # until the consumer is dead.
     gate = threading.Event()
-    progress = node.transport.progress
-
-    def gated_progress() -> list[tuple[str, bytes]]:
-        if producer.active_grants():
-            gate.wait(timeout=10.0)
-        return progress()
-
-    node.transport.progress = gated_progress  # type: ignore[method-assign]
+    throttle_progress(node, producer, lambda: gate.wait(timeout=10.0))
     cmd = fetch_command(
         producer.address, list(entries), {**FAST, **keyring.consumer_config(), **TCP}
     )

@@ -6,9 +6,7 @@ which is what moves a TCP read), the consumer too, each on its own NIXL agent.
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -19,6 +17,7 @@ pytest.importorskip("nixl._api")
 from peer_testing import (
     FAST,
     FINGERPRINT,
+    STALLABLE_TCP,
     Keyring,
     MakeConsumer,
     MakeProducer,
@@ -27,40 +26,20 @@ from peer_testing import (
     expected,
     granted,
     stored_bytes,
+    throttle_progress,
     wait_until,
 )
 
 from ecshare import protocol as p
 from ecshare.control import ClientPool, LinkSettings, load_keypair, load_public_key
-from ecshare.peer import FailureReason, FetchFailed, Node, Producer
+from ecshare.peer import FailureReason, FetchFailed
 from ecshare.peer.link import PeerLink, PeerLinkState
 from ecshare.peer.producer import pin_owner
 
 pytestmark = pytest.mark.timeout(90)
 
 MiB = 1 << 20
-# The stalls below hold back the producer's own progress calls, so its data plane must
-# move by them alone: no NIXL progress thread.
-TCP: dict[str, Any] = {"ucx_tls": "tcp", "store_canary": True, "nixl_progress_thread": False}
-
-
-def _throttle(node: Node, producer: Producer, pause: Callable[[], None]) -> None:
-    """Run `pause` before each data-plane progress call while the producer has grants."""
-    progress = node.transport.progress
-
-    def throttled() -> list[tuple[str, bytes]]:
-        if producer.active_grants():
-            pause()
-        return progress()
-
-    node.transport.progress = throttled  # type: ignore[method-assign]
-
-
-@pytest.fixture
-def gate() -> Iterator[threading.Event]:
-    event = threading.Event()
-    yield event
-    event.set()  # never leave a producer thread waiting
+TCP = STALLABLE_TCP  # the stalls below hold back the producer's own progress calls
 
 
 def test_consumer_gives_up_before_the_lease_the_producer_granted(
@@ -71,7 +50,7 @@ def test_consumer_gives_up_before_the_lease_the_producer_granted(
     short = {"lease_s": 1.0, "fetch_deadline_base_s": 0.5, "fetch_deadline_max_s": 0.8}
     h, nbytes = "short-lease", 8 * MiB
     pnode, producer = make_producer(keyring.producer_config(), TCP, short, entries={h: nbytes})
-    _throttle(pnode, producer, lambda: gate.wait(10.0))  # stalled: nothing moves
+    throttle_progress(pnode, producer, lambda: gate.wait(10.0))  # stalled: nothing moves
     cnode, consumer = make_consumer(
         keyring.consumer_config(),
         TCP,
