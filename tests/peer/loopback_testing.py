@@ -20,9 +20,9 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import pytest
-from peer_testing import FINGERPRINT, config_of, expected
+from peer_testing import FINGERPRINT, Started, config_of
 
-from ecshare.peer import Consumer, Node, Producer, start_consumer, start_producer
+from ecshare.peer import Consumer, Node, Producer
 from ecshare.peer.node import node_name
 from ecshare.transport.loopback import Completion, Fabric, LoopbackTransport
 
@@ -56,7 +56,7 @@ def loop_node(
 @pytest.fixture
 def loop_producer(fabric: Fabric) -> Iterator[MakeLoopProducer]:
     """`make_producer`, on the test's fabric: entries put, then started."""
-    made: list[tuple[Node, Producer]] = []
+    started = Started()
 
     def make(
         *layers: Mapping[str, Any],
@@ -66,38 +66,19 @@ def loop_producer(fabric: Fabric) -> Iterator[MakeLoopProducer]:
         steps: int = 1,
     ) -> tuple[Node, Producer]:
         node = loop_node(fabric, "producer", *layers, completion=completion, steps=steps)
-        try:
-            for h, nbytes in (entries or {}).items():
-                node.store.put(h, expected(h, nbytes))
-            producer = start_producer(node, fingerprint=fingerprint)
-        except BaseException:
-            node.close()
-            raise
-        made.append((node, producer))
-        return node, producer
+        return started.producer(node, entries, fingerprint)
 
     yield make
-    for node, producer in made:
-        producer.stop()
-        node.close()
+    started.close()
 
 
 @pytest.fixture
 def loop_consumer(fabric: Fabric) -> Iterator[MakeLoopConsumer]:
     """`make_consumer`, on the test's fabric."""
-    made: list[tuple[Node, Consumer]] = []
+    started = Started()
 
     def make(*layers: Mapping[str, Any], fingerprint: str = FINGERPRINT) -> tuple[Node, Consumer]:
-        node = loop_node(fabric, "consumer", *layers)
-        try:
-            consumer = start_consumer(node, fingerprint=fingerprint)
-        except BaseException:
-            node.close()
-            raise
-        made.append((node, consumer))
-        return node, consumer
+        return started.consumer(loop_node(fabric, "consumer", *layers), fingerprint)
 
     yield make
-    for node, consumer in made:
-        consumer.stop()
-        node.close()
+    started.close()

@@ -313,37 +313,20 @@ MakeConsumer = Callable[..., tuple[Node, Consumer]]
 MakeProducer = Callable[..., tuple[Node, Producer]]
 
 
-@pytest.fixture
-def make_consumer() -> Iterator[MakeConsumer]:
-    made: list[tuple[Node, Consumer]] = []
+class Started:
+    """Peers started in this process on nodes the caller made; each stopped, and its
+    node closed, at `close()`. A node whose peer cannot start is closed at once."""
 
-    def make(*layers: Mapping[str, Any], fingerprint: str = FINGERPRINT) -> tuple[Node, Consumer]:
-        node = Node.create(config_of(*layers), "consumer")
-        try:
-            consumer = start_consumer(node, fingerprint=fingerprint)
-        except BaseException:
-            node.close()
-            raise
-        made.append((node, consumer))
-        return node, consumer
+    def __init__(self) -> None:
+        self._made: list[tuple[Node, Producer | Consumer]] = []
 
-    yield make
-    for node, consumer in made:
-        consumer.stop()
-        node.close()
-
-
-@pytest.fixture
-def make_producer() -> Iterator[MakeProducer]:
-    """A producer in this process, so that a test can watch its pins directly."""
-    made: list[tuple[Node, Producer]] = []
-
-    def make(
-        *layers: Mapping[str, Any],
+    def producer(
+        self,
+        node: Node,
         entries: Mapping[str, int] | None = None,
         fingerprint: str = FINGERPRINT,
     ) -> tuple[Node, Producer]:
-        node = Node.create(config_of(*layers), "producer")
+        """`node`'s producer, serving `entries` (their `expected` bytes)."""
         try:
             for h, nbytes in (entries or {}).items():
                 node.store.put(h, expected(h, nbytes))
@@ -351,13 +334,49 @@ def make_producer() -> Iterator[MakeProducer]:
         except BaseException:
             node.close()
             raise
-        made.append((node, producer))
+        self._made.append((node, producer))
         return node, producer
 
+    def consumer(self, node: Node, fingerprint: str = FINGERPRINT) -> tuple[Node, Consumer]:
+        try:
+            consumer = start_consumer(node, fingerprint=fingerprint)
+        except BaseException:
+            node.close()
+            raise
+        self._made.append((node, consumer))
+        return node, consumer
+
+    def close(self) -> None:
+        for node, peer in self._made:
+            peer.stop()
+            node.close()
+
+
+@pytest.fixture
+def make_consumer() -> Iterator[MakeConsumer]:
+    started = Started()
+
+    def make(*layers: Mapping[str, Any], fingerprint: str = FINGERPRINT) -> tuple[Node, Consumer]:
+        return started.consumer(Node.create(config_of(*layers), "consumer"), fingerprint)
+
     yield make
-    for node, producer in made:
-        producer.stop()
-        node.close()
+    started.close()
+
+
+@pytest.fixture
+def make_producer() -> Iterator[MakeProducer]:
+    """A producer in this process, so that a test can watch its pins directly."""
+    started = Started()
+
+    def make(
+        *layers: Mapping[str, Any],
+        entries: Mapping[str, int] | None = None,
+        fingerprint: str = FINGERPRINT,
+    ) -> tuple[Node, Producer]:
+        return started.producer(Node.create(config_of(*layers), "producer"), entries, fingerprint)
+
+    yield make
+    started.close()
 
 
 # -- a raw control-plane client ------------------------------------------------------------------
