@@ -29,7 +29,7 @@ import msgspec
 from ecshare.bench.synthetic import fill_synthetic
 from ecshare.config import add_config_arguments, load_config
 from ecshare.peer import Node, Producer, start_producer
-from ecshare.ready import READY_PREFIX
+from ecshare.ready import ProducerReady, ServedEntry, print_ready
 
 
 def _stats(node: Node, producer: Producer) -> dict[str, object]:
@@ -71,7 +71,8 @@ def main() -> int:
         return real_progress()
 
     node.transport.progress = progress  # type: ignore[method-assign]
-    print(READY_PREFIX + json.dumps({"address": producer.address, "entries": entries}), flush=True)
+    served = tuple(ServedEntry(str(e["mm_hash"]), int(e["nbytes"])) for e in entries)
+    print_ready(ProducerReady(producer.address, served, producer.metrics_url))
     try:
         for line in sys.stdin:
             words = line.split()

@@ -36,7 +36,7 @@ from ecshare.chaos.options import TIMING
 from ecshare.config import Config
 from ecshare.control import ControlClient, KeyPair, generate_keypair, load_keypair
 from ecshare.peer import Consumer, Node, Producer, start_consumer, start_producer
-from ecshare.ready import READY_PREFIX
+from ecshare.ready import ProducerReady, ServedEntry, parse_ready
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -184,13 +184,13 @@ class ProducerProcess:
 
     process: subprocess.Popen[str]
     address: str
-    entries: list[dict[str, Any]]
+    entries: tuple[ServedEntry, ...]
     errors: IO[str]
     hooks: bool
 
     @property
     def sizes(self) -> dict[str, int]:
-        return {e["mm_hash"]: int(e["nbytes"]) for e in self.entries}
+        return {e.mm_hash: e.nbytes for e in self.entries}
 
     def command(self, line: str, timeout_s: float = 10.0) -> dict[str, Any]:
         """Send a hook command; its one-line JSON answer."""
@@ -266,7 +266,7 @@ def start_producer_process(
         env=child_env(env),
         start_new_session=True,
     )
-    producer = ProducerProcess(process, "", [], errors, hooks)
+    producer = ProducerProcess(process, "", (), errors, hooks)
     if started is not None:
         started.append(producer)  # killed at teardown even if it never gets ready
     assert process.stdout is not None
@@ -274,10 +274,10 @@ def start_producer_process(
     while True:
         ready, _, _ = select.select([process.stdout], [], [], max(0.0, deadline - time.monotonic()))
         line = process.stdout.readline() if ready else ""
-        if line.startswith(READY_PREFIX):
-            info = json.loads(line[len(READY_PREFIX) :])
-            producer.address = info["address"]
-            producer.entries = info["entries"]
+        said = parse_ready(line, ProducerReady)
+        if said is not None:
+            producer.address = said.address
+            producer.entries = said.entries
             return producer
         if not line:
             producer.kill()
