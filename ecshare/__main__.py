@@ -1,4 +1,4 @@
-from ecshare.cli import main
+from ecshare.apps.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

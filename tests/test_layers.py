@@ -1,28 +1,31 @@
-"""Each arrow points one way: no core module imports from a layer above its own.
+"""Each arrow points one way: no module imports from a layer above its own.
 
-The layers, lowest first, as the code stands (each imports only from those below
-it, and from its own):
+The layers, lowest first (each imports only from those below it, and from its own):
 
-    errors < config < protocol < store < transport < control < peer < metrics < the rest
+    errors < config < protocol < store < transport < control < peer < metrics
+        < vllm (the engine integration) < apps (the operator apps)
 
-"The rest" is the engine integration (vllm/), the proxy and the operator apps
-(cli, launch, demo, bench, chaos, ops), and the package root, which gathers the
-public API. A lower layer that needs something of a higher one takes it as plain
-data or through a hook the lower layer defines (`peer.thread.add_exporter`, which
-ecshare.metrics fills), never by importing it. Every import counts: at module
-level, under TYPE_CHECKING, and inside functions, where a loop hides best.
+The package root gathers the public API from the core. The apps (cli, launch, demo,
+epd_demo, ready, proxy, bench, chaos, ops) sit in ecshare.apps, and nothing outside it
+imports them but ecshare.__main__. A lower layer that needs something of a higher one
+takes it as plain data or through a hook the lower layer defines
+(`peer.thread.add_exporter`, which ecshare.metrics fills), never by importing it. Every
+import counts: at module level, under TYPE_CHECKING, and inside functions, where a loop
+hides best. Each package's docstring says what it may import, and is held to it here.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "ecshare"
-LAYERS = ("errors", "config", "protocol", "store", "transport", "control", "peer", "metrics")
-# Anything not named in LAYERS (vllm, proxy, cli, bench, the root, ...) is above them all.
+CORE_LAYERS = ("errors", "config", "protocol", "store", "transport", "control", "peer", "metrics")
+LAYERS = (*CORE_LAYERS, "vllm", "apps")
+# The package root (and its __main__) gathers from every layer: above them all.
 TOP = len(LAYERS)
 
 
@@ -73,15 +76,27 @@ def imported(path: Path, source: str | None = None) -> list[tuple[int, str]]:
 CORE = sorted(
     path for path in PACKAGE.rglob("*.py") if rank(module_name(path)) < LAYERS.index("metrics")
 )
+# Every module of a layer: the core's, the engine integration's and the apps'.
+LAYERED = sorted(path for path in PACKAGE.rglob("*.py") if rank(module_name(path)) < TOP)
 
 
-def test_the_core_modules_are_found() -> None:
-    found = {module_name(path).split(".")[1] for path in CORE}
-    assert found == set(LAYERS) - {"metrics"}
+def test_the_layers_modules_are_found() -> None:
+    found = {module_name(path).split(".")[1] for path in LAYERED}
+    assert found == set(LAYERS)
 
 
-@pytest.mark.parametrize("path", CORE, ids=lambda p: str(p.relative_to(PACKAGE)))
-def test_core_module_imports_nothing_above_its_layer(path: Path) -> None:
+def test_only_core_packages_and_the_root_sit_beside_the_layers() -> None:
+    """The top of the tree shows the layers: no app module left beside the core."""
+    top = {
+        path.stem if path.is_file() else path.name
+        for path in PACKAGE.iterdir()
+        if (path.suffix == ".py" or (path / "__init__.py").exists())
+    }
+    assert top == {*LAYERS, "__init__", "__main__"}
+
+
+@pytest.mark.parametrize("path", LAYERED, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_module_imports_nothing_above_its_layer(path: Path) -> None:
     own = rank(module_name(path))
     upward = [
         f"line {line}: {target} ({LAYERS[rank(target)] if rank(target) < TOP else 'the top'})"
@@ -147,3 +162,35 @@ def test_the_store_has_one_face_in_the_core() -> None:
             elif isinstance(node, ast.Attribute) and node.attr == "table":
                 found.append(f"{module_name(path)}:{node.lineno} uses .table")
     assert found == []
+
+
+def _package_imports(package: Path) -> set[str]:
+    """The ecshare packages (or top modules) that the package's modules import, but its own."""
+    own = module_name(package / "__init__.py")
+    out = set()
+    for path in package.rglob("*.py"):
+        for _, target in imported(path):
+            parts = target.split(".")
+            name = ".".join(parts[:3] if parts[1:2] == ["apps"] and len(parts) > 2 else parts[:2])
+            if not (name == own or name.startswith(own + ".") or own.startswith(name + ".")):
+                out.add(name)
+    return out
+
+
+PACKAGES = sorted(init.parent for init in PACKAGE.rglob("__init__.py") if init.parent != PACKAGE)
+
+
+@pytest.mark.parametrize("package", PACKAGES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_package_docstring_says_what_it_may_import_and_is_true(package: Path) -> None:
+    """`May import: ...` in each package's docstring names no more than its layer
+    allows and no less than it imports; "anything in ecshare" only for the apps."""
+    doc = ast.get_docstring(ast.parse((package / "__init__.py").read_text())) or ""
+    said = " ".join(doc.split()).partition("May import: ")[2]
+    assert said, f"{package.relative_to(PACKAGE)}'s docstring has no 'May import:' line"
+    own = rank(module_name(package / "__init__.py"))
+    if said.startswith("anything in ecshare"):
+        assert LAYERS[own] == "apps"
+        return
+    named = set(re.findall(r"ecshare(?:\.[a-z_]+)+", said.partition(", never")[0]))
+    assert all(rank(name) < own for name in named), named
+    assert _package_imports(package) <= named

@@ -11,8 +11,8 @@ for name in ("torch", "nixl", "nixl_cu12", "vllm", "transformers", "aiohttp", "p
              "matplotlib"):
     sys.modules[name] = None  # any import of these now raises ImportError
 import ecshare, ecshare.peer, ecshare.store, ecshare.protocol, ecshare.config
-import ecshare.control, ecshare.transport, ecshare.cli
-ecshare.cli.build_parser()
+import ecshare.control, ecshare.transport, ecshare.apps.cli
+ecshare.apps.cli.build_parser()
 from ecshare import Consumer, Producer, Store
 print("ok")
 """
@@ -30,7 +30,7 @@ def test_a_command_without_its_optional_package_names_the_extra_to_install() -> 
     # The chaos harness samples memory with psutil, which only its extra installs.
     code = (
         "import sys; sys.modules['psutil'] = None\n"
-        "from ecshare.cli import main\n"
+        "from ecshare.apps.cli import main\n"
         "sys.exit(main(['chaos', '--fetches', '1']))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -40,7 +40,8 @@ def test_a_command_without_its_optional_package_names_the_extra_to_install() -> 
     assert "Traceback" not in out.stderr
     # The rest of the command line does not need it.
     code = (
-        "import sys; sys.modules['psutil'] = None\nfrom ecshare.cli import main\nmain(['--help'])"
+        "import sys; sys.modules['psutil'] = None\n"
+        "from ecshare.apps.cli import main\nmain(['--help'])"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "chaos" in out.stdout, out.stderr

@@ -16,6 +16,8 @@ Layout, each module depending only on those before it: errors (`ConfigError`), f
 a Struct's annotations and checking one value), decode (raw input to field values), schema
 (`Config` and its cross-field rules), sources (`load_config` and the CLI flags) and reference
 (the generated README section and `python -m ecshare.config`).
+
+May import: ecshare.errors.
 """
 
 from ecshare.config.errors import ConfigError

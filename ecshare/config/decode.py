@@ -23,7 +23,7 @@ _S = TypeVar("_S", bound=msgspec.Struct)
 
 # ECSHARE_* variables that are not config keys and so are not rejected as unknown (named
 # without the prefix); add a name here, documented, before anything reads such a variable.
-# PROXY_API_KEY: the API key `ecshare proxy` requires of its clients (ecshare.proxy.config).
+# PROXY_API_KEY: the API key `ecshare proxy` requires of its clients (ecshare.apps.proxy.config).
 _ENV_ALLOWLIST: frozenset[str] = frozenset({"PROXY_API_KEY"})
 
 

@@ -4,6 +4,9 @@ It knows the wire messages and the peers' keys, and nothing about entries or
 the data plane. A producer serves a `ControlServer`; a consumer keeps one
 `ControlClient` per producer in a `ClientPool`; both are driven from one
 network thread that a `Waker` can rouse from engine threads.
+
+May import: ecshare.errors, ecshare.config, ecshare.protocol, ecshare.store,
+ecshare.transport.
 """
 
 from ecshare.control.auth import AllowList

@@ -1,4 +1,8 @@
-"""Producer (grants reads) and Consumer (fetches), engine-agnostic."""
+"""Producer (grants reads) and Consumer (fetches), engine-agnostic.
+
+May import: ecshare.errors, ecshare.config, ecshare.protocol, ecshare.store,
+ecshare.transport, ecshare.control.
+"""
 
 from ecshare.peer.consumer import Consumer, FetchItem
 from ecshare.peer.node import Node, start_consumer, start_producer

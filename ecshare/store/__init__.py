@@ -6,6 +6,8 @@ entry table behind it (``ecshare.store.entries``) is private to the package.
 ``Region`` and ``BlockAllocator`` are exported for worker processes that only
 attach to the region, and for tests. Every error derives from ``StoreError``
 (and so from ``ecshare.ECShareError``), except the shared ``IllegalTransition``.
+
+May import: ecshare.errors, ecshare.config, ecshare.protocol.
 """
 
 from ecshare.errors import IllegalTransition
@@ -27,7 +29,7 @@ from ecshare.store.entries import (
     StoreStats,
 )
 
-# TRANSITIONAL, not public: ecshare/bench/store.py (the entry table's own
+# TRANSITIONAL, not public: ecshare/apps/bench/store.py (the entry table's own
 # benchmark) still imports it from here. It goes once that imports it from
 # `ecshare.store.entries`.
 from ecshare.store.entries import EntryTable as EntryTable

@@ -102,7 +102,7 @@ class Store:
     @property
     def table(self) -> EntryTable:
         """TRANSITIONAL: the entry table itself, for the callers not yet moved to
-        the methods below (ecshare/chaos/nodes.py, and tests under tests/faults,
+        the methods below (ecshare/apps/chaos/nodes.py, and tests under tests/faults,
         tests/security and tests/vllm). New code uses ``Store``'s own methods;
         this goes once they do."""
         return self._table

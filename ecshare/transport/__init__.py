@@ -1,6 +1,8 @@
 """The data plane: the `DataTransport` interface and its NIXL implementation.
 
 Importing this package never imports NIXL; `NixlTransport` does, when created.
+
+May import: ecshare.errors, ecshare.config, ecshare.protocol, ecshare.store.
 """
 
 from ecshare.transport.base import (

@@ -5,8 +5,11 @@
 Installing ecshare registers the name with vLLM (`plugin`, a `vllm.general_plugins`
 entry point); `"ec_connector_module_path": "ecshare.vllm"` is needed only where
 `VLLM_PLUGINS` leaves that plugin out. The connector classes are loaded on first
-access, so that the modules here that need no vllm (`launch`, `tiny_model`) import
+access, so that the modules here that need no vllm (`servers`, `tiny_model`) import
 without it.
+
+May import: the core (ecshare.errors, ecshare.config, ecshare.protocol, ecshare.store,
+ecshare.transport, ecshare.control, ecshare.peer, ecshare.metrics), never ecshare.apps.
 """
 
 from __future__ import annotations

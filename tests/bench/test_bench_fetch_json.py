@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 
-from ecshare.bench.fetch import FetchBenchResult
-from ecshare.bench.report import decode_report
-from ecshare.bench.schema import SCHEMA_VERSION
-from ecshare.bench.sporadic import ECSHARE_STEPS, RAW_STEPS, SPORADIC_WARMUP
+from ecshare.apps.bench.fetch import FetchBenchResult
+from ecshare.apps.bench.report import decode_report
+from ecshare.apps.bench.schema import SCHEMA_VERSION
+from ecshare.apps.bench.sporadic import ECSHARE_STEPS, RAW_STEPS, SPORADIC_WARMUP
 
 pytest.importorskip("nixl._api")
 

@@ -20,12 +20,12 @@ from typing import Any
 import msgspec
 import pytest
 
-from ecshare.bench.fetch import FetchBenchResult
-from ecshare.bench.proxy import ProxyBenchResult
-from ecshare.bench.report import ReportError, decode_report, json_schema, read_report
-from ecshare.bench.schema import SCHEMA_VERSION
-from ecshare.bench.store import StoreBenchResult
-from ecshare.bench.synthetic import format_size
+from ecshare.apps.bench.fetch import FetchBenchResult
+from ecshare.apps.bench.proxy import ProxyBenchResult
+from ecshare.apps.bench.report import ReportError, decode_report, json_schema, read_report
+from ecshare.apps.bench.schema import SCHEMA_VERSION
+from ecshare.apps.bench.store import StoreBenchResult
+from ecshare.apps.bench.synthetic import format_size
 
 SIZES = (64 << 10, 256 << 10)
 SIZES_ARG = "64KiB,256KiB"

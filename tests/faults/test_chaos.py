@@ -19,15 +19,15 @@ import pytest
 
 pytest.importorskip("nixl._api")
 
-from ecshare.bench.synthetic import synthetic_bytes
-from ecshare.chaos import FAULT_KINDS, ChaosOptions, ChaosReport, run_chaos
-from ecshare.chaos.faultproxy import FaultProxy, Faults
-from ecshare.chaos.harness import _region_check
-from ecshare.chaos.hosts import hosts_unavailable
-from ecshare.chaos.messages import NodeStats
-from ecshare.chaos.netns import netem_unavailable
-from ecshare.chaos.nodes import _Checker
-from ecshare.chaos.options import MID_READ_KINDS, PUSH_KINDS
+from ecshare.apps.bench.synthetic import synthetic_bytes
+from ecshare.apps.chaos import FAULT_KINDS, ChaosOptions, ChaosReport, run_chaos
+from ecshare.apps.chaos.faultproxy import FaultProxy, Faults
+from ecshare.apps.chaos.harness import _region_check
+from ecshare.apps.chaos.hosts import hosts_unavailable
+from ecshare.apps.chaos.messages import NodeStats
+from ecshare.apps.chaos.netns import netem_unavailable
+from ecshare.apps.chaos.nodes import _Checker
+from ecshare.apps.chaos.options import MID_READ_KINDS, PUSH_KINDS
 from ecshare.peer import FailureReason
 from ecshare.store import Region, Store
 

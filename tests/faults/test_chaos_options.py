@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from ecshare.chaos.options import FAULT_KINDS, MID_READ_KINDS, PUSH_KINDS, ChaosOptions
+from ecshare.apps.chaos.options import FAULT_KINDS, MID_READ_KINDS, PUSH_KINDS, ChaosOptions
 
 
 def _chaos(*args: str) -> subprocess.CompletedProcess[str]:

@@ -27,8 +27,8 @@ import tomllib
 from packaging.requirements import Requirement
 from peer_testing import REPO, child_env
 
+from ecshare.apps.ops.versions import SUPPORTED, _within
 from ecshare.control import generate_keypair
-from ecshare.ops.versions import SUPPORTED, _within
 
 MiB = 1 << 20
 TiB = 1 << 40

@@ -25,7 +25,8 @@ from vllm.config import ECTransferConfig
 from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
 
 from ecshare.vllm import ECShareConnector
-from ecshare.vllm.launch import (
+from ecshare.vllm.plugin import CONNECTOR_NAME, register
+from ecshare.vllm.servers import (
     Keys,
     ServerSpec,
     VllmServer,
@@ -35,7 +36,6 @@ from ecshare.vllm.launch import (
     random_image_url,
     start_all,
 )
-from ecshare.vllm.plugin import CONNECTOR_NAME, register
 from ecshare.vllm.tiny_model import ensure_tiny_qwen2vl
 
 TINY_MODEL_DIR = REPO / ".work" / "tiny-qwen2vl"

@@ -49,7 +49,7 @@ def test_the_wheel_declares_ranges_any_vllm_build_fits_and_the_plugin_entry_poin
     assert not pinned, pinned
     entry_points = _dist_info(built, "entry_points.txt")
     assert "[vllm.general_plugins]\necshare = ecshare.vllm.plugin:register" in entry_points
-    assert "[console_scripts]\necshare = ecshare.cli:main" in entry_points
+    assert "[console_scripts]\necshare = ecshare.apps.cli:main" in entry_points
 
 
 def test_the_installed_package_is_the_wheel_not_the_source_tree(

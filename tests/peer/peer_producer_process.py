@@ -26,10 +26,10 @@ import time
 
 import msgspec
 
-from ecshare.bench.synthetic import fill_synthetic
+from ecshare.apps.bench.synthetic import fill_synthetic
+from ecshare.apps.ready import ProducerReady, ServedEntry, print_ready
 from ecshare.config import add_config_arguments, load_config
 from ecshare.peer import Node, Producer, start_producer
-from ecshare.ready import ProducerReady, ServedEntry, print_ready
 
 
 def _stats(node: Node, producer: Producer) -> dict[str, object]:

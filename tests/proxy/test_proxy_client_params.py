@@ -10,7 +10,7 @@ import pytest
 from proxy_stubs import stub_mm_hash
 from proxy_testing import IMAGE_A, Rig, chat
 
-from ecshare.proxy.config import add_proxy_arguments, config_from_args
+from ecshare.apps.proxy.config import add_proxy_arguments, config_from_args
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

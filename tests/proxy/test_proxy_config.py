@@ -12,10 +12,10 @@ import httpx
 import pytest
 from proxy_testing import Rig
 
-from ecshare.cli import build_parser
+from ecshare.apps.cli import build_parser
+from ecshare.apps.proxy.config import API_KEY_ENV, ProxyConfig, config_from_args
+from ecshare.apps.ready import ProxyReady, parse_ready
 from ecshare.config import ConfigError, load_config
-from ecshare.proxy.config import API_KEY_ENV, ProxyConfig, config_from_args
-from ecshare.ready import ProxyReady, parse_ready
 
 
 def _config(*flags: str, environ: dict[str, str] | None = None) -> ProxyConfig:

@@ -13,9 +13,9 @@ import pytest
 from proxy_stubs import stub_mm_hash
 from proxy_testing import AUDIO, IMAGE_A, IMAGE_B, VIDEO, Rig, chat
 
+from ecshare.apps.proxy.config import ProxyConfig
+from ecshare.apps.proxy.forward import _event_outcome
 from ecshare.config import ConfigError
-from ecshare.proxy.config import ProxyConfig
-from ecshare.proxy.forward import _event_outcome
 
 CHAT = "/v1/chat/completions"
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from proxy_testing import IMAGE_A, IMAGE_B, Rig, chat
 
-from ecshare.cli import build_parser
+from ecshare.apps.cli import build_parser
+from ecshare.apps.proxy.config import ProxyConfig, config_from_args
 from ecshare.config import ConfigError
-from ecshare.proxy.config import ProxyConfig, config_from_args
 
 
 def _config(*flags: str) -> ProxyConfig:

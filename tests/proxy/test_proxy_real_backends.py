@@ -22,7 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from proxy_testing import Launched
 
-from ecshare.vllm.launch import read_metrics
+from ecshare.vllm.servers import read_metrics
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from proxy_stubs import stub_mm_hash
 from proxy_testing import AUDIO, IMAGE_A, IMAGE_B, VIDEO, Rig, chat
 
-from ecshare.proxy.fanout import encoder_request, media_parts
+from ecshare.apps.proxy.fanout import encoder_request, media_parts
 
 CHAT = "/v1/chat/completions"
 

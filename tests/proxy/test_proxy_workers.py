@@ -20,7 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from proxy_testing import Rig, wait_until
 
-from ecshare.ready import ProxyReady, parse_ready
+from ecshare.apps.ready import ProxyReady, parse_ready
 
 
 @contextmanager

@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ecshare.ready import ProxyReady, parse_ready
-from ecshare.vllm.launch import VllmServer, post_chat, random_image_url
+from ecshare.apps.ready import ProxyReady, parse_ready
+from ecshare.vllm.servers import VllmServer, post_chat, random_image_url
 
 
 def token_ids(answer: dict[str, Any]) -> list[int]:

@@ -64,8 +64,8 @@ from serving_testing import (
     wait_metric,
 )
 
-from ecshare.proxy.fanout import encoder_request, media_parts
-from ecshare.vllm.launch import (
+from ecshare.apps.proxy.fanout import encoder_request, media_parts
+from ecshare.vllm.servers import (
     Keys,
     ServerSpec,
     VllmServer,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ecshare.cli import build_parser
-from ecshare.launch import options_from_args, pd_push_names, plan_servers
-from ecshare.vllm.launch import VllmServer
+from ecshare.apps.cli import build_parser
+from ecshare.apps.launch import options_from_args, pd_push_names, plan_servers
+from ecshare.vllm.servers import VllmServer
 from ecshare.vllm.settings import split_extra
 
 

@@ -49,8 +49,8 @@ if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("nixl") 
 
 from serving_testing import start_proxy, token_ids
 
-from ecshare.proxy.fanout import encoder_request, media_parts
-from ecshare.vllm.launch import (
+from ecshare.apps.proxy.fanout import encoder_request, media_parts
+from ecshare.vllm.servers import (
     Keys,
     ServerSpec,
     VllmServer,

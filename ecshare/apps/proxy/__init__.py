@@ -1,0 +1,23 @@
+"""The EPD HTTP proxy: media to the encoders first, then the request to prefill/decode.
+
+An OpenAI-compatible front for a set of vLLM encoder instances and prefill/decode
+instances that share encoder outputs through ecshare. Layout, each module one job:
+
+* `config`: `ProxyConfig` and the `ecshare proxy` flags (no HTTP stack imported);
+* `errors`: `ProxyError` and the OpenAI-shaped error body;
+* `metrics`: the Prometheus metrics, in a registry per proxy;
+* `backends`: backend instances, picking one, ejecting and restoring them, health checks;
+* `fanout`: the encoder stage, finding media items, fanning them out, merging by mm_hash;
+* `forward`: the prefill/decode stage, relaying whole and streamed answers;
+* `app`: the routes and the guard (API key, errors, metrics) around them;
+* `server`: serving it, in a caller's loop or as the `ecshare proxy` command.
+
+It imports neither vllm nor torch.
+
+May import: anything in ecshare (it uses only ecshare.config and ecshare.apps.ready,
+and speaks HTTP to the engines).
+"""
+
+from ecshare.apps.proxy.config import ProxyConfig, add_proxy_arguments, config_from_args
+
+__all__ = ["ProxyConfig", "add_proxy_arguments", "config_from_args"]

@@ -1,0 +1,297 @@
+"""The encoder stage: find a request's media items, encode them on the encoders, merge the params.
+
+Each media content part goes to an encoder in a request of its own (or with up to
+`batch_size - 1` others): the same model and processor options as the original, the
+items as one user message, `max_tokens: 1`. The calls run concurrently, each to the
+healthy encoder with the fewest calls in flight, and the `ec_transfer_params` they
+return are merged by mm_hash. Each item's `item_indices` (its positions among the
+call's items) tell which part of the request an mm_hash is, so that the parts can be
+sent on as their placeholder metadata only (`media`).
+
+An encoder that cannot be reached is ejected and the call tried once on another. A call
+that still fails, times out or answers without params costs only time: its items are
+left out of the params, so the prefill/decode instance encodes them itself. Every such
+item is logged and counted (`encoder_fallbacks{reason}`).
+
+What the encoder call keeps of the original request is everything except the fields that
+steer decoding (`_DECODING_FIELDS`): `mm_processor_kwargs`, `media_io_kwargs` and any field
+the proxy does not know pass untouched, so that the encoder tokenizes and hashes each item
+exactly as prefill/decode will.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import msgspec
+
+from ecshare.apps.proxy.backends import Backend, BackendPool, describe
+from ecshare.apps.proxy.metrics import ProxyMetrics
+
+log = logging.getLogger(__name__)
+
+JSON = dict[str, Any]
+
+# Content parts the engine runs through (or feeds to) an encoder: OpenAI's and vLLM's.
+MEDIA_PART_TYPES = frozenset({"image_url", "image_embeds", "input_audio", "audio_url", "video_url"})
+
+# Fields that steer decoding, structured output or templating of the reply, not how media
+# is processed; some would make a one-token, one-message encode call fail or run long.
+# `request_id` would give the engine several requests of one id.
+_DECODING_FIELDS = frozenset(
+    {
+        "messages",
+        "prompt",
+        "stream",
+        "stream_options",
+        "max_tokens",
+        "max_completion_tokens",
+        "min_tokens",
+        "n",
+        "best_of",
+        "logprobs",
+        "top_logprobs",
+        "prompt_logprobs",
+        "echo",
+        "stop",
+        "stop_token_ids",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "functions",
+        "function_call",
+        "response_format",
+        "structured_outputs",
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+        "guided_decoding_backend",
+        "guided_whitespace_pattern",
+        "continue_final_message",
+        "add_generation_prompt",
+        "request_id",
+        "ec_transfer_params",
+        "kv_transfer_params",
+    }
+)
+
+_CHAT_PATH = "/v1/chat/completions"
+_NO_ENCODER_LOG_EVERY_S = 10.0
+_ENCODE = msgspec.json.Encoder(order="sorted")
+
+
+@dataclass
+class MediaScan:
+    """A chat request's media: each distinct part once, in order, and where each occurs."""
+
+    parts: list[JSON]
+    # (message index, content index, index in `parts`) of every media part, in order.
+    where: list[tuple[int, int, int]]
+
+
+@dataclass
+class Encoded:
+    """What the encoders answered for a request's distinct media parts."""
+
+    params: JSON  # merged ec_transfer_params, by mm_hash
+    hashes: list[str | None]  # each part's mm_hash, None where unknown (aligned with parts)
+
+
+def scan_media(body: Mapping[str, Any]) -> MediaScan:
+    """The media content parts of a chat request (see `MediaScan`)."""
+    scan = MediaScan([], [])
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return scan
+    # One item sent twice is encoded once. Parts are told apart by a sketch that reads a
+    # few bytes of each long string, and parts with the same sketch by their encoding:
+    # encoding a 4 MB data URL for every request would cost milliseconds.
+    seen: dict[Hashable, list[int]] = {}
+    for m, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            continue
+        for c, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") in MEDIA_PART_TYPES:
+                alike = seen.setdefault(_sketch(part), [])
+                index = next((i for i in alike if _same(scan.parts[i], part)), None)
+                if index is None:
+                    index = len(scan.parts)
+                    alike.append(index)
+                    scan.parts.append(part)
+                scan.where.append((m, c, index))
+    return scan
+
+
+def _sketch(value: Any) -> Hashable:
+    """A hashable stand-in for a JSON value that equal values share, cheap to compute."""
+    if isinstance(value, str):
+        return value if len(value) <= 96 else (len(value), value[:32], value[-32:])
+    if isinstance(value, dict):
+        return tuple(sorted((k, _sketch(v)) for k, v in value.items()))
+    if isinstance(value, list):
+        return tuple(_sketch(v) for v in value)
+    return (type(value), value)
+
+
+def _same(a: JSON, b: JSON) -> bool:
+    return a is b or _ENCODE.encode(a) == _ENCODE.encode(b)
+
+
+def media_parts(body: Mapping[str, Any]) -> list[JSON]:
+    """The media content parts of a chat request, in order, each distinct part once."""
+    return scan_media(body).parts
+
+
+def encoder_request(
+    body: Mapping[str, Any], parts: list[JSON], push_to: tuple[str, ...] = ()
+) -> JSON:
+    """The encode-only chat request for `parts` of `body`; with `push_to`, asking the
+    encoder to push the items to those prefill/decode push names (ecshare.vllm.pushes)."""
+    request = {k: v for k, v in body.items() if k not in _DECODING_FIELDS}
+    request["messages"] = [{"role": "user", "content": parts}]
+    request["max_tokens"] = 1
+    request["stream"] = False
+    if push_to:
+        request["ec_transfer_params"] = {"push_to": list(push_to)}
+    return request
+
+
+class EncoderStage:
+    """Sends a request's media items to the encoders and merges what they answer."""
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        pool: BackendPool,
+        metrics: ProxyMetrics,
+        *,
+        batch_size: int,
+        timeout_s: float,
+        connect_timeout_s: float,
+    ) -> None:
+        self._session = session
+        self._pool = pool
+        self._metrics = metrics
+        self._batch_size = batch_size
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s, connect=connect_timeout_s)
+        self._warned_no_encoder_at = -math.inf
+
+    async def encode(
+        self,
+        body: Mapping[str, Any],
+        parts: list[JSON],
+        request_id: str,
+        push_to: tuple[str, ...] = (),
+    ) -> Encoded:
+        """The merged `ec_transfer_params` for `parts` (empty when every call failed), and
+        which mm_hash each part is; the encoders push the items to `push_to`."""
+        started = time.perf_counter()
+        size = self._batch_size
+        batches = [parts[i : i + size] for i in range(0, len(parts), size)]
+        calls = [
+            self._encode_batch(
+                encoder_request(body, batch, push_to), len(batch), f"{request_id}-enc{i}"
+            )
+            for i, batch in enumerate(batches)
+        ]
+        encoded = Encoded({}, [None] * len(parts))
+        for b, params in enumerate(await asyncio.gather(*calls)):
+            first, count = b * size, len(batches[b])
+            for mm_hash, where in params.items():
+                encoded.params.setdefault(mm_hash, where)
+                for i in _item_indices(where, count, len(params)):
+                    encoded.hashes[first + i] = mm_hash
+        self._metrics.encode_seconds.observe(time.perf_counter() - started)
+        return encoded
+
+    async def _encode_batch(self, request: JSON, items: int, call_id: str) -> JSON:
+        payload = msgspec.json.encode(request)
+        tried: list[Backend] = []
+        reason = "no_encoder"
+        # One retry, and only after a refused connection: the encoder never saw the call.
+        while len(tried) < 2:
+            backend = self._pool.pick(exclude=tried)
+            if backend is None:
+                break
+            tried.append(backend)
+            params, reason = await self._call(backend, payload, call_id)
+            if params is not None:
+                self._metrics.encoded_items.inc(items)
+                return params
+            if reason != "unreachable":
+                break
+        if reason == "no_encoder":
+            self._warn_no_encoder(call_id)
+        self._metrics.fallback(reason, items)
+        return {}
+
+    def _warn_no_encoder(self, call_id: str) -> None:
+        # Every request would say the same while no encoder is in rotation: once in a while.
+        now = time.monotonic()
+        if now - self._warned_no_encoder_at >= _NO_ENCODER_LOG_EVERY_S:
+            self._warned_no_encoder_at = now
+            log.warning(
+                "%s: no encoder in rotation; media is encoded on prefill/decode "
+                '(counted in encoder_fallbacks_total{reason="no_encoder"})',
+                call_id,
+            )
+
+    async def _call(
+        self, backend: Backend, payload: bytes, call_id: str
+    ) -> tuple[JSON | None, str]:
+        """The params `backend` answers, or None and why not."""
+        url = backend.url_for(_CHAT_PATH)
+        headers = {"Content-Type": "application/json", "X-Request-Id": call_id}
+        try:
+            with self._pool.call(backend):
+                async with self._session.post(
+                    url, data=payload, headers=headers, timeout=self._timeout
+                ) as resp:
+                    status, raw = resp.status, await resp.read()
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+            self._pool.failed(backend, f"unreachable: {describe(exc)}", eject=True)
+            return self._fell_back(call_id, url, "unreachable", describe(exc))
+        except asyncio.TimeoutError:
+            self._pool.failed(backend, "timed out")
+            return self._fell_back(call_id, url, "timeout", f"no answer in {self._timeout.total}s")
+        except aiohttp.ClientError as exc:
+            self._pool.failed(backend, describe(exc))
+            return self._fell_back(call_id, url, "error", describe(exc))
+        if status != 200:
+            if status >= 500:
+                self._pool.failed(backend, f"answered {status}")
+            return self._fell_back(call_id, url, "status", f"{status}: {raw[:300]!r}")
+        self._pool.succeeded(backend)
+        try:
+            answer = msgspec.json.decode(raw)
+        except msgspec.DecodeError:
+            answer = None
+        params = answer.get("ec_transfer_params") if isinstance(answer, dict) else None
+        if not isinstance(params, dict) or not params:
+            return self._fell_back(call_id, url, "answer", "no ec_transfer_params in the answer")
+        return params, "ok"
+
+    @staticmethod
+    def _fell_back(call_id: str, url: object, reason: str, detail: str) -> tuple[None, str]:
+        log.warning("%s: encoder %s failed (%s: %s)", call_id, url, reason, detail)
+        return None, reason
+
+
+def _item_indices(where: object, items: int, hashes: int) -> list[int]:
+    """The positions among a call's `items` that one mm_hash of its answer names: its
+    `item_indices`, or the only item of a call answered with one mm_hash."""
+    indices = where.get("item_indices") if isinstance(where, dict) else None
+    if indices is None:
+        return [0] if items == 1 and hashes == 1 else []
+    if not isinstance(indices, list):
+        return []
+    return [i for i in indices if type(i) is int and 0 <= i < items]

@@ -1,0 +1,140 @@
+"""Running the proxy: in a caller's event loop (`start_proxy`) or as `ecshare proxy` (`run_proxy`).
+
+With `workers` > 1, `run_proxy` hands over to `ecshare.apps.proxy.workers`, which runs that
+many proxy processes on one port; each of them serves through `serve_worker` here.
+
+Handler cancellation is on: when a client disconnects, its handler is cancelled at once,
+which closes the upstream connection, even while the proxy waits on a silent backend.
+`run_proxy` uses uvloop when it is installed, prints one ready line
+(`ecshare.apps.ready.ProxyReady`, with the URL) once it accepts
+connections, and stops cleanly on SIGINT/SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from ecshare.apps.proxy.app import PROXY_KEY, Proxy, build_app
+from ecshare.apps.proxy.config import ProxyConfig
+from ecshare.apps.proxy.metrics import ProxyMetrics
+from ecshare.apps.ready import ProxyReady, print_ready
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunningProxy:
+    """A proxy serving in the current event loop."""
+
+    runner: web.AppRunner
+    url: str
+    proxy: Proxy
+
+    async def stop(self) -> None:
+        await self.runner.cleanup()
+
+
+async def start_proxy(
+    config: ProxyConfig, metrics: ProxyMetrics | None = None, *, reuse_port: bool = False
+) -> RunningProxy:
+    """Serve a proxy for `config` in the running loop until `stop()` is awaited.
+
+    `reuse_port` lets other sockets with it set listen on the same port (the workers of
+    `ecshare proxy --workers N`); the kernel spreads connections across them.
+    """
+    app = build_app(config, metrics)
+    runner = web.AppRunner(
+        app,
+        handler_cancellation=True,
+        access_log=logging.getLogger("ecshare.apps.proxy.access") if config.access_log else None,
+    )
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port, backlog=1024, reuse_port=reuse_port)
+    try:
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    host, port = runner.addresses[0][:2]
+    shown = f"[{host}]" if ":" in host else host
+    return RunningProxy(runner, f"http://{shown}:{port}", app[PROXY_KEY])
+
+
+def use_uvloop() -> str:
+    """Make uvloop the event loop of later `asyncio.run` calls, when it is installed."""
+    try:
+        uvloop = importlib.import_module("uvloop")  # optional: imported by name, not typed
+    except ImportError:
+        return "asyncio"
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    return "uvloop"
+
+
+async def serve_until_signalled(
+    config: ProxyConfig, announce: Callable[[RunningProxy], None], *, reuse_port: bool = False
+) -> None:
+    """Run the proxy, call `announce` once it listens, and stop it on SIGINT or SIGTERM."""
+    running = await start_proxy(config, reuse_port=reuse_port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    announce(running)
+    try:
+        await stop.wait()
+    finally:
+        await running.stop()
+
+
+def run_proxy(config: ProxyConfig) -> int:
+    """Serve until SIGINT or SIGTERM; the `ecshare proxy` command."""
+    if config.api_key is None and config.host not in ("127.0.0.1", "::1", "localhost"):
+        log.warning(
+            "serving on %s without an API key: anyone who can connect may use it", config.host
+        )
+    if config.workers > 1:
+        from ecshare.apps.proxy.workers import supervise
+
+        return supervise(config)
+    return serve_worker(config, reuse_port=False)
+
+
+def serve_worker(config: ProxyConfig, *, reuse_port: bool) -> int:
+    """Serve one proxy process until SIGINT or SIGTERM, printing its ready line."""
+    loop_name = use_uvloop()
+
+    def announce(running: RunningProxy) -> None:
+        print_ready(proxy_ready(config, running.url, loop_name, (os.getpid(),)))
+
+    try:
+        asyncio.run(serve_until_signalled(config, announce, reuse_port=reuse_port))
+    except OSError as exc:  # the port is taken, the address is not ours
+        return cannot_listen(config, exc)
+    return 0
+
+
+def cannot_listen(config: ProxyConfig, exc: OSError) -> int:
+    """Say why the proxy cannot listen where it was told to; the exit status."""
+    print(f"ecshare proxy: cannot listen on {config.host}:{config.port}: {exc}", file=sys.stderr)
+    return 1
+
+
+def proxy_ready(config: ProxyConfig, url: str, loop: str, pids: tuple[int, ...]) -> ProxyReady:
+    """What the proxy's ready line says."""
+    return ProxyReady(
+        url=url,
+        encoders=config.encoders,
+        prefill_decode=config.prefill_decode,
+        api_key=config.api_key is not None,
+        loop=loop,
+        pids=pids,
+    )

@@ -1,1 +1,0 @@
-"""Benchmarks: ecshare against the baselines it has to beat (``python -m ecshare bench ...``)."""

@@ -1,2 +1,0 @@
-"""Operating an instance: `ecshare doctor` (is this machine and config ready?) and
-`ecshare status` (what is a running producer doing?)."""
