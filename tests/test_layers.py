@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from ecshare.store import Store
+
 PACKAGE = Path(__file__).resolve().parents[1] / "ecshare"
 CORE_LAYERS = ("errors", "config", "protocol", "store", "transport", "control", "peer", "metrics")
 LAYERS = (*CORE_LAYERS, "vllm", "apps")
@@ -148,20 +150,24 @@ def test_an_upward_import_hidden_anywhere_is_caught() -> None:
     ]
 
 
-def test_the_store_has_one_face_in_the_core() -> None:
-    """Outside store/, the core goes through `Store`: it never imports the entry
-    table, and never reaches it through `Store.table` (kept only for the engine
-    integration and the apps until they move)."""
+def test_the_store_has_one_face() -> None:
+    """Outside store/, everything goes through `Store`: no module of the package
+    imports the entry table, and `Store` hands it to nobody."""
     found = []
-    for path in CORE:
+    for path in PACKAGE.rglob("*.py"):
         if module_name(path).startswith("ecshare.store"):
             continue
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
             if isinstance(node, ast.ImportFrom) and any(a.name == "EntryTable" for a in node.names):
                 found.append(f"{module_name(path)}:{node.lineno} imports EntryTable")
-            elif isinstance(node, ast.Attribute) and node.attr == "table":
-                found.append(f"{module_name(path)}:{node.lineno} uses .table")
+        found += [
+            f"{module_name(path)}:{line} imports {target}"
+            for line, target in imported(path)
+            if target == "ecshare.store.entries"
+        ]
     assert found == []
+    # The way round its methods that callers once had (`Store.table`) is gone.
+    assert not [name for name in vars(Store) if "table" in name.lower() and name[0] != "_"]
 
 
 def _package_imports(package: Path) -> set[str]:

@@ -28,11 +28,6 @@ from ecshare.store.entries import (
     StoreFull,
     StoreStats,
 )
-
-# TRANSITIONAL, not public: ecshare/apps/bench/store.py (the entry table's own
-# benchmark) still imports it from here. It goes once that imports it from
-# `ecshare.store.entries`.
-from ecshare.store.entries import EntryTable as EntryTable
 from ecshare.store.region import Region, RegionError, RegionHandle
 from ecshare.store.store import Store
 

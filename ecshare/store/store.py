@@ -100,14 +100,6 @@ class Store:
         return self._region
 
     @property
-    def table(self) -> EntryTable:
-        """TRANSITIONAL: the entry table itself, for the callers not yet moved to
-        the methods below (ecshare/apps/chaos/nodes.py, and tests under tests/faults,
-        tests/security and tests/vllm). New code uses ``Store``'s own methods;
-        this goes once they do."""
-        return self._table
-
-    @property
     def block_size(self) -> int:
         return self._block_size
 

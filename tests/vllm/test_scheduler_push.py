@@ -119,7 +119,7 @@ def test_push_refused_for_a_full_region_falls_back_to_pull(ec: EC) -> None:
     assert side.consumer is not None
     store = side.store
     assert fill_region(store, "filler")
-    store.table.pin("filler", "test", "g1", 60.0)  # nothing can evict it: no room for a push
+    store.pin("filler", "test", "g1", 60.0)  # nothing can evict it: no room for a push
     emb = embedding()
 
     params = ec.encode(producer, "p1", "h-full", emb, params={"push_to": [PUSH_NAME]})
@@ -130,7 +130,7 @@ def test_push_refused_for_a_full_region_falls_back_to_pull(ec: EC) -> None:
         lambda: consumer_core.counter_snapshot().get("push_refused.full", 0) == 1,
         "the consumer refusing the push",
     )
-    store.table.unpin("test", "g1")
+    store.unpin("test", "g1")
     store.remove("filler")
     consumer.add_request(ec.request("c1", "h-full", params=params))
     assert torch.equal(loaded(ec, consumer, "c1", "h-full"), emb)

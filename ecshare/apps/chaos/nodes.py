@@ -97,17 +97,17 @@ class _Checker:
     def check(self, store: Store, mm_hash: str, nbytes: int, tag: str) -> bool | None:
         """True/False: the READY entry's bytes are/are not right; None: it is not READY."""
         try:
-            store.table.pin(mm_hash, _CHECK_OWNER, tag, _CHECK_LEASE_S)
+            store.pin(mm_hash, _CHECK_OWNER, tag, _CHECK_LEASE_S)
         except StoreError:
             return None
         try:
-            entry = store.table.pinned_entry(_CHECK_OWNER, tag)
+            entry = store.pinned_entry(_CHECK_OWNER, tag)
             assert entry is not None
             if entry.nbytes != nbytes:
                 return False
             return store.checksum(entry) == self.expected(mm_hash, nbytes)
         finally:
-            store.table.unpin(_CHECK_OWNER, tag)
+            store.unpin(_CHECK_OWNER, tag)
 
 
 def _stats(
@@ -120,7 +120,7 @@ def _stats(
 ) -> NodeStats:
     store = node.store
     try:
-        store.table.check_invariants()
+        store.check_invariants()
         invariant_error = ""
     except AssertionError as exc:
         invariant_error = str(exc) or "entry table invariant broken"
@@ -394,7 +394,7 @@ def _outcome(
     try:
         ok = checker.check(store, h, n, f"fetch-{fetch_id}") if result.nbytes == n else False
     finally:
-        store.table.unpin(_HOLD_OWNER, f"fetch-{fetch_id}")
+        store.unpin(_HOLD_OWNER, f"fetch-{fetch_id}")
     if ok is None:
         return Outcome(fetch_id, h, "vanished", settle_s, settled_at=settled_at)
     # The copy is dropped once checked, so the next fetch of the key crosses the
