@@ -140,6 +140,13 @@ SPECS: Final[tuple[Spec, ...]] = (
         ("reason",),
     ),
     Spec("handshakes_accepted", _C, "CURVE handshakes admitted by the allow-list."),
+    Spec(
+        "lane_drops",
+        _C,
+        "Fetch-lane connections closed for a fault (no or wrong key, a forged, replayed, "
+        "oversized or malformed frame, a bind too late), by reason.",
+        ("reason",),
+    ),
     Spec("auth_failures", _C, "Control-plane handshakes refused, by reason.", ("reason",)),
     # store
     Spec("region_size_bytes", _G, "Size of the region."),
@@ -279,6 +286,9 @@ COUNTED: Final[tuple[Counted, ...]] = (
     Counted(_CS, "retries.", "fetch_retries", by_reason=True),
     Counted(_CS, "peer_failures.", "peer_failures", by_reason=True),
     Counted(_CS, "push_refused.", "push_refusals", by_reason=True),
+    # The session's fetch lane: a lost one leaves the session on ZMQ (why, by reason).
+    Counted(_CS, "lanes_lost.", EVENTS, by_reason=True),
+    *_events(_CS, "lanes_opened", "lane_requests", "lane_resent"),
     *_events(
         _CS,
         "single_flight_joins",
@@ -353,6 +363,7 @@ COUNTED: Final[tuple[Counted, ...]] = (
         "push_duplicate_replies",
         "push_done_reported_late",
         "push_peer_refused",
+        "lane_unavailable",
     ),
     Counted(_PS, "push_failed", NOT_EXPORTED, why="push_write_failures counts the same ends"),
     Counted(_PS, "push_refused", NOT_EXPORTED, why="pushes_refused counts them by reason"),
@@ -364,6 +375,16 @@ COUNTED: Final[tuple[Counted, ...]] = (
     Counted(_CTL, "handshake_failed_protocol", "auth_failures", reason="handshake_protocol"),
     Counted(_CTL, "handshake_failed_no_detail", "auth_failures", reason="handshake_other"),
     Counted(_CTL, "auth_accepted", "handshakes_accepted"),
+    Counted(_CTL, "lane_dropped_", "lane_drops", by_reason=True),
+    *_events(
+        _CTL,
+        "lane_accepted",
+        "lane_bound",
+        "lane_refused_unbound",
+        "lane_closed",
+        "lane_received",
+        "lane_sent",
+    ),
     *_events(
         _CTL,
         "received",

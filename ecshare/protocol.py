@@ -133,8 +133,22 @@ class Hello(_Message, frozen=True, kw_only=True, tag="hello"):
     push_name: Annotated[str, msgspec.Meta(max_length=256)] = ""
 
 
+class LaneOffer(msgspec.Struct, frozen=True, array_like=True):
+    """The session's fetch lane (ecshare/control/lane.py): a TCP port on the host the
+    consumer reached this producer on, and the key that session's frames are sealed
+    with. Only ever inside a `Welcome`, which CURVE encrypts."""
+
+    port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
+    key: Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
+
+
 class Welcome(_Message, frozen=True, kw_only=True, tag="welcome"):
-    """Producer -> consumer: session accepted; region registration, once."""
+    """Producer -> consumer: session accepted; region registration, once.
+
+    `lane`, when offered, carries FetchRequest/FetchReply and Release/Released of
+    this session past ZMQ's I/O threads; a consumer that ignores it (or loses it)
+    goes on over ZMQ.
+    """
 
     version: Annotated[int, msgspec.Meta(ge=1)]
     session_id: Token
@@ -144,6 +158,7 @@ class Welcome(_Message, frozen=True, kw_only=True, tag="welcome"):
     heartbeat_ms: Millis
     max_batch_items: Annotated[int, msgspec.Meta(ge=1, le=MAX_BATCH_ITEMS)]
     data_plane: DataPlaneInfo
+    lane: LaneOffer | None = None
 
 
 class ItemRequest(msgspec.Struct, frozen=True, array_like=True):

@@ -3,7 +3,8 @@
 It knows the wire messages and the peers' keys, and nothing about entries or
 the data plane. A producer serves a `ControlServer`; a consumer keeps one
 `ControlClient` per producer in a `ClientPool`; both are driven from one
-network thread that a `Waker` can rouse from engine threads.
+network thread that a `Waker` can rouse from engine threads. A session's fetch
+traffic may take a `LaneServer`/`LaneClient` fast lane beside ZMQ (lane.py).
 
 May import: ecshare.errors, ecshare.config, ecshare.protocol, ecshare.store,
 ecshare.transport.
@@ -21,6 +22,7 @@ from ecshare.control.keys import (
     load_keypair,
     load_public_key,
 )
+from ecshare.control.lane import LaneClient, LaneServer, lane_host
 from ecshare.control.link import CONSUMER_TO_PRODUCER, PRODUCER_TO_CONSUMER, Drop, LinkSettings
 from ecshare.control.pool import ClientPool
 from ecshare.control.server import ControlServer, Inbound
@@ -40,10 +42,13 @@ __all__ = [
     "Inbound",
     "KeyFiles",
     "KeyPair",
+    "LaneClient",
+    "LaneServer",
     "LinkSettings",
     "LinkState",
     "Waker",
     "generate_keypair",
+    "lane_host",
     "load_authorized_keys",
     "load_keypair",
     "load_public_key",

@@ -436,9 +436,8 @@ class Consumer(NetworkThread):
         poller = zmq.Poller()
         poller.register(self._waker, zmq.POLLIN)
         for link in self._links.values():
-            if link.client is not None:
-                for pollable in link.client.pollables:
-                    poller.register(pollable, zmq.POLLIN)
+            for pollable, flags in link.pollables():
+                poller.register(pollable, flags)
         now = time.monotonic()
         wake_at = now + _MAX_IDLE_S
         reading = []
@@ -529,6 +528,10 @@ class Consumer(NetworkThread):
                 if link.state is PeerLinkState.IDLE:
                     link.connect(now)
         for link in list(self._links.values()):
+            lane = link.lane
+            if lane is not None and lane.fileno() in events:
+                for msg in link.receive_lane(events[lane.fileno()]):
+                    self._on_message(link, msg, now)
             if link.client is not None and any(s in events for s in link.client.pollables):
                 for msg in link.receive():
                     self._on_message(link, msg, now)
@@ -600,6 +603,7 @@ class Consumer(NetworkThread):
                 pool=self._pool,
                 transport=self._transport,
                 hello=self._hello,
+                count=self._count,
             )
             self._links[endpoint] = link
         return link

@@ -5,6 +5,14 @@
       +--- QUARANTINED <---+   (auth or handshake failure, dead peer, repeated errors)
 
 Only the Consumer's network thread touches a link.
+
+A session the producer offers a fetch lane (ecshare/control/lane.py) sends its
+FetchRequests and Releases there once the lane has connected, and reads their
+answers there; everything else stays on ZMQ. A lane that breaks leaves the
+session on ZMQ: the requests it had carried and not seen answered are sent again
+over ZMQ with their request ids (the producer answers a repeat from its reply
+cache, pinning nothing twice), and so are its unanswered Releases (releasing a
+released grant does nothing), so a lost lane costs a round trip, never a fetch.
 """
 
 from __future__ import annotations
@@ -18,9 +26,11 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+import zmq
+
 from ecshare import protocol as p
 from ecshare.config import Config
-from ecshare.control import ClientPool, ControlClient
+from ecshare.control import ClientPool, ControlClient, LaneClient, lane_host
 from ecshare.peer.transfer import FailureReason
 from ecshare.transport.base import DataTransport, PeerInfo
 
@@ -58,8 +68,10 @@ class PeerLink:
         pool: ClientPool,
         transport: DataTransport,
         hello: Callable[[str], p.Hello],
+        count: Callable[[str], None] = lambda key: None,
     ) -> None:
         self.endpoint = endpoint
+        self._count = count
         self._config = config
         self._pool = pool
         self._transport = transport
@@ -94,6 +106,11 @@ class PeerLink:
         self.last_heard = 0.0
         self.last_used = 0.0  # when a fetch last went to this peer
         self.created = time.monotonic()  # idle since then, until a first fetch
+        self.lane: LaneClient | None = None
+        self._lane_since = 0.0  # when the lane started connecting
+        # Sent on the lane and not yet answered there: requests by id, Releases in order.
+        self._on_lane: dict[str, p.FetchRequest] = {}
+        self._lane_releases: collections.deque[p.Release] = collections.deque()
 
     # -- the session -------------------------------------------------------------------------
 
@@ -103,6 +120,7 @@ class PeerLink:
             return
         if self.client is None:
             self.client = self._pool.get(self.endpoint)
+        self._close_lane(resend_requests=False)  # an old session's lane
         self.session_id = uuid.uuid4().hex
         self._renewals.clear()  # answers of an old session never come on this one
         self.client.send(self._hello(self.session_id))
@@ -156,6 +174,17 @@ class PeerLink:
             )
             self.state = PeerLinkState.READY
             self._next_ping = now + self._ping_interval_s
+            if msg.lane is not None and self._config.fetch_lane and self.lane is None:
+                self.lane = LaneClient(
+                    lane_host(self.endpoint),
+                    msg.lane,
+                    session_id=self.session_id,
+                    max_frame_bytes=self._config.max_frame_bytes,
+                )
+                self._lane_since = now
+                self._count("lanes_opened")
+                if self.lane.broken is not None:
+                    self.lane_lost()
             return None
         if isinstance(msg, p.HeartbeatAck | p.Released | p.Renewed):
             return None
@@ -187,6 +216,14 @@ class PeerLink:
                 FailureReason.PEER_UNREACHABLE,
                 f"no welcome within {cfg.handshake_timeout_s} s",
             )
+        lane = self.lane
+        if (
+            lane is not None
+            and not lane.connected
+            and now - self._lane_since > cfg.handshake_timeout_s
+        ):
+            lane.close()
+            self.lane_lost("connect_timeout")
         if self.state is PeerLinkState.READY:
             # Silence counts from a ping left unanswered, not from when we last heard
             # the peer: while this thread was stalled (a long data-plane call) it sent
@@ -233,6 +270,9 @@ class PeerLink:
         self._releases.clear()  # the session is gone: the producer's leases end them
 
     def close(self) -> None:
+        # Its Releases go again ahead of the Bye: the producer ends the session, and
+        # closes the lane unread, when the Bye comes.
+        self._close_lane(resend_requests=False)
         if self.client is not None:
             if self.session_id and self.state is PeerLinkState.READY:
                 self.flush_releases()
@@ -256,9 +296,17 @@ class PeerLink:
         self.last_used = now
         if self._releases_first:
             self.flush_releases()
-        self.client.send(
-            p.FetchRequest(session_id=self.session_id, request_id=request_id, items=items)
-        )
+        request = p.FetchRequest(session_id=self.session_id, request_id=request_id, items=items)
+        lane = self.lane
+        if lane is not None and lane.usable:
+            if lane.send(request):
+                self._on_lane[request_id] = request
+                self._count("lane_requests")
+            else:
+                self.lane_lost()  # sends it again over ZMQ, with the others
+                self.client.send(request)
+        else:
+            self.client.send(request)
         # After the request, which the producer then answers first; its Released
         # answer follows the grant back, with no wake-up of its own on either side.
         self.flush_releases()
@@ -278,6 +326,7 @@ class PeerLink:
 
     def answered(self, request_id: str) -> None:
         self._sent_at.pop(request_id, None)
+        self._on_lane.pop(request_id, None)
 
     def release(self, grant_ids: list[str]) -> None:
         """Queue Releases of grants whose reads have ended (see `RELEASE_DELAY_S`)."""
@@ -315,7 +364,69 @@ class PeerLink:
         if not self._releases or self.client is None or self.state is not PeerLinkState.READY:
             return
         batch, self._releases = self._releases, []
+        lane = self.lane if self.lane is not None and self.lane.usable else None
         for i in range(0, len(batch), p.MAX_BATCH_ITEMS):
-            self.client.send(
-                p.Release(session_id=self.session_id, grant_ids=batch[i : i + p.MAX_BATCH_ITEMS])
+            release = p.Release(
+                session_id=self.session_id, grant_ids=batch[i : i + p.MAX_BATCH_ITEMS]
             )
+            if lane is not None and lane.send(release):
+                self._lane_releases.append(release)
+            else:
+                self.client.send(release)
+        if lane is not None and lane.broken is not None:
+            self.lane_lost()
+
+    # -- the fetch lane ----------------------------------------------------------------------
+
+    def pollables(self) -> list[tuple[object, int]]:
+        """What to poll for this link, with the flags: the DEALER, and the lane's socket."""
+        out: list[tuple[object, int]] = []
+        if self.client is not None:
+            out.extend((s, zmq.POLLIN) for s in self.client.pollables)
+        if self.lane is not None:
+            out.append((self.lane.fileno(), self.lane.poll_flags))
+        return out
+
+    def receive_lane(self, flags: int) -> list[p.Message]:
+        """What came on the lane (the poll said `flags`); a lane that broke is given up."""
+        lane = self.lane
+        assert lane is not None
+        out = lane.on_event(flags)
+        for msg in out:
+            if isinstance(msg, p.Released) and self._lane_releases:
+                self._lane_releases.popleft()
+        if lane.broken is not None:
+            self.lane_lost()
+        return out
+
+    def lane_lost(self, reason: str = "") -> None:
+        """The lane is gone: the session goes on over ZMQ, and what the lane carried
+        unanswered goes again there."""
+        lane = self.lane
+        if lane is None:
+            return
+        self._count(f"lanes_lost.{reason or lane.broken or 'closed'}")
+        resent = self._close_lane(resend_requests=True)
+        if resent:
+            self._count("lane_resent")
+
+    def _close_lane(self, *, resend_requests: bool) -> bool:
+        """Close the lane; send its unanswered Releases (and requests, if asked) over
+        ZMQ. True if there were any."""
+        lane, self.lane = self.lane, None
+        if lane is None:
+            return False
+        lane.close()
+        requests = [r for rid, r in self._on_lane.items() if rid in self.pending]
+        if not resend_requests:
+            requests = []
+        releases = list(self._lane_releases)
+        self._on_lane.clear()
+        self._lane_releases.clear()
+        if self.client is None or self.state is not PeerLinkState.READY:
+            return False
+        for request in requests:
+            self.client.send(request)
+        for release in releases:
+            self.client.send(release)
+        return bool(requests or releases)

@@ -27,7 +27,7 @@ import zmq
 
 from ecshare import protocol as p
 from ecshare.config import Config
-from ecshare.control import ControlServer, KeyPair, Waker
+from ecshare.control import ControlServer, KeyPair, LaneServer, Waker
 from ecshare.errors import IllegalTransition
 from ecshare.peer.notices import Notices
 from ecshare.peer.phases import PhaseLog
@@ -134,6 +134,7 @@ class Producer(NetworkThread):
         # While any remain, reads may still be moving and need our progress.
         self._lingering: set[tuple[str, str]] = set()
         self._server: ControlServer | None = None
+        self._lanes: LaneServer | None = None  # with config.fetch_lane, once serving
         self._lock = threading.Lock()  # guards `counters` and the session snapshot
         self.counters: Counter[str] = Counter()
         self._counters_lock = threading.Lock()
@@ -209,6 +210,12 @@ class Producer(NetworkThread):
         return f"tcp://{host}:{self.port}"
 
     @property
+    def lane_port(self) -> int | None:
+        """The TCP port of the fetch lane (config.fetch_lane), beside `port`; None without."""
+        lanes = self._lanes
+        return lanes.port if lanes is not None else None
+
+    @property
     def fingerprint(self) -> str:
         return self._fingerprint
 
@@ -236,8 +243,9 @@ class Producer(NetworkThread):
     @property
     def control_stats(self) -> dict[str, int]:
         """The control server's counters (drops per reason, handshakes); empty before start."""
-        server = self._server
-        return server.stats if server is not None else {}
+        server, lanes = self._server, self._lanes
+        stats = server.stats if server is not None else {}
+        return {**stats, **lanes.stats} if lanes is not None else stats
 
     # -- the network thread ------------------------------------------------------------------
 
@@ -266,6 +274,18 @@ class Producer(NetworkThread):
         for pollable in self._server.pollables:
             poller.register(pollable, zmq.POLLIN)
         poller.register(self._waker, zmq.POLLIN)
+        if cfg.fetch_lane:
+            try:
+                self._lanes = LaneServer(
+                    host=cfg.listen_host,
+                    poller=poller,
+                    max_frame_bytes=cfg.max_frame_bytes,
+                    bind_timeout_s=cfg.handshake_timeout_s,
+                    name=f"{self._name} lane server",
+                )
+            except OSError as exc:  # sessions go on over ZMQ, as without a lane
+                log.warning("%s: no fetch lane (%s); serving over ZMQ only", self._name, exc)
+                self._count("lane_unavailable")
         # zmq polls in whole milliseconds, so the sub-millisecond wait while
         # grants are active selects on the sockets' descriptors instead. A
         # ZMQ_FD turns readable when the socket may have news, so a request
@@ -283,10 +303,15 @@ class Producer(NetworkThread):
                 )
                 timeout_ms = 0 if active else int(cfg.reap_interval_s * 1000)
                 events = dict(poller.poll(timeout_ms))
-                if self._waker.fileno() in events:  # zmq.Poller reports it by descriptor
+                woken = self._waker.fileno() in events  # zmq.Poller reports it by descriptor
+                if woken:
                     self._waker.clear()
-                if events:
+                # zmq.Poller reports the ROUTER while messages wait (level, not edge), so a
+                # pass woken by a lane alone skips the empty ROUTER read (tens of us cold).
+                if woken or self._server.socket in events:
                     self._drain()
+                if self._lanes is not None and events:
+                    self._drain_lanes(events)
                 # Reap right after draining, never after progress: a progress call
                 # that stalled the thread must not make sessions whose heartbeats
                 # wait unread in the socket look dead, and free their pins.
@@ -299,13 +324,16 @@ class Producer(NetworkThread):
                 if pusher is not None:
                     pusher.step(time.monotonic())
                 if active and not events:
-                    select.select(wait_fds, [], [], _ACTIVE_POLL_S)
+                    lane_fds = self._lanes.fds() if self._lanes is not None else []
+                    select.select(wait_fds + lane_fds, [], [], _ACTIVE_POLL_S)
         except BaseException as exc:
             log.exception("producer network thread failed; it serves no grants any more")
             self.failure = exc
             raise
         finally:
             self._notices.leave("grant")
+            if self._lanes is not None:
+                self._lanes.close()
             self._server.close()
             self._waker.close()
 
@@ -315,21 +343,38 @@ class Producer(NetworkThread):
             inbound = self._server.recv(timeout_ms=0)
             if inbound is None:
                 return
-            received = time.monotonic() if self.phases is not None else 0.0
-            try:
-                reply = self._handle(inbound.peer, inbound.user, inbound.message)
-            # A bug, not the peer's fault: answer, count, go on.
-            except (StoreError, IllegalTransition) as exc:
-                log.exception("store error while serving %s", type(inbound.message).__name__)
-                self._count("internal_error")
-                reply = p.Error(code=p.ErrorCode.INTERNAL, message=str(exc)[:4000])
-            if self.phases is not None and isinstance(reply, p.FetchReply):
-                replied = time.monotonic()  # before the send, so before the consumer's marks
-                for item in reply.items:
-                    self.phases.mark(item.mm_hash, "recv", received)
-                    self.phases.mark(item.mm_hash, "replied", replied)
+            reply = self._serve(inbound.peer, inbound.user, inbound.message)
             if reply is not None:
                 self._server.send(inbound.peer, reply)
+
+    def _drain_lanes(self, events: dict[object, int]) -> None:
+        """Serve what came on fetch lanes, as from the session's own ZMQ route and key."""
+        lanes = self._lanes
+        assert lanes is not None
+        for session_id, msg in lanes.receive(events):
+            session = self._sessions.get(session_id)
+            if session is None:  # ended while its lane still had frames queued
+                lanes.forget(session_id)
+                continue
+            reply = self._serve(session.route, session.user, msg)
+            if reply is not None:
+                lanes.send(session_id, reply)
+
+    def _serve(self, route: bytes, user: str, msg: p.Message) -> p.Message | None:
+        received = time.monotonic() if self.phases is not None else 0.0
+        try:
+            reply = self._handle(route, user, msg)
+        # A bug, not the peer's fault: answer, count, go on.
+        except (StoreError, IllegalTransition) as exc:
+            log.exception("store error while serving %s", type(msg).__name__)
+            self._count("internal_error")
+            reply = p.Error(code=p.ErrorCode.INTERNAL, message=str(exc)[:4000])
+        if self.phases is not None and isinstance(reply, p.FetchReply):
+            replied = time.monotonic()  # before the send, so before the consumer's marks
+            for item in reply.items:
+                self.phases.mark(item.mm_hash, "recv", received)
+                self.phases.mark(item.mm_hash, "replied", replied)
+        return reply
 
     # -- messages ----------------------------------------------------------------------------
 
@@ -446,6 +491,8 @@ class Producer(NetworkThread):
                 region_address=info.region_address,
                 region_size=info.region_size,
             ),
+            # The key goes only to the key that opened the session, CURVE-encrypted.
+            lane=self._lanes.offer(msg.session_id) if self._lanes is not None else None,
         )
         if push is not None:
             assert self._pusher is not None and self._server is not None
@@ -688,6 +735,8 @@ class Producer(NetworkThread):
     # -- expiry ------------------------------------------------------------------------------
 
     def _reap(self, now: float) -> None:
+        if self._lanes is not None:
+            self._lanes.expire(now)
         if self._pusher is not None:
             self._pusher.renew_pins()  # a write's source stays pinned until it has ended
         # Every expired pin of the table, not only our sessions': an engine sharing
@@ -714,6 +763,8 @@ class Producer(NetworkThread):
             if agent:
                 # Retired, not dropped: writes still moving keep it until they end.
                 self._transport.remove_peer(agent)
+        if self._lanes is not None:
+            self._lanes.forget(session.session_id)
         grants = list(session.grants)
         if keep_leases:
             self._lingering.update((session.owner, g) for g in grants)

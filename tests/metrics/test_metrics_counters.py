@@ -16,11 +16,12 @@ import pytest
 
 from ecshare import metrics
 from ecshare.control import ControlServer
+from ecshare.control.lane import STAT_NAMES as LANE_STAT_NAMES
 from ecshare.metrics import COUNTED, EVENTS, NOT_EXPORTED, SPEC_BY_NAME, Side
 
 PEER = Path(metrics.__file__).resolve().parent / "peer"
 SOURCES = {
-    Side.CONSUMER: ("consumer.py", "inbox.py"),
+    Side.CONSUMER: ("consumer.py", "inbox.py", "link.py"),
     Side.PRODUCER: ("producer.py", "pusher.py"),
 }
 # Calls that count: the key is the argument at this position.
@@ -85,6 +86,7 @@ def test_every_control_server_counter_is_listed() -> None:
     finally:
         server.close()
     assert {"received", "sent", "auth_accepted"} <= keys
+    keys |= set(LANE_STAT_NAMES)  # a producer's control stats hold its lane server's too
     missing = sorted(key for key in keys if not listed(Side.CONTROL, key, False))
     assert missing == []
 

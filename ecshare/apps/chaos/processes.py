@@ -49,6 +49,10 @@ class Processes(RunState):
 
     def producer_config_of(self, index: int) -> dict[str, object]:
         config = {**self.producer_config, **(SHRUNK_LEASE if index in self.shrunk else {})}
+        # Every producer sits behind a FaultProxy that delays and cuts its control
+        # traffic; a fetch lane (a second port, beside the proxied one) would carry the
+        # fetches past the faults this harness exists to inject.
+        config["fetch_lane"] = False
         if self.producer_hosts:
             host = self.producer_hosts[index]
             config.update(listen_host=host.ip, ucx_net_devices=DEVICE)
