@@ -561,10 +561,11 @@ class LaneClient:
         self._stream.send(bytes((len(sid),)) + sid + self._outbound.seal(b""))
 
     def _break(self, exc: LaneBroken) -> None:
+        # The socket stays open until close(): it may be in a poll on another thread,
+        # and a descriptor closed under a poll can be reused by another file.
         if self.broken is None:
             self.broken = exc.reason
             log.debug("lane of session %s lost: %s", self.session_id, exc)
-        self._stream.close()
 
 
 def lane_host(endpoint: str) -> str:

@@ -202,6 +202,10 @@ class Consumer(NetworkThread):
         self._name = name
         self._init_thread()
         self._lock = threading.Lock()
+        # Held by the network thread for everything but its wait in poll, so that a
+        # caller who finds it free may send its own requests (`_send_now`).
+        self._net_lock = threading.Lock()
+        self._serving = False  # under _net_lock: the network thread's loop runs
         self._incoming: collections.deque[Transfer] = collections.deque()
         self._connects: list[str] = []  # endpoints `connect` asked for, not yet seen to
         self._inflight: dict[str, Transfer] = {}  # mm_hash -> transfer (single-flight)
@@ -252,9 +256,61 @@ class Consumer(NetworkThread):
             for raw in items:
                 item = FetchItem(raw) if isinstance(raw, str) else raw
                 futures.append(self._start_one(item, tuple(item.peers or peers), now))
-        if self._waker is not None:
+            queued = bool(self._incoming)
+        if queued and not self._send_now() and self._waker is not None:
             self._waker.wake()
         return futures
+
+    def _send_now(self) -> bool:
+        """Send the new fetches' requests from the caller's thread when the network
+        thread sleeps in poll and each can go out at once on its peer's fetch lane;
+        True if they all went.
+
+        It saves the hand-off: waking the network thread, and its pass through the
+        loop before the request goes out. It never blocks (the lock is only tried, a
+        lane send does not wait) and touches no ZMQ socket, which the sleeping thread
+        polls: the lane's answers wake that thread as ever. Anything else (no lane
+        up, a peer not ready, a push to wait for, a lane that breaks on the way) is
+        left to the network thread, as without this.
+        """
+        if not self._net_lock.acquire(blocking=False):
+            return False
+        try:
+            if not self._serving:
+                return False
+            now = time.monotonic()
+            picked = self._take_incoming()
+            batches: dict[str, list[Transfer]] = {}
+            for t in picked:
+                link = self._links.get(t.peer or "")
+                if (
+                    t.state is not TransferState.QUEUED
+                    or t.not_before > now
+                    or t.awaiting_push
+                    or link is None
+                    or link.state is not PeerLinkState.READY
+                    or link.lane is None
+                    or not link.lane.usable
+                ):
+                    return False
+                batches.setdefault(link.endpoint, []).append(t)
+            for endpoint, transfers in batches.items():
+                link = self._links[endpoint]
+                if len(transfers) > link.max_batch_items:
+                    return False
+            for endpoint, transfers in batches.items():
+                self._request(self._links[endpoint], transfers, now, lane_only=True)
+            self._count("requests_sent_by_caller")
+            # A lane that broke on the way (the network thread sends again over ZMQ),
+            # or one with bytes left to write (its poll now needs POLLOUT): wake it.
+            return all(
+                (lane := self._links[endpoint].lane) is not None
+                and lane.usable
+                and lane.poll_flags == zmq.POLLIN
+                for endpoint in batches
+            )
+        finally:
+            self._net_lock.release()
 
     def connect(self, peers: Sequence[str]) -> None:
         """Open sessions to `peers` now, so that the first fetch from each does not
@@ -417,6 +473,8 @@ class Consumer(NetworkThread):
             return
         self._started(None)
         self._notices.join("push")
+        self._net_lock.acquire()
+        self._serving = True
         try:
             while not self._stop.is_set():
                 self._step(self._wait())
@@ -426,9 +484,11 @@ class Consumer(NetworkThread):
                 self.failure = exc  # new fetches fail at once from here on
             raise
         finally:
+            self._serving = False
             try:
                 self._shutdown()
             finally:
+                self._net_lock.release()
                 self._notices.leave("push")
 
     def _wait(self) -> dict[object, int]:
@@ -461,7 +521,11 @@ class Consumer(NetworkThread):
         # Rounded up: a timer due in under 1 ms must not turn into a busy loop.
         timeout_ms = max(0, math.ceil((wake_at - now) * 1000))
         self._deliver()
-        events = dict(poller.poll(timeout_ms))
+        self._net_lock.release()  # a caller may send its own requests meanwhile
+        try:
+            events = dict(poller.poll(timeout_ms))
+        finally:
+            self._net_lock.acquire()
         # zmq.Poller reports a non-socket (the waker) by its file descriptor.
         if self._waker.fileno() in events:
             self._waker.clear()
@@ -501,12 +565,14 @@ class Consumer(NetworkThread):
                 return
             time.sleep(_READ_NAP_S)
 
-    def _step(self, events: dict[object, int]) -> None:
-        now = time.monotonic()
+    def _take_incoming(self) -> list[Transfer]:
+        """The fetches `fetch` queued, from now on the network thread's."""
+        picked = []
         with self._lock:
             while self._incoming:
                 t = self._incoming.popleft()
                 self._transfers.append(t)
+                picked.append(t)
                 if self.phases is not None:
                     self.phases.mark(t.mm_hash, "picked")
                 reserved = self._inbox.reserved(t.mm_hash)
@@ -514,6 +580,12 @@ class Consumer(NetworkThread):
                     t.awaiting_push = True
                     t.not_before = max(t.not_before, reserved.deadline)
                     t.deadline = max(t.deadline, reserved.deadline + (t.deadline - t.started))
+        return picked
+
+    def _step(self, events: dict[object, int]) -> None:
+        now = time.monotonic()
+        self._take_incoming()
+        with self._lock:
             connects, self._connects = self._connects, []
         for endpoint in dict.fromkeys(connects):
             # A warm-up never takes the room of a link in use or evicts one.
@@ -1155,24 +1227,30 @@ class Consumer(NetworkThread):
             link = self._links[endpoint]
             limit = link.max_batch_items
             for i in range(0, len(transfers), limit):
-                chunk = transfers[i : i + limit]
-                request_id = f"r{next(self._request_ids)}"
-                for t in chunk:
-                    t.move(TransferState.REQUESTED)
-                    t.request_id = request_id
-                    t.requested_at = now
-                    t.attempts += 1
-                if self.phases is not None:
-                    sent = time.monotonic()  # before the send, so before the producer's marks
-                    for t in chunk:
-                        self.phases.mark(t.mm_hash, "sent", sent)
-                link.request(
-                    request_id,
-                    [p.ItemRequest(t.mm_hash, t.max_nbytes) for t in chunk],
-                    chunk,
-                    now,
-                )
-                self._count("requests")
+                self._request(link, transfers[i : i + limit], now)
+
+    def _request(
+        self, link: PeerLink, chunk: list[Transfer], now: float, *, lane_only: bool = False
+    ) -> None:
+        """One FetchRequest for `chunk` (at most the link's batch)."""
+        request_id = f"r{next(self._request_ids)}"
+        for t in chunk:
+            t.move(TransferState.REQUESTED)
+            t.request_id = request_id
+            t.requested_at = now
+            t.attempts += 1
+        if self.phases is not None:
+            sent = time.monotonic()  # before the send, so before the producer's marks
+            for t in chunk:
+                self.phases.mark(t.mm_hash, "sent", sent)
+        link.request(
+            request_id,
+            [p.ItemRequest(t.mm_hash, t.max_nbytes) for t in chunk],
+            chunk,
+            now,
+            lane_only=lane_only,
+        )
+        self._count("requests")
 
     def _expire(self, now: float) -> None:
         for t in list(self._transfers):

@@ -217,12 +217,13 @@ class PeerLink:
                 f"no welcome within {cfg.handshake_timeout_s} s",
             )
         lane = self.lane
-        if (
+        if lane is not None and lane.broken is not None:
+            self.lane_lost()  # broken on a send from another thread (`request`)
+        elif (
             lane is not None
             and not lane.connected
             and now - self._lane_since > cfg.handshake_timeout_s
         ):
-            lane.close()
             self.lane_lost("connect_timeout")
         if self.state is PeerLinkState.READY:
             # Silence counts from a ping left unanswered, not from when we last heard
@@ -288,28 +289,38 @@ class PeerLink:
     # -- requests and grants -----------------------------------------------------------------
 
     def request(
-        self, request_id: str, items: list[p.ItemRequest], transfers: list[Any], now: float
+        self,
+        request_id: str,
+        items: list[p.ItemRequest],
+        transfers: list[Any],
+        now: float,
+        *,
+        lane_only: bool = False,
     ) -> None:
+        """Send a FetchRequest: on the lane if it is up, else over ZMQ. With `lane_only`
+        (another thread than the network thread, which may be polling the DEALER) ZMQ
+        is not touched: what the lane fails to take, the network thread sends again
+        over ZMQ when it sees the lane broken (`tick`)."""
         assert self.client is not None and self.state is PeerLinkState.READY
         self.pending[request_id] = transfers
         self._sent_at[request_id] = now
         self.last_used = now
         if self._releases_first:
-            self.flush_releases()
+            self.flush_releases(lane_only=lane_only)
         request = p.FetchRequest(session_id=self.session_id, request_id=request_id, items=items)
         lane = self.lane
-        if lane is not None and lane.usable:
+        if lane is not None and (lane.usable or lane_only):
+            # Kept for a resend even if the send fails: the lane's loss resends it.
+            self._on_lane[request_id] = request
             if lane.send(request):
-                self._on_lane[request_id] = request
                 self._count("lane_requests")
-            else:
+            elif not lane_only:
                 self.lane_lost()  # sends it again over ZMQ, with the others
-                self.client.send(request)
         else:
             self.client.send(request)
         # After the request, which the producer then answers first; its Released
         # answer follows the grant back, with no wake-up of its own on either side.
-        self.flush_releases()
+        self.flush_releases(lane_only=lane_only)
 
     def expired_requests(self, now: float) -> list[tuple[str, list[Any]]]:
         timeout = self._config.request_timeout_s
@@ -360,20 +371,24 @@ class PeerLink:
         """The grant ids of the Renew that a Renewed just answered."""
         return self._renewals.popleft() if self._renewals else frozenset()
 
-    def flush_releases(self) -> None:
+    def flush_releases(self, *, lane_only: bool = False) -> None:
+        """Send the queued Releases (on the lane if up). With `lane_only` they wait
+        for the network thread unless the lane is up (see `request`)."""
         if not self._releases or self.client is None or self.state is not PeerLinkState.READY:
             return
-        batch, self._releases = self._releases, []
         lane = self.lane if self.lane is not None and self.lane.usable else None
+        if lane is None and lane_only:
+            return
+        batch, self._releases = self._releases, []
         for i in range(0, len(batch), p.MAX_BATCH_ITEMS):
             release = p.Release(
                 session_id=self.session_id, grant_ids=batch[i : i + p.MAX_BATCH_ITEMS]
             )
-            if lane is not None and lane.send(release):
-                self._lane_releases.append(release)
+            if lane is not None and (lane.send(release) or lane_only):
+                self._lane_releases.append(release)  # a failed one goes with the lane's loss
             else:
                 self.client.send(release)
-        if lane is not None and lane.broken is not None:
+        if lane is not None and lane.broken is not None and not lane_only:
             self.lane_lost()
 
     # -- the fetch lane ----------------------------------------------------------------------
