@@ -80,12 +80,11 @@ from ecshare.transport.base import (
     TransportError,
     WritingTransport,
 )
+from ecshare.transport.ledger import Handle, Ledger, Peer
 
 __all__ = ["DEFAULT_FABRIC", "Completion", "Fabric", "LoopbackRead", "LoopbackTransport"]
 
 KIND = "loopback"
-_PENDING = ReadStatus(ReadState.PENDING)
-_DONE = ReadStatus(ReadState.DONE)
 
 
 class Completion(enum.Enum):
@@ -130,20 +129,16 @@ class _Fault:
     torn: bool
 
 
-class LoopbackRead:
-    """One read; opaque to callers, who pass it back to `poll` and `release`."""
+class LoopbackRead(Handle):
+    """One transfer (a read, or a write); opaque to callers, who pass it back to
+    `poll` and `release`."""
 
     __slots__ = (
-        "abandoned",
         "fault",
         "moved",
-        "nbytes",
         "notify",
-        "op",
-        "peer",
         "reader",
         "segments",
-        "status",
         "steps",
         "steps_done",
         "target",
@@ -153,13 +148,9 @@ class LoopbackRead:
     def __init__(
         self, reader: LoopbackTransport, peer: str, segments: Sequence[Segment], op: str
     ) -> None:
+        super().__init__(peer, sum(s.length for s in segments), op)
         self.reader = reader  # the initiator, whether it reads or writes
-        self.op = op
-        self.peer = peer
         self.segments = tuple(segments)
-        self.nbytes = sum(s.length for s in segments)
-        self.status = _PENDING
-        self.abandoned = False
         self.target: LoopbackTransport | None = None
         self.notify = b""
         self.fault: _Fault | None = None
@@ -168,48 +159,26 @@ class LoopbackRead:
         self.steps_done = 0
         self.told = False  # its notification is queued at the target
 
-    def __repr__(self) -> str:
-        return (
-            f"LoopbackRead({self.op}, peer={self.peer!r}, nbytes={self.nbytes}, "
-            f"{self.status.state.value})"
-        )
 
-
-def _ours(handle: ReadHandle) -> LoopbackRead:
-    if not isinstance(handle, LoopbackRead):
-        raise TypeError(f"not a LoopbackTransport read: {handle!r}")
-    return handle
-
-
-class _Peer:
-    __slots__ = ("info", "reads", "target")
+class _Peer(Peer[LoopbackRead]):
+    __slots__ = ("target",)
 
     def __init__(self, info: PeerInfo, target: LoopbackTransport) -> None:
-        self.info = info
+        super().__init__(info)
         self.target = target
-        self.reads: set[LoopbackRead] = set()
 
 
-def _out_of_bounds(segments: Sequence[Segment], local_size: int, remote_size: int) -> str:
-    if not segments:
-        return "no segments"
-    for s in segments:
-        if s.length <= 0 or s.local_offset < 0 or s.remote_offset < 0:
-            return f"bad segment {s}"
-        if s.local_offset + s.length > local_size:
-            return f"{s} outside the local region ({local_size} bytes)"
-        if s.remote_offset + s.length > remote_size:
-            return f"{s} outside the peer's region ({remote_size} bytes)"
-    return ""
-
-
-class LoopbackTransport:
+class LoopbackTransport(Ledger[LoopbackRead, _Peer]):
     """`DataTransport` between regions of one process; see the module docstring.
 
-    Counters are NixlTransport's: once `in_flight` is 0,
+    Its counters, transfer lives and peer retirement are the `Ledger`'s
+    (ledger.py), as NixlTransport's are: once `in_flight` is 0,
     ``reads_started == reads_done + sum(reads_failed.values()) + reads_cancelled``,
     and the same for `writes_*`. `in_flight` counts reads and writes.
     """
+
+    _kind = KIND
+    _handle_type = LoopbackRead
 
     def __init__(
         self,
@@ -220,140 +189,28 @@ class LoopbackTransport:
         steps: int = 1,
     ) -> None:
         """`steps` (>= 1): drives a POLLED or TARGET read takes to complete."""
-        if not name:
-            raise ValueError("agent name must not be empty")
+        self._fabric = fabric if fabric is not None else DEFAULT_FABRIC
+        super().__init__(name, self._fabric.lock)
         if steps < 1:
             raise ValueError("steps must be >= 1")
-        self._name = name
-        self._fabric = fabric if fabric is not None else DEFAULT_FABRIC
-        self._lock = self._fabric.lock
         self._completion = completion
         self._steps = 0 if completion is Completion.SYNC else steps
-        self._region: tuple[int, int] | None = None
-        self._peers: dict[str, _Peer] = {}
-        self._retired: dict[str, _Peer] = {}
-        self._abandoned: set[LoopbackRead] = set()
         self._inbound: list[LoopbackRead] = []  # reads from us, in the order they were posted
         self._notes: list[tuple[str, bytes]] = []  # notifications not yet handed out
         self._faults: list[_Fault] = []
         self._stalled = False
         self._killed = False
-        self._closed = False
         with self._lock:
             self._token = self._fabric._join(self)
-
-        self.reads_started = 0
-        self.reads_done = 0
-        self.reads_failed: dict[FailureKind, int] = dict.fromkeys(FailureKind, 0)
-        self.reads_cancelled = 0
-        self.reads_abandoned = 0
-        self.bytes_read = 0
-        self.writes_started = 0
-        self.writes_done = 0
-        self.writes_failed: dict[FailureKind, int] = dict.fromkeys(FailureKind, 0)
-        self.writes_cancelled = 0
-        self.writes_abandoned = 0
-        self.bytes_written = 0
-        self.notifications = 0
-
-    # ---------------------------------------------------------------- set-up
-
-    @property
-    def kind(self) -> str:
-        return KIND
-
-    @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def peers(self) -> list[str]:
-        return list(self._peers)
 
     @property
     def self_progressing(self) -> bool:
         return self._completion is not Completion.TARGET
 
     @property
-    def in_flight(self) -> int:
-        """Reads not ended yet: their destinations may still be written."""
-        with self._lock:
-            return sum(len(p.reads) for p in (*self._peers.values(), *self._retired.values()))
-
-    @property
-    def abandoned_in_flight(self) -> int:
-        with self._lock:
-            return len(self._abandoned)
-
-    @property
     def unreleased(self) -> int:
         """Always 0: nothing here can refuse a release (NixlTransport's counter)."""
         return 0
-
-    def register(self, address: int, size: int) -> None:
-        if address <= 0 or size <= 0:
-            raise ValueError(f"bad region {address:#x}+{size}")
-        with self._lock:
-            self._check_open()
-            if self._region == (address, size):
-                return
-            if self._region is not None:
-                raise TransportError("another region is already registered")
-            self._region = (address, size)
-
-    def local_info(self) -> PeerInfo:
-        with self._lock:
-            self._check_open()
-            if self._region is None:
-                raise TransportError("no region registered")
-            return PeerInfo(
-                kind=KIND,
-                agent_name=self._name,
-                agent_metadata=self._token,
-                region_address=self._region[0],
-                region_size=self._region[1],
-            )
-
-    def add_peer(self, info: PeerInfo) -> str:
-        """Load a peer; a known name with new metadata replaces it once its reads have ended."""
-        if info.kind != KIND:
-            raise ValueError(f"peer data plane is {info.kind!r}, not {KIND!r}")
-        if not info.agent_name or info.agent_name == self._name:
-            raise ValueError(f"bad peer agent name {info.agent_name!r}")
-        if info.region_address <= 0 or info.region_size <= 0:
-            raise ValueError("peer region is empty")
-        with self._lock:
-            self._check_open()
-            name = info.agent_name
-            known = self._peers.get(name) or self._retired.get(name)
-            if known is not None and known.info == info:
-                self._retired.pop(name, None)
-                self._peers[name] = known
-                return name
-            target = self._fabric._resolve(bytes(info.agent_metadata))
-            if target is None:
-                raise TransportError(f"cannot load metadata of {name!r}: not a loopback agent")
-            if target.name != name:
-                raise ValueError(f"metadata is for {target.name!r}, not {name!r}")
-            if known is not None:
-                if known.reads:
-                    raise TransportError(
-                        f"{len(known.reads)} reads of the previous registration of {name!r} "
-                        "are still in flight; try again once they have ended"
-                    )
-                self._peers.pop(name, None)
-                self._retired.pop(name, None)
-            self._peers[name] = _Peer(info, target)
-            return name
-
-    def remove_peer(self, name: str) -> None:
-        """Forget a peer (idempotent); its reads in flight run to their end."""
-        with self._lock:
-            if self._closed:
-                return
-            peer = self._peers.pop(name, None)
-            if peer is not None and peer.reads:
-                self._retired[name] = peer
 
     # ----------------------------------------------------------------- faults
 
@@ -389,57 +246,8 @@ class LoopbackTransport:
 
     # ----------------------------------------------------------------- reads
 
-    def read(self, peer: str, segments: Sequence[Segment], notify: bytes = b"") -> LoopbackRead:
-        return self._post("READ", peer, segments, notify)
-
-    def write(self, peer: str, segments: Sequence[Segment], notify: bytes = b"") -> LoopbackRead:
-        """Start writing our `local_offset`s to the peer's `remote_offset`s (a push).
-
-        Every rule of `read` holds, directions swapped: our source may still be
-        read, and the peer's destination written, until `poll` answers DONE or
-        FAILED. `notify` reaches the peer's `progress` once the data has landed.
-        """
-        return self._post("WRITE", peer, segments, notify)
-
-    def _post(self, op: str, peer: str, segments: Sequence[Segment], notify: bytes) -> LoopbackRead:
-        with self._lock:
-            self._check_open()
-            if self._region is None:
-                raise TransportError("no region registered")
-            if op == "WRITE":
-                self.writes_started += 1
-            else:
-                self.reads_started += 1
-            handle = LoopbackRead(self, peer, segments, op)
-            p = self._peers.get(peer)
-            if p is None:
-                self._finish(handle, FailureKind.NOT_FOUND, f"unknown peer {peer!r}")
-                return handle
-            why = _out_of_bounds(segments, self._region[1], p.info.region_size)
-            if why:
-                self._finish(handle, FailureKind.INVALID, why)
-                return handle
-            target = p.target
-            if target._closed:
-                self._finish(handle, FailureKind.PEER_DISCONNECTED, f"{peer} is gone")
-                return handle
-            # The peer's claim was checked above; what it registered is the real limit.
-            real = target._region[1] if target._region else 0
-            if any(s.remote_offset + s.length > real for s in segments):
-                self._finish(handle, FailureKind.NOT_FOUND, f"memory of {peer} not registered")
-                return handle
-            handle.target = target
-            handle.notify = bytes(notify)
-            handle.fault = self._take_fault(peer)
-            handle.steps = target._steps
-            p.reads.add(handle)
-            target._inbound.append(handle)
-            if target._completion is not Completion.TARGET:
-                target._drive(handle)
-            return handle
-
     def poll(self, handle: ReadHandle) -> ReadStatus:
-        handle = _ours(handle)
+        handle = self._ours(handle)
         with self._lock:
             target = handle.target
             if (
@@ -449,18 +257,6 @@ class LoopbackTransport:
             ):
                 target._drive(handle)
             return handle.status
-
-    def release(self, handle: ReadHandle) -> None:
-        """A PENDING read is abandoned: it keeps moving and counts as cancelled when it ends."""
-        handle = _ours(handle)
-        with self._lock:
-            if handle.status.state is ReadState.PENDING and not handle.abandoned:
-                handle.abandoned = True
-                if handle.op == "WRITE":
-                    self.writes_abandoned += 1
-                else:
-                    self.reads_abandoned += 1
-                self._abandoned.add(handle)
 
     def progress(self) -> list[tuple[str, bytes]]:
         """Drive our abandoned reads and, as a TARGET-mode target, the reads from us;
@@ -490,21 +286,58 @@ class LoopbackTransport:
             if not self._closed:
                 self._shut("closed")
 
-    def __enter__(self) -> LoopbackTransport:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        return f"LoopbackTransport({self._name!r}, peers={len(self._peers)}, closed={self._closed})"
-
-    # --------------------------------------------------------------- private
+    # ------------------------------------------------------ the Ledger's hooks
     # Everything below runs under the fabric's lock.
+
+    def _metadata(self) -> bytes:
+        return self._token
+
+    def _load(self, info: PeerInfo, known: _Peer | None) -> str:
+        name = info.agent_name
+        target = self._fabric._resolve(bytes(info.agent_metadata))
+        if target is None:
+            raise TransportError(f"cannot load metadata of {name!r}: not a loopback agent")
+        if target.name != name:
+            raise ValueError(f"metadata is for {target.name!r}, not {name!r}")
+        self._make_way(name, known)
+        self._peers[name] = _Peer(info, target)
+        return name
+
+    def _handle(self, op: str, peer: str, segments: Sequence[Segment]) -> LoopbackRead:
+        return LoopbackRead(self, peer, segments, op)
+
+    def _launch(
+        self, handle: LoopbackRead, p: _Peer, segments: Sequence[Segment], notify: bytes
+    ) -> None:
+        target = p.target
+        if target._closed:
+            self._finish(handle, FailureKind.PEER_DISCONNECTED, f"{handle.peer} is gone")
+            return
+        # The peer's claim was checked already; what it registered is the real limit.
+        real = target._region[1] if target._region else 0
+        if any(s.remote_offset + s.length > real for s in segments):
+            self._finish(handle, FailureKind.NOT_FOUND, f"memory of {handle.peer} not registered")
+            return
+        handle.target = target
+        handle.notify = bytes(notify)
+        handle.fault = self._take_fault(handle.peer)
+        handle.steps = target._steps
+        p.reads.add(handle)
+        target._inbound.append(handle)
+        if target._completion is not Completion.TARGET:
+            target._drive(handle)
+
+    def _let_go(self, handle: LoopbackRead) -> None:
+        handle.told = False
+        target = handle.target
+        if target is not None and handle in target._inbound:
+            target._inbound.remove(handle)
 
     def _check_open(self) -> None:
         if self._closed:
             raise TransportError("transport is killed" if self._killed else "transport is closed")
+
+    # ---------------------------------------------------------------- physics
 
     def _take_fault(self, peer: str) -> _Fault | None:
         for fault in self._faults:
@@ -559,53 +392,10 @@ class LoopbackTransport:
             start += s.length
         handle.moved = max(handle.moved, upto)
 
-    def _done(self, handle: LoopbackRead) -> None:
-        if handle.abandoned:
-            self._cancelled(handle)
-        elif handle.op == "WRITE":
-            self.writes_done += 1
-            self.bytes_written += handle.nbytes
-        else:
-            self.reads_done += 1
-            self.bytes_read += handle.nbytes
-        handle.status = _DONE
-        self._ended(handle)
-
-    def _cancelled(self, handle: LoopbackRead) -> None:
-        if handle.op == "WRITE":
-            self.writes_cancelled += 1
-        else:
-            self.reads_cancelled += 1
-
-    def _finish(self, handle: LoopbackRead, kind: FailureKind, detail: str) -> None:
-        if handle.abandoned:
-            self._cancelled(handle)
-        elif handle.op == "WRITE":
-            self.writes_failed[kind] += 1
-        else:
-            self.reads_failed[kind] += 1
-        handle.status = ReadStatus(ReadState.FAILED, kind, detail)
-        self._ended(handle)
-
-    def _ended(self, handle: LoopbackRead) -> None:
-        """`handle` has ended: its destination is the caller's again."""
-        handle.told = False
-        target = handle.target
-        if target is not None and handle in target._inbound:
-            target._inbound.remove(handle)
-        peer = self._peers.get(handle.peer) or self._retired.get(handle.peer)
-        if peer is not None:
-            peer.reads.discard(handle)
-            if not peer.reads and self._retired.get(handle.peer) is peer:
-                del self._retired[handle.peer]
-        self._abandoned.discard(handle)
-
     def _shut(self, how: str) -> None:
         for handle in list(self._inbound):
             handle.reader._finish(handle, FailureKind.PEER_DISCONNECTED, f"{self._name} {how}")
-        for peer in [*self._peers.values(), *self._retired.values()]:
-            for handle in list(peer.reads):
-                self._finish(handle, FailureKind.BACKEND, f"transport {how}")
+        self._end_all(f"transport {how}")
         self._peers.clear()
         self._retired.clear()
         self._notes.clear()
