@@ -100,6 +100,7 @@ from ecshare.transport.base import (
     TransportError,
     WritingTransport,
 )
+from ecshare.transport.ledger import Handle, Ledger, Peer
 
 __all__ = ["NixlRead", "NixlTransport", "merge_segments"]
 
@@ -107,8 +108,6 @@ log = logging.getLogger(__name__)
 
 KIND = "nixl"
 _INSTALL_HINT = "NIXL is not installed: pip install 'ecshare[nixl]' (nixl-cu12)"
-_PENDING = ReadStatus(ReadState.PENDING)
-_DONE = ReadStatus(ReadState.DONE)
 # UCX reads its configuration from the environment when a backend is created;
 # agents created concurrently with different settings must not interleave.
 _ENV_LOCK = threading.Lock()
@@ -198,57 +197,26 @@ def merge_segments(segments: Sequence[Segment]) -> list[Segment]:
     return merged
 
 
-def _out_of_bounds(segments: Sequence[Segment], local_size: int, remote_size: int) -> str:
-    """Why the segments are not all inside both regions, or "" if they are."""
-    if not segments:
-        return "no segments"
-    for s in segments:
-        if s.length <= 0 or s.local_offset < 0 or s.remote_offset < 0:
-            return f"bad segment {s}"
-        if s.local_offset + s.length > local_size:
-            return f"{s} outside the local region ({local_size} bytes)"
-        if s.remote_offset + s.length > remote_size:
-            return f"{s} outside the peer's region ({remote_size} bytes)"
-    return ""
-
-
-class NixlRead:
+class NixlRead(Handle):
     """One transfer (a read, or a write); opaque to callers, who pass it back to
     `poll` and `release`."""
 
-    __slots__ = ("_xfer", "abandoned", "nbytes", "op", "peer", "status")
+    __slots__ = ("_xfer",)
 
     def __init__(self, peer: str, nbytes: int, op: str = "READ") -> None:
-        self.peer = peer
-        self.nbytes = nbytes
-        self.op = op
-        self.status = _PENDING
-        self.abandoned = False  # released while PENDING: its end counts as cancelled
+        super().__init__(peer, nbytes, op)
         self._xfer: Any = None  # the NIXL handle while it is ours to release
 
-    def __repr__(self) -> str:
-        return (
-            f"NixlRead({self.op}, peer={self.peer!r}, nbytes={self.nbytes}, "
-            f"{self.status.state.value})"
-        )
 
-
-def _ours(handle: ReadHandle) -> NixlRead:
-    if not isinstance(handle, NixlRead):
-        raise TypeError(f"not a NixlTransport read: {handle!r}")
-    return handle
-
-
-class _Peer:
-    __slots__ = ("info", "prepped", "reads")
+class _Peer(Peer[NixlRead]):
+    __slots__ = ("prepped",)
 
     def __init__(self, info: PeerInfo) -> None:
-        self.info = info
+        super().__init__(info)
         self.prepped: Any = None
-        self.reads: set[NixlRead] = set()  # PENDING reads: the backend has not ended them
 
 
-class NixlTransport:
+class NixlTransport(Ledger[NixlRead, _Peer]):
     """`DataTransport` over one NIXL agent with one registered DRAM region.
 
     Nothing NIXL raises escapes `read`, `poll`, `release` or `progress`: a
@@ -256,12 +224,17 @@ class NixlTransport:
     either region fail as INVALID before any memory is touched. Local misuse
     (no region registered, transport closed) raises `TransportError`.
 
-    Counters: every read ends exactly once, so
+    Counters, transfer lives and peer retirement are the `Ledger`'s (ledger.py):
+    every read ends exactly once, so
     ``reads_started == reads_done + sum(reads_failed.values()) + reads_cancelled``
     once `in_flight` is 0. A read released while PENDING counts in
     `reads_abandoned` at once and in `reads_cancelled` when it has ended.
-    Writes keep the same books under `writes_*` (and `bytes_written`).
+    Writes keep the same books under `writes_*` (and `bytes_written`);
+    `reads_prepped` counts the transfers made from prepared descriptors.
     """
+
+    _kind = KIND
+    _handle_type = NixlRead
 
     def __init__(
         self,
@@ -275,8 +248,7 @@ class NixlTransport:
     ) -> None:
         """`ucx_env` (e.g. ``{"UCX_TLS": "tcp"}``) is applied while the agent is
         created only. `prepared_block_size` > 0 turns on prepared descriptor lists."""
-        if not name:
-            raise ValueError("agent name must not be empty")
+        super().__init__(name, threading.Lock())
         if prepared_block_size < 0:
             raise ValueError("prepared_block_size must be >= 0")
         nixl_api = _import_nixl()
@@ -300,47 +272,11 @@ class NixlTransport:
         if missing or not self._agent.backends:
             raise TransportError(f"NIXL backends not available: {missing or list(backends)}")
         self._self_progressing = progress_thread
-        self._name = name
-        self._lock = threading.Lock()
         self._block = prepared_block_size
-        self._region: tuple[int, int] | None = None
         self._reg_descs: Any = None
         self._local_prepped: Any = None
-        self._peers: dict[str, _Peer] = {}
-        # Removed peers whose reads have not ended yet; their agents stay loaded.
-        self._retired: dict[str, _Peer] = {}
-        self._abandoned: set[NixlRead] = set()  # released while PENDING, still running
         self._unreleased: list[Any] = []  # NIXL handles that refused to be released
-        self._closed = False
-
-        self.reads_started = 0
-        self.reads_done = 0
-        self.reads_failed: dict[FailureKind, int] = dict.fromkeys(FailureKind, 0)
-        self.reads_cancelled = 0
-        self.reads_abandoned = 0
         self.reads_prepped = 0
-        self.bytes_read = 0
-        self.writes_started = 0
-        self.writes_done = 0
-        self.writes_failed: dict[FailureKind, int] = dict.fromkeys(FailureKind, 0)
-        self.writes_cancelled = 0
-        self.writes_abandoned = 0
-        self.bytes_written = 0
-        self.notifications = 0
-
-    # ---------------------------------------------------------------- set-up
-
-    @property
-    def kind(self) -> str:
-        return KIND
-
-    @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def peers(self) -> list[str]:
-        return list(self._peers)
 
     @property
     def self_progressing(self) -> bool:
@@ -348,190 +284,18 @@ class NixlTransport:
         return self._self_progressing
 
     @property
-    def in_flight(self) -> int:
-        """Reads the backend has not ended: their destinations may still be written."""
-        with self._lock:
-            return sum(len(p.reads) for p in (*self._peers.values(), *self._retired.values()))
-
-    @property
-    def abandoned_in_flight(self) -> int:
-        """Of `in_flight`, those released by their caller (kept until they end)."""
-        with self._lock:
-            return len(self._abandoned)
-
-    @property
     def unreleased(self) -> int:
         """NIXL transfers whose release failed; retried by `progress` and `close`."""
         return len(self._unreleased)
 
-    def register(self, address: int, size: int) -> None:
-        if address <= 0 or size <= 0:
-            raise ValueError(f"bad region {address:#x}+{size}")
-        with self._lock:
-            self._check_open()
-            if self._region == (address, size):
-                return  # one node's Producer and Consumer share its transport and region
-            if self._region is not None:
-                raise TransportError("another region is already registered")
-            try:
-                self._reg_descs = self._agent.register_memory([(address, size, 0, "")], "DRAM")
-                if self._block:
-                    self._local_prepped = self._agent.prep_xfer_dlist(
-                        "NIXL_INIT_AGENT", self._blocks(address, size), "DRAM"
-                    )
-            except Exception as e:
-                raise TransportError(f"cannot register region: {e}") from e
-            self._region = (address, size)
-
-    def local_info(self) -> PeerInfo:
-        with self._lock:
-            self._check_open()
-            if self._region is None:
-                raise TransportError("no region registered")
-            return PeerInfo(
-                kind=KIND,
-                agent_name=self._name,
-                agent_metadata=bytes(self._agent.get_agent_metadata()),
-                region_address=self._region[0],
-                region_size=self._region[1],
-            )
-
-    def add_peer(self, info: PeerInfo) -> str:
-        """Load a peer; a known name is replaced (a restarted peer), failing its reads."""
-        if info.kind != KIND:
-            raise ValueError(f"peer data plane is {info.kind!r}, not {KIND!r}")
-        if not info.agent_name or info.agent_name == self._name:
-            raise ValueError(f"bad peer agent name {info.agent_name!r}")
-        if info.region_address <= 0 or info.region_size <= 0:
-            raise ValueError("peer region is empty")
-        with self._lock:
-            self._check_open()
-            name = info.agent_name
-            known = self._peers.get(name) or self._retired.get(name)
-            if known is not None and known.info == info:
-                # The same registration again (a re-handshake): keep the agent and
-                # any reads still moving, which stay pollable to their end.
-                self._retired.pop(name, None)
-                self._peers[name] = known
-                return name
-            if known is not None:
-                if known.reads:
-                    raise TransportError(
-                        f"{len(known.reads)} reads of the previous registration of {name!r} "
-                        "are still in flight; try again once they have ended"
-                    )
-                self._unload(name)
-            try:
-                loaded = self._agent.add_remote_agent(info.agent_metadata)
-            except Exception as e:
-                raise TransportError(f"cannot load metadata of {info.agent_name!r}: {e}") from e
-            loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
-            if loaded != info.agent_name:
-                other = self._peers.get(loaded) or self._retired.get(loaded)
-                if other is None:
-                    self._forget_agent(loaded)
-                else:  # another peer's metadata: keep that peer working
-                    self._quietly(self._agent.add_remote_agent, other.info.agent_metadata)
-                raise ValueError(f"metadata is for {loaded!r}, not {info.agent_name!r}")
-            peer = _Peer(info)
-            self._peers[loaded] = peer
-            if self._block:
-                try:
-                    peer.prepped = self._agent.prep_xfer_dlist(
-                        loaded, self._blocks(info.region_address, info.region_size), "DRAM"
-                    )
-                except Exception as e:
-                    self._unload(loaded)
-                    raise TransportError(f"cannot prepare descriptors of {loaded!r}: {e}") from e
-            return loaded
-
-    def remove_peer(self, name: str) -> None:
-        """Forget a peer (idempotent): new reads from it fail as NOT_FOUND at once.
-
-        Its pending reads are not failed: they stay PENDING until the backend
-        ends them, and the peer's agent stays loaded until then.
-        """
-        with self._lock:
-            if self._closed:
-                return
-            peer = self._peers.pop(name, None)
-            if peer is None:
-                return
-            if peer.reads:
-                self._retired[name] = peer
-            else:
-                self._unload(name, peer)
-
     # ----------------------------------------------------------------- reads
-
-    def read(self, peer: str, segments: Sequence[Segment], notify: bytes = b"") -> NixlRead:
-        return self._post("READ", peer, segments, notify)
-
-    def write(self, peer: str, segments: Sequence[Segment], notify: bytes = b"") -> NixlRead:
-        """Start writing our `local_offset`s to the peer's `remote_offset`s.
-
-        Every rule of `read` holds: the source may be read by the backend until
-        `poll` answers DONE or FAILED, and a released PENDING write is abandoned,
-        not stopped. `notify` reaches the peer's `progress` once the data has landed.
-        """
-        return self._post("WRITE", peer, segments, notify)
-
-    def _post(self, op: str, peer: str, segments: Sequence[Segment], notify: bytes) -> NixlRead:
-        with self._lock:
-            self._check_open()
-            if self._region is None:
-                raise TransportError("no region registered")
-            if op == "WRITE":
-                self.writes_started += 1
-            else:
-                self.reads_started += 1
-            handle = NixlRead(peer, sum(s.length for s in segments), op)
-            p = self._peers.get(peer)
-            if p is None:
-                self._finish(handle, FailureKind.NOT_FOUND, f"unknown peer {peer!r}")
-                return handle
-            laddr, lsize = self._region
-            why = _out_of_bounds(segments, lsize, p.info.region_size)
-            if why:
-                self._finish(handle, FailureKind.INVALID, why)
-                return handle
-            merged = merge_segments(segments)
-            try:
-                handle._xfer = self._create(p, merged, laddr, notify, op)
-                state = self._agent.transfer(handle._xfer)
-            except Exception as e:
-                self._finish(handle, *self._failure(e))
-                return handle
-            p.reads.add(handle)
-            self._settle(handle, state)
-            return handle
 
     def poll(self, handle: ReadHandle) -> ReadStatus:
         """DONE or FAILED only on the backend's word that the read has ended."""
-        handle = _ours(handle)
+        handle = self._ours(handle)
         with self._lock:
             self._check(handle)
             return handle.status
-
-    def release(self, handle: ReadHandle) -> None:
-        """The caller is done with a read. A PENDING one is abandoned, not freed.
-
-        No backend can stop a read it has posted (see the module docstring), so
-        an abandoned read keeps its NIXL transfer, is driven by `progress` and
-        `poll`, and counts as cancelled once the backend has ended it. Until
-        `poll` stops answering PENDING its destination may still be written.
-        """
-        handle = _ours(handle)
-        with self._lock:
-            if handle.status.state is not ReadState.PENDING:
-                self._release_xfer(handle)
-            elif not handle.abandoned:
-                handle.abandoned = True
-                if handle.op == "WRITE":
-                    self.writes_abandoned += 1
-                else:
-                    self.reads_abandoned += 1
-                self._abandoned.add(handle)
 
     def progress(self) -> list[tuple[str, bytes]]:
         """Drive target-side progress; cheap enough to call every millisecond."""
@@ -560,11 +324,8 @@ class NixlTransport:
         with self._lock:
             if self._closed:
                 return
-            peers = [*self._peers.values(), *self._retired.values()]
-            for peer in peers:
-                for handle in list(peer.reads):
-                    # Destroying the agent below ends them: no worker is left to write.
-                    self._finish(handle, FailureKind.BACKEND, "transport closed")
+            # Destroying the agent below ends them: no worker is left to write.
+            self._end_all("transport closed")
             for name in [*self._peers, *self._retired]:
                 self._unload(name)
             self._retry_unreleased()
@@ -580,20 +341,76 @@ class NixlTransport:
             self._closed = True
             self._agent = None
 
-    def __enter__(self) -> NixlTransport:
-        return self
+    # ------------------------------------------------------ the Ledger's hooks
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def _register(self, address: int, size: int) -> None:
+        try:
+            self._reg_descs = self._agent.register_memory([(address, size, 0, "")], "DRAM")
+            if self._block:
+                self._local_prepped = self._agent.prep_xfer_dlist(
+                    "NIXL_INIT_AGENT", self._blocks(address, size), "DRAM"
+                )
+        except Exception as e:
+            raise TransportError(f"cannot register region: {e}") from e
 
-    def __repr__(self) -> str:
-        return f"NixlTransport({self._name!r}, peers={len(self._peers)}, closed={self._closed})"
+    def _metadata(self) -> bytes:
+        return bytes(self._agent.get_agent_metadata())
 
-    # --------------------------------------------------------------- private
+    def _load(self, info: PeerInfo, known: _Peer | None) -> str:
+        self._make_way(info.agent_name, known)
+        try:
+            loaded = self._agent.add_remote_agent(info.agent_metadata)
+        except Exception as e:
+            raise TransportError(f"cannot load metadata of {info.agent_name!r}: {e}") from e
+        loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        if loaded != info.agent_name:
+            other = self._peers.get(loaded) or self._retired.get(loaded)
+            if other is None:
+                self._forget_agent(loaded)
+            else:  # another peer's metadata: keep that peer working
+                self._quietly(self._agent.add_remote_agent, other.info.agent_metadata)
+            raise ValueError(f"metadata is for {loaded!r}, not {info.agent_name!r}")
+        peer = _Peer(info)
+        self._peers[loaded] = peer
+        if self._block:
+            try:
+                peer.prepped = self._agent.prep_xfer_dlist(
+                    loaded, self._blocks(info.region_address, info.region_size), "DRAM"
+                )
+            except Exception as e:
+                self._unload(loaded)
+                raise TransportError(f"cannot prepare descriptors of {loaded!r}: {e}") from e
+        return loaded
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TransportError("transport is closed")
+    def _unload(self, name: str, peer: _Peer | None = None) -> _Peer | None:
+        """Drop a peer with no reads in flight, and its agent."""
+        peer = super()._unload(name, peer)
+        if peer is not None and peer.prepped is not None:
+            self._quietly(self._agent.release_dlist_handle, peer.prepped)
+        self._forget_agent(name)
+        return peer
+
+    def _handle(self, op: str, peer: str, segments: Sequence[Segment]) -> NixlRead:
+        return NixlRead(peer, sum(s.length for s in segments), op)
+
+    def _launch(
+        self, handle: NixlRead, p: _Peer, segments: Sequence[Segment], notify: bytes
+    ) -> None:
+        assert self._region is not None
+        merged = merge_segments(segments)
+        try:
+            handle._xfer = self._create(p, merged, self._region[0], notify, handle.op)
+            state = self._agent.transfer(handle._xfer)
+        except Exception as e:
+            self._finish(handle, *self._failure(e))
+            return
+        p.reads.add(handle)
+        self._settle(handle, state)
+
+    def _let_go(self, handle: NixlRead) -> None:
+        self._release_xfer(handle)
+
+    # ------------------------------------------------------------------ NIXL
 
     def _blocks(self, address: int, size: int) -> np.ndarray[Any, np.dtype[np.uint64]]:
         n = size // self._block
@@ -644,45 +461,9 @@ class NixlTransport:
 
     def _settle(self, handle: NixlRead, state: str) -> None:
         if state == "DONE":
-            if handle.abandoned:
-                self._cancelled(handle)
-            elif handle.op == "WRITE":
-                self.writes_done += 1
-                self.bytes_written += handle.nbytes
-            else:
-                self.reads_done += 1
-                self.bytes_read += handle.nbytes
-            handle.status = _DONE
-            self._ended(handle)
+            self._done(handle)
         elif state != "PROC":
             self._finish(handle, FailureKind.BACKEND, f"transfer state {state}")
-
-    def _cancelled(self, handle: NixlRead) -> None:
-        if handle.op == "WRITE":
-            self.writes_cancelled += 1
-        else:
-            self.reads_cancelled += 1
-
-    def _finish(self, handle: NixlRead, kind: FailureKind, detail: str) -> None:
-        if handle.abandoned:
-            self._cancelled(handle)
-        elif handle.op == "WRITE":
-            self.writes_failed[kind] += 1
-        else:
-            self.reads_failed[kind] += 1
-        handle.status = ReadStatus(ReadState.FAILED, kind, detail)
-        self._ended(handle)
-
-    def _ended(self, handle: NixlRead) -> None:
-        """The backend has ended `handle`: its destination is the caller's again."""
-        peer = self._peers.get(handle.peer) or self._retired.get(handle.peer)
-        if peer is not None:
-            peer.reads.discard(handle)
-            if not peer.reads and self._retired.get(handle.peer) is peer:
-                del self._retired[handle.peer]
-                self._unload(handle.peer, peer)
-        self._abandoned.discard(handle)
-        self._release_xfer(handle)
 
     def _failure(self, e: Exception) -> tuple[FailureKind, str]:
         detail = f"{type(e).__name__}: {e}"
@@ -707,16 +488,6 @@ class NixlTransport:
                 self._agent.release_xfer_handle(xfer)
             except Exception:
                 self._unreleased.append(xfer)
-
-    def _unload(self, name: str, peer: _Peer | None = None) -> None:
-        """Drop a peer with no reads in flight, and its agent."""
-        known = self._peers.pop(name, None) or self._retired.pop(name, None)
-        peer = peer or known
-        if peer is not None:
-            assert not peer.reads, f"{name} unloaded with reads in flight"
-            if peer.prepped is not None:
-                self._quietly(self._agent.release_dlist_handle, peer.prepped)
-        self._forget_agent(name)
 
     def _forget_agent(self, name: str) -> None:
         self._quietly(self._agent.remove_remote_agent, name)
