@@ -1,4 +1,4 @@
-"""The books every transport keeps, whatever moves its bytes.
+r"""The books every transport keeps, whatever moves its bytes.
 
 `Ledger` is the half of a transport that is the same over NIXL (nixl.py) and
 in process (loopback.py): the checks of what a caller hands in, each
@@ -10,9 +10,9 @@ the region and a peer's metadata are to it (`_register`, `_metadata`, `_load`,
 
 A transfer's life, each end on the backend's word only:
 
-    started -> PENDING -> DONE                 (reads_done, bytes_read)
-                      \\-> FAILED(kind)         (reads_failed[kind])
-    PENDING -release-> abandoned -> DONE or FAILED (reads_cancelled)
+    started -> PENDING -> DONE           (reads_done, bytes_read)
+                      \-> FAILED(kind)   (reads_failed[kind])
+    PENDING -release-> abandoned -> DONE or FAILED   (reads_cancelled)
 
 A transfer refused before it is posted (unknown peer, segments outside a
 region) is FAILED from the start. Every transfer ends exactly once, in `_done`
