@@ -7,7 +7,10 @@ the caller can encode locally instead.
 
 Everything else runs on the Consumer's own thread: handshakes, batched
 requests, data-plane READs, checksum checks, retries with backoff, failover
-between peers, quarantine of failing peers, heartbeats and lease renewal.
+between peers, quarantine of failing peers, heartbeats and lease renewal. One
+exception saves a hand-off: when that thread sleeps in poll and the peer's
+fetch lane is up, `fetch()` sends the request itself, on the lane, without
+waiting for anything (`_send_now`); the answer wakes the thread as ever.
 
 Two promises bind the reads (DESIGN.md, invariants 2 and 4):
 - A read's destination blocks are handed to nobody else while the read may
