@@ -48,10 +48,7 @@ class ControlClient:
         server_public_key: bytes | None,
         keys: KeyPair | None,
         insecure: bool = False,
-        max_frame_bytes: int = p.DEFAULT_MAX_FRAME_BYTES,
-        heartbeat_ivl_s: float = 1.0,
-        heartbeat_timeout_s: float = 5.0,
-        handshake_timeout_s: float = 5.0,
+        settings: LinkSettings = LinkSettings(),
         reconnect_ivl_s: float = 0.1,
         reconnect_ivl_max_s: float = 5.0,
         context: zmq.Context[Any] | None = None,
@@ -64,18 +61,13 @@ class ControlClient:
             )
         self.endpoint = endpoint
         self.insecure = insecure
-        self.settings = LinkSettings(
-            max_frame_bytes=max_frame_bytes,
-            heartbeat_ivl_s=heartbeat_ivl_s,
-            heartbeat_timeout_s=heartbeat_timeout_s,
-            handshake_timeout_s=handshake_timeout_s,
-        )
+        self.settings = settings
         self.server_public_key = (
             None
             if server_public_key is None
             else require_z85_key(server_public_key, where=f"public key of producer {endpoint}")
         )
-        self._codec = p.Codec(max_frame_bytes)
+        self._codec = p.Codec(settings.max_frame_bytes)
         # State is written by the monitor thread and read by the owner's; the
         # condition lets wait_ready sleep until it changes.
         self._changed = threading.Condition()

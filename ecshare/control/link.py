@@ -17,6 +17,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from ecshare import protocol as p
+from ecshare.config import Config
 from ecshare.control.errors import ControlConfigError
 
 # Who may send what. A message of the other direction is a confused or hostile
@@ -89,6 +90,16 @@ class LinkSettings:
             )
         if self.linger_ms < 0:
             raise ControlConfigError(f"linger_ms must be >= 0, got {self.linger_ms}")
+
+    @classmethod
+    def of(cls, config: Config) -> LinkSettings:
+        """What `config` sets, for either end; `linger_ms` is not configurable."""
+        return cls(
+            max_frame_bytes=config.max_frame_bytes,
+            heartbeat_ivl_s=config.heartbeat_interval_s,
+            heartbeat_timeout_s=config.heartbeat_timeout_s,
+            handshake_timeout_s=config.handshake_timeout_s,
+        )
 
     def apply(self, sock: zmq.Socket[bytes], *, sends_pings: bool = True) -> None:
         """Set the frame limit, ZMTP heartbeats and handshake deadline on `sock`.

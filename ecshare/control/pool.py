@@ -33,7 +33,7 @@ class ClientPool:
         keys: KeyPair | None,
         server_public_key: bytes | None = None,
         insecure: bool = False,
-        settings: LinkSettings | None = None,
+        settings: LinkSettings = LinkSettings(),
         reconnect_ivl_s: float = 0.1,
         reconnect_ivl_max_s: float = 5.0,
         context: zmq.Context[Any] | None = None,
@@ -42,7 +42,7 @@ class ClientPool:
         # The default producer key, for clusters whose producers share one key pair.
         self.server_public_key = server_public_key
         self.insecure = insecure
-        self.settings = settings if settings is not None else LinkSettings()
+        self.settings = settings
         self.reconnect_ivl_s = reconnect_ivl_s
         self.reconnect_ivl_max_s = reconnect_ivl_max_s
         self.context = context
@@ -68,10 +68,7 @@ class ClientPool:
             server_public_key=None if self.insecure else key,
             keys=self.keys,
             insecure=self.insecure,
-            max_frame_bytes=self.settings.max_frame_bytes,
-            heartbeat_ivl_s=self.settings.heartbeat_ivl_s,
-            heartbeat_timeout_s=self.settings.heartbeat_timeout_s,
-            handshake_timeout_s=self.settings.handshake_timeout_s,
+            settings=self.settings,
             reconnect_ivl_s=self.reconnect_ivl_s,
             reconnect_ivl_max_s=self.reconnect_ivl_max_s,
             context=self.context,

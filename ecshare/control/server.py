@@ -74,7 +74,7 @@ class ControlServer:
     returns None.
 
     The ROUTER sends no ZMTP PINGs: a consumer's PINGs carry a TTL
-    (`heartbeat_timeout_s`) after which we drop a consumer that went silent,
+    (`settings.heartbeat_timeout_s`) after which we drop a consumer that went silent,
     and we answer them, so the consumer still notices a dead producer. Our own
     PINGs would arm a heartbeat timer per connection, and libzmq 4.3.5 (pyzmq
     27.3.0 bundles it; no release has a fix, zeromq/libzmq#4841) aborts the
@@ -84,8 +84,8 @@ class ControlServer:
     and ``timer_event`` calls ``out_event``, which asserts. ROUTER_HANDOVER
     leaves the connection a consumer reconnected from without a pipe, so
     whatever still arrives on it stops its reading, and a reset fails it (the
-    chaos harness's ``delay_control``). `heartbeat_ivl_s` is kept in `settings`
-    for the consumers, who send at that interval.
+    chaos harness's ``delay_control``). `settings.heartbeat_ivl_s` is kept for
+    the consumers, who send at that interval.
     """
 
     def __init__(
@@ -96,25 +96,17 @@ class ControlServer:
         keys: KeyPair | None,
         authorized: frozenset[bytes] = frozenset(),
         insecure: bool = False,
-        max_frame_bytes: int = p.DEFAULT_MAX_FRAME_BYTES,
-        heartbeat_ivl_s: float = 1.0,
-        heartbeat_timeout_s: float = 5.0,
-        handshake_timeout_s: float = 5.0,
+        settings: LinkSettings = LinkSettings(),
         answer_bad_messages: bool = True,
         context: zmq.Context[Any] | None = None,
         name: str = "ecshare control server",
     ) -> None:
         _check_security(keys=keys, authorized=authorized, insecure=insecure)
-        self.settings = LinkSettings(
-            max_frame_bytes=max_frame_bytes,
-            heartbeat_ivl_s=heartbeat_ivl_s,
-            heartbeat_timeout_s=heartbeat_timeout_s,
-            handshake_timeout_s=handshake_timeout_s,
-        )
+        self.settings = settings
         self.insecure = insecure
         self.name = name
         self.answer_bad_messages = answer_bad_messages
-        self._codec = p.Codec(max_frame_bytes)
+        self._codec = p.Codec(settings.max_frame_bytes)
         self._closed = False
         # Two counter sets with one writer each (the serving thread, the monitor
         # thread), so that neither needs a lock; every key exists from the start,

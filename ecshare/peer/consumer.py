@@ -464,12 +464,7 @@ class Consumer(NetworkThread):
                 keys=self._keys,
                 server_public_key=self._server_key,
                 insecure=cfg.insecure,
-                settings=LinkSettings(
-                    max_frame_bytes=cfg.max_frame_bytes,
-                    heartbeat_ivl_s=cfg.heartbeat_interval_s,
-                    heartbeat_timeout_s=cfg.heartbeat_timeout_s,
-                    handshake_timeout_s=cfg.handshake_timeout_s,
-                ),
+                settings=LinkSettings.of(cfg),
             )
         except BaseException as exc:
             self._started(exc)

@@ -27,7 +27,7 @@ import zmq
 
 from ecshare import protocol as p
 from ecshare.config import Config
-from ecshare.control import ControlServer, KeyPair, LaneServer, Waker
+from ecshare.control import ControlServer, KeyPair, LaneServer, LinkSettings, Waker
 from ecshare.errors import IllegalTransition
 from ecshare.peer.notices import Notices
 from ecshare.peer.phases import PhaseLog
@@ -258,10 +258,7 @@ class Producer(NetworkThread):
                 keys=self._keys,
                 authorized=self._authorized | self._admins,
                 insecure=cfg.insecure,
-                max_frame_bytes=cfg.max_frame_bytes,
-                heartbeat_ivl_s=cfg.heartbeat_interval_s,
-                heartbeat_timeout_s=cfg.heartbeat_timeout_s,
-                handshake_timeout_s=cfg.handshake_timeout_s,
+                settings=LinkSettings.of(cfg),
                 name=f"{self._name} control server",
             )
             self._waker = Waker()

@@ -24,6 +24,7 @@ from typing import Any
 
 import msgspec
 import zmq
+from control_testing import FAST
 
 from ecshare import protocol as p
 from ecshare.control import (
@@ -35,11 +36,6 @@ from ecshare.control import (
     load_public_key,
 )
 
-FAST: dict[str, Any] = {
-    "heartbeat_ivl_s": 0.2,
-    "heartbeat_timeout_s": 1.0,
-    "handshake_timeout_s": 2.0,
-}
 HELLO = p.Hello(versions=[1], session_id="s-1", client_name="test-consumer", fingerprint="fp")
 
 
@@ -50,13 +46,13 @@ def _emit(payload: dict[str, Any]) -> None:
 
 def serve(args: argparse.Namespace) -> None:
     if args.insecure:
-        server = ControlServer(keys=None, insecure=True, port=args.port, **FAST)
+        server = ControlServer(keys=None, insecure=True, port=args.port, settings=FAST)
     else:
         server = ControlServer(
             keys=load_keypair(args.secret_file),
             authorized=load_authorized_keys(args.authorized),
             port=args.port,
-            **FAST,
+            settings=FAST,
         )
     _emit({"endpoint": server.endpoint, "port": server.port})
     poller = zmq.Poller()
@@ -97,7 +93,7 @@ def call(args: argparse.Namespace) -> None:
             args.endpoint,
             server_public_key=load_public_key(args.server_key),
             keys=load_keypair(args.secret_file),
-            **FAST,
+            settings=FAST,
         )
     client.send(HELLO)
     deadline = time.monotonic() + args.timeout_ms / 1000

@@ -24,17 +24,14 @@ from ecshare.control import (
     ControlServer,
     KeyFiles,
     KeyPair,
+    LinkSettings,
     generate_keypair,
     load_keypair,
 )
 
 REPO = Path(__file__).resolve().parents[2]
 PEER_SCRIPT = Path(__file__).with_name("control_peer_process.py")
-FAST: dict[str, Any] = {
-    "heartbeat_ivl_s": 0.2,
-    "heartbeat_timeout_s": 1.0,
-    "handshake_timeout_s": 2.0,
-}
+FAST = LinkSettings(heartbeat_ivl_s=0.2, heartbeat_timeout_s=1.0, handshake_timeout_s=2.0)
 
 
 @dataclass(frozen=True)
@@ -68,7 +65,7 @@ def make_server() -> Iterator[Callable[..., ControlServer]]:
     servers: list[ControlServer] = []
 
     def make(**kwargs: Any) -> ControlServer:
-        server = ControlServer(**{**FAST, **kwargs})
+        server = ControlServer(**{"settings": FAST, **kwargs})
         servers.append(server)
         return server
 
@@ -82,7 +79,7 @@ def make_client() -> Iterator[Callable[..., ControlClient]]:
     clients: list[ControlClient] = []
 
     def make(endpoint: str, **kwargs: Any) -> ControlClient:
-        client = ControlClient(endpoint, **{**FAST, **kwargs})
+        client = ControlClient(endpoint, **{"settings": FAST, **kwargs})
         clients.append(client)
         return client
 

@@ -139,7 +139,7 @@ def test_producer_survives_a_reset_of_a_superseded_connection(
         time.sleep(0.3)
         proxy.reset_server_side()  # the I/O error
         # Several of the producer's heartbeat intervals.
-        time.sleep(5 * FAST["heartbeat_ivl_s"])
+        time.sleep(5 * FAST.heartbeat_ivl_s)
         code = producer.process.poll()
         producer.errors.seek(0)
         assert code is None, f"the producer died ({code}): {producer.errors.read()[-500:]}"
@@ -175,12 +175,12 @@ def test_producer_still_drops_a_consumer_that_goes_silent(
             assert time.monotonic() < deadline, "the consumer never connected"
             server.recv(50)
         # Its PINGs, which carry the TTL, have begun.
-        time.sleep(3 * FAST["heartbeat_ivl_s"])
+        time.sleep(3 * FAST.heartbeat_ivl_s)
         os.kill(consumer.pid, signal.SIGSTOP)  # silent, its connection still open
         stopped = time.monotonic()
         while server.stats["disconnected"] < 1:
             server.recv(50)
-            assert time.monotonic() - stopped < FAST["heartbeat_timeout_s"] + 2, (
+            assert time.monotonic() - stopped < FAST.heartbeat_timeout_s + 2, (
                 "the producer never dropped a consumer that stopped sending heartbeats"
             )
     finally:

@@ -13,7 +13,6 @@ from ecshare.control import (
     ControlConfigError,
     ControlServer,
     KeyPair,
-    LinkSettings,
     load_authorized_keys,
 )
 
@@ -22,7 +21,7 @@ def _pool(keyring: Keyring, server_public_key: bytes | None = None) -> ClientPoo
     return ClientPool(
         keys=keyring.client.keys,
         server_public_key=server_public_key,
-        settings=LinkSettings(**FAST),
+        settings=FAST,
     )
 
 

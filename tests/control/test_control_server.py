@@ -6,6 +6,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 import msgspec
 import pytest
@@ -136,7 +137,7 @@ def test_oversized_message_disconnects_sender_not_server(
     make_client: Callable[..., ControlClient],
     context: zmq.Context[zmq.Socket[bytes]],
 ) -> None:
-    server = _curve_server(make_server, keyring, max_frame_bytes=4096)
+    server = _curve_server(make_server, keyring, settings=replace(FAST, max_frame_bytes=4096))
     raw = _raw_dealer(context, server, keyring)
     monitor = raw.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
     events = []
@@ -160,7 +161,7 @@ def test_oversized_message_disconnects_sender_not_server(
         server.endpoint,
         server_public_key=keyring.server.keys.public,
         keys=keyring.client.keys,
-        max_frame_bytes=4096,
+        settings=replace(FAST, max_frame_bytes=4096),
     )
     # Our own client refuses to send what the server would cut it off for.
     huge = p.FetchRequest(
@@ -275,14 +276,14 @@ def test_closing_server_and_client_releases_the_context(keyring: Keyring) -> Non
         keys=keyring.server.keys,
         authorized=load_authorized_keys(keyring.authorized_file),
         context=context,
-        **FAST,
+        settings=FAST,
     )
     client = ControlClient(
         server.endpoint,
         server_public_key=keyring.server.keys.public,
         keys=keyring.client.keys,
         context=context,
-        **FAST,
+        settings=FAST,
     )
     assert client.wait_ready(10_000)
     client.close()

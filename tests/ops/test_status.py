@@ -33,7 +33,7 @@ from peer_testing import (
 )
 
 from ecshare import protocol as p
-from ecshare.control import ControlClient, generate_keypair, load_keypair
+from ecshare.control import ControlClient, LinkSettings, generate_keypair, load_keypair
 from ecshare.peer.status import SessionView, key_fingerprint, status_reply
 from ecshare.store import Region, Store
 
@@ -254,7 +254,7 @@ def test_admin_key_cannot_open_a_fetch_session(
         producer.address,
         server_public_key=keyring.producer.public,
         keys=load_keypair(admin_secret),
-        handshake_timeout_s=2.0,
+        settings=LinkSettings(handshake_timeout_s=2.0),
     )
     try:
         assert client.wait_ready(10_000)

@@ -35,7 +35,7 @@ from ecshare.apps.bench.synthetic import synthetic_bytes
 from ecshare.apps.chaos.options import TIMING
 from ecshare.apps.ready import ProducerReady, ServedEntry, parse_ready
 from ecshare.config import Config
-from ecshare.control import ControlClient, KeyPair, generate_keypair, load_keypair
+from ecshare.control import ControlClient, KeyPair, LinkSettings, generate_keypair, load_keypair
 from ecshare.peer import Consumer, Node, Producer, start_consumer, start_producer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -47,6 +47,8 @@ MiB = 1 << 20
 # Short timeouts everywhere, so that failures show within seconds: the chaos
 # harness's timing (the consumer's deadline cap stays under the lease).
 FAST: dict[str, Any] = {"region_bytes": 64 * MiB, **TIMING}
+# The same for a control connection driven by hand (`RawSession`).
+RAW_LINK = LinkSettings(heartbeat_ivl_s=0.2, heartbeat_timeout_s=1.0, handshake_timeout_s=1.0)
 
 
 def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -451,9 +453,7 @@ def raw_session(keyring: Keyring) -> Iterator[MakeRawSession]:
             server_public_key=None if insecure else keyring.producer.public,
             keys=None if insecure else keyring.consumer,
             insecure=insecure,
-            heartbeat_ivl_s=0.2,
-            heartbeat_timeout_s=1.0,
-            handshake_timeout_s=1.0,
+            settings=RAW_LINK,
         )
         clients.append(client)
         return RawSession(client, fingerprint)

@@ -146,12 +146,7 @@ def test_quarantine_releases_what_has_ended_and_says_bye(
         keys=load_keypair(keyring.consumer_secret),
         server_public_key=load_public_key(str(keyring.producer_public)),
         insecure=False,
-        settings=LinkSettings(
-            max_frame_bytes=cfg.max_frame_bytes,
-            heartbeat_ivl_s=cfg.heartbeat_interval_s,
-            heartbeat_timeout_s=cfg.heartbeat_timeout_s,
-            handshake_timeout_s=cfg.handshake_timeout_s,
-        ),
+        settings=LinkSettings.of(cfg),
     )
     agent = cnode.transport.local_info().agent_name
     link = PeerLink(

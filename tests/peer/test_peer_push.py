@@ -43,7 +43,7 @@ from peer_testing import (
 
 from ecshare import protocol as p
 from ecshare.apps.chaos.faultproxy import FaultProxy, Faults
-from ecshare.control import ControlServer
+from ecshare.control import ControlServer, LinkSettings
 from ecshare.metrics import read_samples
 from ecshare.peer import (
     FetchItem,
@@ -260,8 +260,7 @@ class FakeProducer:
         self.server = ControlServer(
             keys=keyring.producer,
             authorized=frozenset({keyring.consumer.public}),
-            heartbeat_ivl_s=0.2,
-            heartbeat_timeout_s=1.0,
+            settings=LinkSettings(heartbeat_ivl_s=0.2, heartbeat_timeout_s=1.0),
         )
         self.mm = mmap.mmap(-1, 1 << 20)
         self.transport = NixlTransport(f"fake-producer-{uuid.uuid4().hex[:8]}")

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import zmq
-from peer_testing import Keyring, RawSession
+from peer_testing import RAW_LINK, Keyring, RawSession
 
 from ecshare.control import ControlClient, KeyPair, generate_keypair, load_keypair
 
@@ -225,9 +225,7 @@ def rival_session(keyring: Keyring, rival: KeyPair) -> Iterator[Any]:
             address,
             server_public_key=keyring.producer.public,
             keys=rival,
-            heartbeat_ivl_s=0.2,
-            heartbeat_timeout_s=1.0,
-            handshake_timeout_s=1.0,
+            settings=RAW_LINK,
         )
         clients.append(client)
         return RawSession(client)

@@ -25,6 +25,7 @@ from ecshare.control import (
     ControlClient,
     ControlConfigError,
     KeyPair,
+    LinkSettings,
     load_keypair,
     load_public_key,
 )
@@ -117,8 +118,9 @@ def query_status(
         server_public_key=server_public_key,
         keys=keys,
         insecure=insecure,
-        max_frame_bytes=max_frame_bytes,
-        handshake_timeout_s=max(0.1, timeout_s),
+        settings=LinkSettings(
+            max_frame_bytes=max_frame_bytes, handshake_timeout_s=max(0.1, timeout_s)
+        ),
     )
     try:
         try:
