@@ -87,19 +87,38 @@ class ChaosRun(Verdict):
         o = self.o
         next_fault = started + self.rng.expovariate(1 / o.fault_interval_s)
         next_poll = started
+        # Whether the load ran on past `fetches` waiting for a fault kind, and how many
+        # fetches had been delivered when the last kind struck.
+        extended = False
+        delivered_at_last_kind: int | None = None
         while True:
             now = time.monotonic()
             if o.soak_s and now - started >= o.soak_s:
                 break
             if not o.soak_s and self.tally.attempted >= self.budget:
                 missing = [k for k in o.faults if not self.faults[k]]
-                if not missing or now - started > o.every_fault_within_s:
+                if extended and not missing and now - started <= o.every_fault_within_s:
+                    # The last kind has only just struck, and every fetch so far may
+                    # have met it or the ones before (a producer frozen before the
+                    # sessions were up fails them all at once): the load goes on until
+                    # a fetch is served after it, to show the system serving again
+                    # after the faults, not only failing cleanly under them.
+                    if delivered_at_last_kind is None:
+                        delivered_at_last_kind = self.tally.delivered
+                    recovering = self.tally.delivered <= delivered_at_last_kind
+                else:
+                    recovering = False
+                if recovering:
+                    self.budget += o.inflight_per_consumer
+                elif not missing or now - started > o.every_fault_within_s:
                     for kind in missing:
                         self.tally.violations.append(f"fault kind {kind} never injected")
                     break
-                # Every kind runs at least once: more load, and the next fault now.
-                self.budget += o.inflight_per_consumer
-                next_fault = min(next_fault, now + 0.2)
+                else:
+                    # Every kind runs at least once: more load, and the next fault now.
+                    extended = True
+                    self.budget += o.inflight_per_consumer
+                    next_fault = min(next_fault, now + 0.2)
             for item in sorted((s for s in self.scheduled if s[0] <= now), key=_due):
                 self.scheduled.remove(item)
                 item[2]()
