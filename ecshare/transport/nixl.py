@@ -82,10 +82,13 @@ small against items of megabytes, and it ties reads to a block grid.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import os
+import sys
 import threading
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -116,8 +119,64 @@ _ENV_LOCK = threading.Lock()
 _PROGRESS_THREAD_WAKE_US = 100_000
 
 
+_CUDA_STACKS = ("torch", "cuda.bindings", "cupy")
+
+
+def spare_torch_probe() -> None:
+    """Spare `import nixl` its import of torch where the answer is known without it.
+
+    The `nixl` package picks its backend (nixl_cu12, ...) by the CUDA version it
+    finds; on a CPU build of torch the version file says None, and the package
+    then imports all of torch (about 2 s of CPU here) only to read that same None
+    again, in every process that uses the data plane. Where no CUDA stack is
+    loaded and torch's version file says it has no CUDA (or torch is absent), the
+    answer is None without the import, and this gives it; `nixl` then picks the
+    first backend installed, as it would have. Any other case is left to `nixl`.
+    """
+    if "nixl" in sys.modules or any(m in sys.modules for m in _CUDA_STACKS):
+        return
+    try:
+        import nixl_meta_utils as meta
+    except ImportError:
+        return  # a nixl without this helper module: nothing to spare
+    probe = getattr(meta, "detect_cuda_major", None)
+    if probe is None or getattr(probe, "ecshare_spared", False) or _torch_cuda_known():
+        return
+
+    def detect_cuda_major() -> int | None:
+        return probe() if any(m in sys.modules for m in _CUDA_STACKS) else None
+
+    detect_cuda_major.ecshare_spared = True  # type: ignore[attr-defined]
+    meta.detect_cuda_major = detect_cuda_major
+
+
+def _torch_cuda_known() -> bool:
+    """Whether torch may name a CUDA version: True unless it is absent, or its version
+    file (read alone, torch itself not imported) says `cuda = None`."""
+    try:
+        spec = importlib.util.find_spec("torch")
+    except (ImportError, ValueError):
+        return True
+    if spec is None:
+        return False  # no torch: nixl's own last resort finds none either
+    if not spec.origin:
+        return True
+    try:
+        version_spec = importlib.util.spec_from_file_location(
+            "_ecshare_torch_version", Path(spec.origin).parent / "version.py"
+        )
+        if version_spec is None or version_spec.loader is None:
+            return True
+        version = importlib.util.module_from_spec(version_spec)
+        version_spec.loader.exec_module(version)
+    except Exception:
+        return True
+    return not hasattr(version, "cuda") or version.cuda is not None
+
+
 def _import_nixl() -> Any:
     try:
+        spare_torch_probe()
         import nixl._api as nixl_api
     except ImportError as e:
         raise TransportError(_INSTALL_HINT) from e

@@ -12,10 +12,14 @@ reads from two threads at once, NIXL's prepared descriptor lists, and the
 from __future__ import annotations
 
 import mmap
+import os
+import subprocess
+import sys
 import threading
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -201,3 +205,35 @@ def test_peer_info_is_what_was_registered(producer: Producer) -> None:
     assert info.kind == "nixl"
     assert info.region_size == SIZE
     assert info.agent_metadata
+
+
+_BACKEND = (
+    "import sys\n"
+    "from ecshare.transport.nixl import _import_nixl\n"
+    "api = _import_nixl()\n"
+    "print(api.nixl_agent.__module__, 'torch' in sys.modules)\n"
+)
+_ON_ITS_OWN = "import sys, nixl._api as a; print(a.nixl_agent.__module__, 'torch' in sys.modules)"
+
+
+def _python(code: str) -> str:
+    root = str(Path(__file__).resolve().parents[2])
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
+        check=True,
+    )  # fmt: skip
+    return proc.stdout.strip()
+
+
+def test_nixl_loads_the_backend_it_would_pick_without_importing_torch() -> None:
+    # On a CPU build of torch, `import nixl` alone imports all of torch to learn
+    # that there is no CUDA (2 s of CPU in every data-plane process); ecshare
+    # gives it that answer, and the backend must be the one nixl picks itself.
+    module, torch_loaded = _python(_ON_ITS_OWN).split()
+    if torch_loaded == "False":
+        pytest.skip("this nixl loads without torch by itself: nothing to spare")
+    assert _python(_BACKEND) == f"{module} False"
