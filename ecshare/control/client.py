@@ -17,7 +17,7 @@ import zmq
 
 from ecshare import protocol as p
 from ecshare.control.errors import AuthenticationFailed, ControlConfigError, ControlError
-from ecshare.control.events import Watch, watch
+from ecshare.control.events import Watch, Watched, watch
 from ecshare.control.handshake import MONITORED_EVENTS, Handshake, LinkState
 from ecshare.control.keys import KeyPair, require_z85_key
 from ecshare.control.link import PRODUCER_TO_CONSUMER, Drop, LinkSettings, SocketEvent, remaining_ms
@@ -32,7 +32,7 @@ _STAT_NAMES: Final = (
 )
 
 
-class ControlClient:
+class ControlClient(Watched):
     """A DEALER connected to one producer's control server.
 
     Use from one thread. Register `socket` with a `zmq.Poller` for POLLIN; when
@@ -196,19 +196,6 @@ class ControlClient:
         """Counters: messages, drops per reason, connection events. Any thread may read."""
         return {**self._stats, **self._handshake.counters}
 
-    def close(self) -> None:
-        """Idempotent. Queued messages get `linger_ms` to leave."""
-        if self._closed:
-            return
-        self._closed = True
-        self._release(self._socket)
-
-    def __enter__(self) -> ControlClient:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
     # --- inside -------------------------------------------------------------------------------
 
     def _take(self) -> p.Message | Drop | None:
@@ -246,11 +233,6 @@ class ControlClient:
     def _check_open(self) -> None:
         if self._closed:
             raise ControlError(f"control client for {self.endpoint} is closed")
-
-    def _release(self, sock: zmq.Socket[bytes]) -> None:
-        if self._watch is not None:
-            self._watch.stop()
-        sock.close()
 
 
 def _routing_id() -> bytes:

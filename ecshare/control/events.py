@@ -21,7 +21,7 @@ import queue
 import threading
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Self
 
 import zmq
 
@@ -45,6 +45,33 @@ class Watch:
         if sock is not None and not sock.closed:
             with contextlib.suppress(zmq.ZMQError):
                 sock.disable_monitor()
+
+
+class Watched:
+    """What a control client and server share: a socket whose events a `Watch` reads,
+    closed once (`close`, or the end of a `with` block) from the owner's thread."""
+
+    _socket: zmq.Socket[bytes]
+    _watch: Watch | None
+    _closed: bool
+
+    def close(self) -> None:
+        """Idempotent. Queued messages get the socket's `linger_ms` to leave."""
+        if self._closed:
+            return
+        self._closed = True
+        self._release(self._socket)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _release(self, sock: zmq.Socket[bytes]) -> None:
+        if self._watch is not None:
+            self._watch.stop()
+        sock.close()
 
 
 def watch(sock: zmq.Socket[bytes], events: int, on_event: EventCallback) -> Watch:

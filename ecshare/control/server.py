@@ -25,7 +25,7 @@ import zmq
 from ecshare import protocol as p
 from ecshare.control.auth import AllowList, ZapRegistration, register_allow_list
 from ecshare.control.errors import ControlConfigError, ControlError
-from ecshare.control.events import Watch, watch
+from ecshare.control.events import Watch, Watched, watch
 from ecshare.control.keys import KeyPair
 from ecshare.control.link import CONSUMER_TO_PRODUCER, Drop, LinkSettings, SocketEvent, remaining_ms
 
@@ -66,7 +66,7 @@ class Inbound:
     message: p.Message
 
 
-class ControlServer:
+class ControlServer(Watched):
     """A ROUTER bound to tcp://host:port that delivers only valid, authenticated messages.
 
     Use from one thread (ZMQ sockets are not thread-safe). Register `socket` with
@@ -208,19 +208,6 @@ class ControlServer:
             **{f"auth_refused.{reason}": n for reason, n in refused.items()},
         }
 
-    def close(self) -> None:
-        """Idempotent. Pending replies get `linger_ms` to leave."""
-        if self._closed:
-            return
-        self._closed = True
-        self._release(self._socket)
-
-    def __enter__(self) -> ControlServer:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
     # --- inside -------------------------------------------------------------------------------
 
     def _take(self) -> Inbound | Drop | None:
@@ -311,9 +298,7 @@ class ControlServer:
             raise ControlError(f"{self.name} is closed")
 
     def _release(self, sock: zmq.Socket[bytes]) -> None:
-        if self._watch is not None:
-            self._watch.stop()
-        sock.close()
+        super()._release(sock)
         if self._zap is not None:
             self._zap.close()
             self._zap = None
