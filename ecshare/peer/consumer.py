@@ -54,6 +54,7 @@ import zmq
 from ecshare import protocol as p
 from ecshare.config import Config
 from ecshare.control import AuthenticationFailed, ClientPool, KeyPair, LinkSettings, Waker
+from ecshare.peer.dataplane import announced
 from ecshare.peer.inbox import Inbox, PushLink, Reservation
 from ecshare.peer.link import PeerLink, PeerLinkState
 from ecshare.peer.notices import Notices
@@ -696,13 +697,7 @@ class Consumer(NetworkThread):
                 client_name=self._name,
                 fingerprint=self._fingerprint,
                 capabilities=list(p.LOCAL_CAPABILITIES),
-                data_plane=p.DataPlaneInfo(
-                    kind=info.kind,
-                    agent_name=info.agent_name,
-                    agent_metadata=info.agent_metadata,
-                    region_address=info.region_address,
-                    region_size=info.region_size,
-                ),
+                data_plane=announced(info),
                 push_name=self._config.push_name or "",
             )
         return p.Hello(
@@ -711,7 +706,7 @@ class Consumer(NetworkThread):
             client_name=self._name,
             fingerprint=self._fingerprint,
             capabilities=[c for c in p.LOCAL_CAPABILITIES if c != p.CAP_PUSH],
-            data_plane=p.DataPlaneInfo(kind=info.kind, agent_name=info.agent_name),
+            data_plane=announced(info, layout=False),
         )
 
     def _push_link(self, link: PeerLink) -> PushLink:

@@ -31,6 +31,7 @@ import zmq
 from ecshare import protocol as p
 from ecshare.config import Config
 from ecshare.control import ClientPool, ControlClient, LaneClient, lane_host
+from ecshare.peer.dataplane import peer_info
 from ecshare.peer.transfer import FailureReason
 from ecshare.transport.base import DataTransport, PeerInfo
 
@@ -154,9 +155,7 @@ class PeerLink:
                 )
             if msg.lease_ms <= 0:
                 return (FailureReason.INCOMPATIBLE, "the producer grants no lease")
-            info = PeerInfo(
-                dp.kind, dp.agent_name, dp.agent_metadata, dp.region_address, dp.region_size
-            )
+            info = peer_info(dp)
             try:
                 self.agent = self._transport.add_peer(info)
             except Exception as exc:  # the transport names what it rejected

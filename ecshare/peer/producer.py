@@ -29,6 +29,7 @@ from ecshare import protocol as p
 from ecshare.config import Config
 from ecshare.control import ControlServer, KeyPair, LaneServer, LinkSettings, Waker
 from ecshare.errors import IllegalTransition
+from ecshare.peer.dataplane import announced, peer_info
 from ecshare.peer.notices import Notices
 from ecshare.peer.phases import PhaseLog
 from ecshare.peer.pusher import Pusher, PushOutcome, PushState, PushTarget
@@ -481,13 +482,7 @@ class Producer(NetworkThread):
             lease_ms=int(cfg.lease_s * 1000),
             heartbeat_ms=int(cfg.heartbeat_interval_s * 1000),
             max_batch_items=min(cfg.max_batch_items, p.MAX_BATCH_ITEMS),
-            data_plane=p.DataPlaneInfo(
-                kind=info.kind,
-                agent_name=info.agent_name,
-                agent_metadata=info.agent_metadata,
-                region_address=info.region_address,
-                region_size=info.region_size,
-            ),
+            data_plane=announced(info),
             # The key goes only to the key that opened the session, CURVE-encrypted.
             lane=self._lanes.offer(msg.session_id) if self._lanes is not None else None,
         )
@@ -512,11 +507,7 @@ class Producer(NetworkThread):
         ):
             return None
         try:
-            agent = self._transport.add_peer(
-                PeerInfo(
-                    dp.kind, dp.agent_name, dp.agent_metadata, dp.region_address, dp.region_size
-                )
-            )
+            agent = self._transport.add_peer(peer_info(dp))
         except Exception as exc:  # the transport names what it rejected
             log.warning("consumer %s offers push, but its data plane: %s", msg.client_name, exc)
             self._count("push_peer_refused")
