@@ -66,11 +66,15 @@ class Fleet(PushFaults):
                     self.faults[kind] += 1
                 return
 
-    def _fault_kill_producer(self) -> bool:
+    def _pick_producer(self) -> int | None:
+        """One of the producers a fault may take, drawn at random; None if none may."""
         live = self._running_producers()
-        if not live:
+        return self.rng.choice(live) if live else None
+
+    def _fault_kill_producer(self) -> bool:
+        index = self._pick_producer()
+        if index is None:
             return False
-        index = self.rng.choice(live)
         child = self.producers[index]
         assert child is not None
         self._stats(child)  # its last word on writes after free
@@ -84,10 +88,9 @@ class Fleet(PushFaults):
 
     def _fault_restart_producer(self) -> bool:
         """A clean stop and a start under the same key and port."""
-        live = self._running_producers()
-        if not live:
+        index = self._pick_producer()
+        if index is None:
             return False
-        index = self.rng.choice(live)
         self.log(f"restart_producer {index}")
         self._stop_and_restart(index)
         return True
@@ -109,10 +112,9 @@ class Fleet(PushFaults):
         return True
 
     def _fault_pause_producer(self) -> bool:
-        live = self._running_producers()
-        if not live:
+        index = self._pick_producer()
+        if index is None:
             return False
-        index = self.rng.choice(live)
         child = self.producers[index]
         assert child is not None
         child.pause()
