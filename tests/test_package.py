@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 
@@ -45,3 +47,24 @@ def test_a_command_without_its_optional_package_names_the_extra_to_install() -> 
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "chaos" in out.stdout, out.stderr
+
+
+DOCTOR = [sys.executable, "-m", "ecshare", "doctor", "--json", "--no-selftest"]
+
+
+def test_a_reader_that_went_away_is_no_crash() -> None:
+    # `ecshare doctor --json | head -0`: the pipe's reader is gone before the report.
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        out = subprocess.run(
+            [*DOCTOR, "--region-bytes", str(64 << 20), "--no-prefault"],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        os.close(write_end)
+    assert "Traceback" not in out.stderr, out.stderr
+    assert out.returncode == 128 + signal.SIGPIPE, out.stderr

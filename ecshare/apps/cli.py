@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -148,6 +149,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    except BrokenPipeError:
+        # The reader of our output went away (`ecshare doctor | head`): nothing is
+        # wrong here. Python's own advice: point stdout at /dev/null, so that the
+        # flush at exit does not raise again, and exit as a shell does on SIGPIPE.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
 
 
 def _dispatch(args: argparse.Namespace) -> int:
