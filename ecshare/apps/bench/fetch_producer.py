@@ -34,7 +34,8 @@ _Answer = TypeVar("_Answer")
 
 
 class FillEntries(msgspec.Struct, frozen=True):
-    """Drop every entry held, then put `count` of `size` bytes; answered with `Entries`."""
+    """Drop every entry held (the last fresh one too), then put `count` of `size` bytes;
+    answered with `Entries`."""
 
     size: int
     count: int
@@ -121,6 +122,9 @@ def _producer_main(conn: Connection, settings: dict[str, Any], fingerprint: str)
         pipe.send(Ready(os.getpid(), producer.address, producer.port, node.transport.local_info()))
         for cmd in pipe.commands():
             if isinstance(cmd, FillEntries):
+                if fresh:  # else the region never empties and _clear waits out its bound
+                    held.append(fresh)
+                    fresh = ""
                 _clear(store, held)
                 items = []
                 for i in range(cmd.count):
