@@ -3,7 +3,8 @@
 Only the shape is checked, never the speed: timings on a shared machine say
 nothing about correctness. What is checked is that the figures are of real
 transfers: every sporadic fetch was granted and read, its steps lie in the order
-they happened, and the producer's CPU clock moved.
+they happened, and the producer's CPU clock moved. So the run, over every default
+size and mode, takes a few samples of each loop (--samples) after the usual warm-ups.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ MODES = {"single", "batch"}
 SPORADIC_SIZES = {64 << 10, 1 << 20, 4_505_600, 16 << 20}
 SPORADIC_STEPS = [name for _, name in ECSHARE_STEPS]
 ROW_NUMBERS = ("ecshare_gbps", "raw_nixl_gbps", "memcpy_gbps", "ratio_vs_raw_nixl")
+SAMPLES = 3
 
 
 def _positive(value: Any) -> bool:
@@ -43,8 +45,9 @@ def _positive(value: Any) -> bool:
 @pytest.fixture(scope="module")
 def report() -> dict[str, Any]:
     env = {**os.environ, "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo")}
+    args = ["bench", "fetch", "--quick", "--json", "--samples", str(SAMPLES)]
     proc = subprocess.run(
-        [sys.executable, "-m", "ecshare", "bench", "fetch", "--quick", "--json"],
+        [sys.executable, "-m", "ecshare", *args],
         capture_output=True,
         text=True,
         timeout=240,
@@ -66,6 +69,11 @@ def test_rows_cover_every_size_and_mode(report: dict[str, Any]) -> None:
         (size, "sporadic") for size in SPORADIC_SIZES
     }
     assert len(rows) == len(seen)
+    assert all(row["samples"] == SAMPLES for row in rows)
+    parameters = report["parameters"]
+    for counts in ("single_samples", "batch_samples"):
+        assert parameters[counts] == [SAMPLES] * len(SIZES), counts
+    assert parameters["sporadic_samples"] == [SAMPLES] * len(SPORADIC_SIZES)
 
 
 def test_row_fields_are_positive_numbers(report: dict[str, Any]) -> None:
@@ -79,6 +87,7 @@ def test_row_fields_are_positive_numbers(report: dict[str, Any]) -> None:
 
 
 def test_latency_figures(report: dict[str, Any]) -> None:
+    assert report["latency_64k_samples"] == SAMPLES
     p50, p99 = report["latency_64k_p50_ms"], report["latency_64k_p99_ms"]
     assert _positive(p50) and _positive(p99)
     assert p99 >= p50

@@ -48,13 +48,31 @@ def _float_in(expected: str, low: float, high: float, refused: str) -> Callable[
     return parse
 
 
+def _samples(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}") from None
+    if not 1 <= value <= 1_000_000:
+        raise argparse.ArgumentTypeError(f"{text} is not between 1 and 1000000")
+    return value
+
+
 _percent = _float_in("a percentage", 0, 1e6, "{text} is not a percentage from 0 to 1000000")
 _gap_ms = _float_in("milliseconds", 0, 10_000, "{text} ms is not between 0 and 10000")
 
 
-def _common(parser: argparse.ArgumentParser, sizes: bool) -> None:
+def _common(parser: argparse.ArgumentParser, sizes: bool, samples: str) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    parser.add_argument(
+        "--samples",
+        type=_samples,
+        metavar="N",
+        help=f"{samples} instead of the default (fewer with --quick), after the usual "
+        "warm-up. A few make a run that checks the bench end to end, not one to read "
+        "figures from",
+    )
     parser.add_argument(
         "--out",
         type=Path,
@@ -75,9 +93,14 @@ def _common(parser: argparse.ArgumentParser, sizes: bool) -> None:
 
 def add_bench_arguments(bench: argparse.ArgumentParser) -> None:
     sub = bench.add_subparsers(dest="bench_command", required=True)
-    _common(sub.add_parser("store", help="region put/get against memcpy, allocator cost"), True)
+    store = sub.add_parser("store", help="region put/get against memcpy, allocator cost")
+    _common(store, True, "timed samples per size and of each entry-table figure")
     fetch = sub.add_parser("fetch", help="fetch throughput against raw NIXL and memcpy")
-    _common(fetch, True)
+    _common(
+        fetch,
+        True,
+        "timed samples per size of each loop (single, batch, sporadic, 64 KiB latency)",
+    )
     fetch.add_argument(
         "--mode",
         choices=("all", "back-to-back", "sporadic"),
@@ -94,7 +117,7 @@ def add_bench_arguments(bench: argparse.ArgumentParser) -> None:
         "(default 5)",
     )
     pipeline = sub.add_parser("pipeline", help="exposed latency at the PD of push against pull")
-    _common(pipeline, True)
+    _common(pipeline, True, "requests per size and mode")
     pipeline.add_argument(
         "--delay-ms",
         type=_gap_ms,
@@ -106,7 +129,7 @@ def add_bench_arguments(bench: argparse.ArgumentParser) -> None:
         "--ucx-tls", default="", metavar="TLS", help="UCX transports (e.g. tcp; default: UCX's)"
     )
     proxy = sub.add_parser("proxy", help="the proxy's added latency over stub backends")
-    _common(proxy, False)
+    _common(proxy, False, "requests per round at each concurrency (at least one per client)")
     proxy.add_argument(
         "--workers", type=int, default=1, help="proxy processes (`ecshare proxy --workers`)"
     )
@@ -149,7 +172,9 @@ def run_bench(args: argparse.Namespace) -> int:
     if command == "store":
         from ecshare.apps.bench.store import run_store_bench
 
-        return run_store_bench(args.json, args.quick, args.sizes, args.out, args.quiet)
+        return run_store_bench(
+            args.json, args.quick, args.sizes, args.out, args.quiet, samples=args.samples
+        )
     if command == "fetch":
         from ecshare.apps.bench.fetch import run_fetch_bench
 
@@ -161,17 +186,25 @@ def run_bench(args: argparse.Namespace) -> int:
             args.quiet,
             mode=args.mode,
             gap_s=args.gap_ms / 1000,
+            samples=args.samples,
         )
     if command == "pipeline":
         from ecshare.apps.bench.pipeline import run_pipeline_bench
 
         return run_pipeline_bench(
-            args.json, args.quick, args.sizes, delay_ms=args.delay_ms, ucx_tls=args.ucx_tls
+            args.json,
+            args.quick,
+            args.sizes,
+            delay_ms=args.delay_ms,
+            ucx_tls=args.ucx_tls,
+            samples=args.samples,
         )
     if command == "proxy":
         from ecshare.apps.bench.proxy import run_proxy_bench
 
-        return run_proxy_bench(args.json, args.quick, args.out, args.quiet, args.workers)
+        return run_proxy_bench(
+            args.json, args.quick, args.out, args.quiet, args.workers, samples=args.samples
+        )
     if command == "report":
         from ecshare.apps.bench.report import run_report
 

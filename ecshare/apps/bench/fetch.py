@@ -282,8 +282,11 @@ def _measure(
     )
 
 
-def _samples_for(size: int, quick: bool) -> tuple[int, int]:
-    """(single, batch) samples for `size`: those of the nearest listed size at or above it."""
+def _samples_for(size: int, quick: bool, samples: int | None = None) -> tuple[int, int]:
+    """(single, batch) samples for `size`: `samples` if given, else those of the nearest
+    listed size at or above it."""
+    if samples is not None:
+        return samples, samples
     listed = [s for s in sorted(SAMPLES) if s >= size] or [max(SAMPLES)]
     singles, batches = SAMPLES[listed[0]]
     if quick:
@@ -291,23 +294,35 @@ def _samples_for(size: int, quick: bool) -> tuple[int, int]:
     return singles, batches
 
 
-def _latency_samples(size: int, quick: bool) -> int:
-    return LATENCY_SAMPLES[1 if quick else 0] if size == 64 * KiB else 0
+def _latency_samples(size: int, quick: bool, samples: int | None = None) -> int:
+    if size != 64 * KiB:
+        return 0
+    return samples if samples is not None else LATENCY_SAMPLES[1 if quick else 0]
 
 
-def _steps(size: int, quick: bool) -> int:
+def _sporadic_samples(size: int, quick: bool, samples: int | None = None) -> int:
+    return samples if samples is not None else sporadic_samples(size, quick)
+
+
+def _steps(size: int, quick: bool, samples: int | None) -> int:
     """Progress steps of one size: the check, every sample, every latency fetch."""
-    singles, batches = _samples_for(size, quick)
-    return 1 + 2 * WARMUP + singles + batches + _latency_samples(size, quick)
+    singles, batches = _samples_for(size, quick, samples)
+    return 1 + 2 * WARMUP + singles + batches + _latency_samples(size, quick, samples)
 
 
 def _bench_size(
-    b: _Bench, size: int, batch: int, quick: bool, memcpy_dst: Bytes, bar: BenchProgress
+    b: _Bench,
+    size: int,
+    batch: int,
+    quick: bool,
+    samples: int | None,
+    memcpy_dst: Bytes,
+    bar: BenchProgress,
 ) -> tuple[list[Row], list[float], list[float]]:
     bar.advance(0, step=f"{_size_label(size)}, filling")
     entries = b.producer.fill(size, batch)
     hashes = [h for h, _ in entries]
-    singles, batches = _samples_for(size, quick)
+    singles, batches = _samples_for(size, quick, samples)
     # Raw reads go to distinct local slots, as the batch's fetches go to distinct blocks.
     raw_reads = [_segments(i * size, ext) for i, (_, ext) in enumerate(entries)]
     raw_src = [b.raw_buf[i * size : (i + 1) * size] for i in range(batch)]
@@ -349,7 +364,7 @@ def _bench_size(
     )
     latencies: list[float] = []
     raw_latencies: list[float] = []
-    n = _latency_samples(size, quick)
+    n = _latency_samples(size, quick, samples)
     if n:
         bar.advance(0, step=f"{_size_label(size)}, latency")
     for i in range(n):
@@ -547,7 +562,7 @@ def _sporadic_row(fig: SporadicFigures) -> Row:
 def _run_sporadic(
     b: _Bench,
     sizes: Sequence[int],
-    quick: bool,
+    counts: Sequence[int],
     gap_s: float,
     bar: BenchProgress,
     hold: Callable[[], float],
@@ -555,10 +570,9 @@ def _run_sporadic(
     rows = []
     fetches = 0
     cpu0, wall0 = b.producer.cpu()
-    for size in sizes:
+    for size, samples in zip(sizes, counts, strict=True):
         bar.advance(0, step=f"{_size_label(size)}, sporadic")
         memcpy_dst = np.ones(size, dtype=np.uint8)
-        samples = sporadic_samples(size, quick)
         fig = measure_sporadic(
             size=size,
             samples=samples,
@@ -592,12 +606,15 @@ def run_fetch_bench(
     quiet: bool = False,
     mode: str = "all",
     gap_s: float = DEFAULT_GAP_S,
+    samples: int | None = None,
 ) -> int:
     """Run the bench over `sizes`; print it, and write files to `out_dir`.
 
     `mode` is "back-to-back" (single, batch and 64 KiB latency over `sizes`,
     default `SIZES`), "sporadic" (over `sizes`, default `SPORADIC_SIZES`, with
-    `gap_s` idle before each fetch) or "all" (both).
+    `gap_s` idle before each fetch) or "all" (both). `samples`, when given, is the
+    number of timed samples of every loop at every size instead of the defaults
+    (`SAMPLES`, `LATENCY_SAMPLES` and `sporadic.sporadic_samples`).
     """
     from ecshare.apps.bench.report import emit
 
@@ -614,8 +631,9 @@ def run_fetch_bench(
         + [_blocks_bytes(size) for size in spor_sizes]
     )
     region_bytes = step_bytes + 64 * MiB
-    steps = sum(_steps(size, quick) for size in b2b_sizes) + sum(
-        sporadic_samples(size, quick) + SPORADIC_WARMUP for size in spor_sizes
+    spor_counts = [_sporadic_samples(size, quick, samples) for size in spor_sizes]
+    steps = sum(_steps(size, quick, samples) for size in b2b_sizes) + sum(
+        count + SPORADIC_WARMUP for count in spor_counts
     )
     bar = BenchProgress(steps, "fetch", quiet=quiet)
     producer_cpu: ProducerCpu | None = None
@@ -672,13 +690,13 @@ def run_fetch_bench(
                 if spor_sizes:
                     # First, while nothing else has run: as a new instance would see it.
                     spor_rows, producer_cpu = _run_sporadic(
-                        bench, spor_sizes, quick, gap_s, bar, hold
+                        bench, spor_sizes, spor_counts, gap_s, bar, hold
                     )
                 for size in b2b_sizes:
                     batch = _batch_for(size, quick)
                     memcpy_dst = np.ones(size * batch, dtype=np.uint8)
                     size_rows, lat, raw_lat = _bench_size(
-                        bench, size, batch, quick, memcpy_dst, bar
+                        bench, size, batch, quick, samples, memcpy_dst, bar
                     )
                     del memcpy_dst
                     rows.extend(size_rows)
@@ -701,26 +719,26 @@ def run_fetch_bench(
                 node.close()
             producer.stop()
 
-    def ms(samples: list[float], q: int) -> float | None:
-        return float(np.percentile(samples, q)) * 1000 if samples else None
+    def ms(times: list[float], q: int) -> float | None:
+        return float(np.percentile(times, q)) * 1000 if times else None
 
     p50 = ms(latencies, 50)
     targets, meets = _targets(rows, p50)
-    samples = [_samples_for(size, quick) for size in b2b_sizes]
+    counts = [_samples_for(size, quick, samples) for size in b2b_sizes]
     result = FetchBenchResult(
         created_at=utc_now(),
         machine=machine_info(load_start),
         parameters=FetchParameters(
             sizes=b2b_sizes,
             batch_items=[_batch_for(size, quick) for size in b2b_sizes],
-            single_samples=[single for single, _ in samples],
-            batch_samples=[batch for _, batch in samples],
+            single_samples=[single for single, _ in counts],
+            batch_samples=[batch for _, batch in counts],
             warmup=WARMUP,
             block_bytes=BLOCK_BYTES,
             quick=quick,
             mode=mode,
             sporadic_sizes=spor_sizes,
-            sporadic_samples=[sporadic_samples(size, quick) for size in spor_sizes],
+            sporadic_samples=spor_counts,
             gap_ms=gap_s * 1000 if spor_sizes else None,
         ),
         rows=rows,

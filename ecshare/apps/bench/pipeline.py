@@ -244,10 +244,11 @@ def run_pipeline_bench(
     sizes: Sequence[int] | None = None,
     delay_ms: float = DEFAULT_DELAY_MS,
     ucx_tls: str = "",
+    samples: int | None = None,
 ) -> int:
     rows = measure_pipeline(
         sizes=list(sizes or SIZES),
-        samples=10 if quick else 40,
+        samples=samples or (10 if quick else 40),
         delay_s=delay_ms / 1000,
         ucx_tls=ucx_tls,
     )

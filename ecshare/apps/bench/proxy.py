@@ -126,10 +126,15 @@ def run_proxy_bench(
     out_dir: Path | None = None,
     quiet: bool = False,
     workers: int = 1,
+    samples: int | None = None,
 ) -> int:
+    """Run the bench; `samples`, when given, is the requests per round at each concurrency
+    (at least one per client) instead of 500 and 5000 (with `quick` 100 and 640)."""
     from ecshare.apps.bench.report import emit
 
     per_round = {1: 100, 64: 640} if quick else {1: 500, 64: 5000}
+    if samples is not None:
+        per_round = {c: max(c, samples) for c in CONCURRENCIES}
     rounds = 2 if quick else ROUNDS
     load_before = os.getloadavg()[0]
     # One step per load run: a warm-up per URL, then a direct and a proxied run per round.
