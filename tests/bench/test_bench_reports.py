@@ -1,10 +1,12 @@
 """`ecshare bench ... --out DIR` writes a result file, a Markdown table and a plot that hold.
 
-Each bench runs for real, briefly (tiny sizes, --quick): the store bench in this machine's
-memory, the fetch bench between a producer process and this one over NIXL + CURVE, the
-proxy bench against stub backends through a real proxy process. Only the files are
-checked, never the speed. `compare` is checked on real result files, one of them with a
-planted regression.
+Each bench runs for real, briefly (tiny sizes, --quick, a few --samples): the store bench
+in this machine's memory, the fetch bench between a producer process and this one over
+NIXL + CURVE, the proxy bench against stub backends through a real proxy process. Only the
+files are checked, never the speed. The same runs show where the progress bar goes: the
+store bench's stderr is a terminal, the proxy bench's a terminal with --quiet, the fetch
+bench's a pipe. `compare` is checked on real result files, one of them with a planted
+regression: once as a command of its own, then called in this process.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ import os
 import pty
 import subprocess
 import sys
+import threading
 from pathlib import Path
-from typing import Any
+from typing import NamedTuple
 
 import msgspec
 import pytest
@@ -26,50 +29,129 @@ from ecshare.apps.bench.report import ReportError, decode_report, json_schema, r
 from ecshare.apps.bench.schema import SCHEMA_VERSION
 from ecshare.apps.bench.store import StoreBenchResult
 from ecshare.apps.bench.synthetic import format_size
+from ecshare.apps.cli import main
 
 SIZES = (64 << 10, 256 << 10)
 SIZES_ARG = "64KiB,256KiB"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 MODES = ("single", "batch", "sporadic")
+SAMPLES = 2  # timed samples of each figure: enough for every row, not for its figures
+PROXY_REQUESTS = 64  # per round: one per client at the highest concurrency
+_TIMEOUT_S = 240
 
 
-def _ecshare(*args: str, timeout: float = 240, **kw: Any) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo")}
+def _env() -> dict[str, str]:
+    return {**os.environ, "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo")}
+
+
+def _ecshare(*args: str, timeout: float = _TIMEOUT_S) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "ecshare", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=env,
-        **kw,
+        env=_env(),
     )
 
 
-def _run(out: Path, bench: str, *extra: str) -> Path:
-    proc = _ecshare("bench", bench, "--quick", "--quiet", "--json", "--out", str(out), *extra)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    # stdout is the one JSON object, the same as the file; nothing else goes there.
+def _in_terminal(*args: str) -> tuple[subprocess.CompletedProcess[str], bytes]:
+    """`ecshare ARGS` with stdout on a pipe and stderr on a terminal; also what it showed."""
+    leader, follower = pty.openpty()
+    shown: list[bytes] = []
+
+    def read() -> None:  # as it comes, so that a full terminal never blocks the bench
+        try:
+            while chunk := os.read(leader, 65536):
+                shown.append(chunk)
+        except OSError:  # EIO: every holder of the terminal's other end has closed it
+            pass
+
+    reader = threading.Thread(target=read, daemon=True)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ecshare", *args],
+            stdout=subprocess.PIPE,
+            stderr=follower,
+            text=True,
+            env=_env(),
+        )
+        os.close(follower)
+        follower = -1
+        reader.start()
+        try:
+            stdout, _ = proc.communicate(timeout=_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise
+        reader.join(timeout=30)
+    finally:
+        if follower >= 0:
+            os.close(follower)
+    assert not reader.is_alive(), "the bench's children still hold its terminal"
+    os.close(leader)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, ""), b"".join(shown)
+
+
+class BenchRun(NamedTuple):
+    dir: Path
+    stderr: bytes  # what its stderr showed, a terminal or a pipe
+    terminal: bool
+
+
+def _run(out: Path, bench: str, *extra: str, quiet: bool, terminal: bool) -> BenchRun:
+    args = ["bench", bench, "--quick", "--json", "--out", str(out), *extra]
+    args += ["--quiet"] if quiet else []
+    if terminal:
+        proc, stderr = _in_terminal(*args)
+    else:
+        proc = _ecshare(*args)
+        stderr = proc.stderr.encode()
+    assert proc.returncode == 0, stderr[-4000:].decode(errors="replace")
+    # stdout is the one JSON object, the same as the file; nothing else goes there,
+    # bar or not.
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
     assert len(lines) == 1, proc.stdout[-2000:]
     path = out / f"{bench}.json"
     assert json.loads(lines[0]) == json.loads(path.read_text())
-    return out
+    return BenchRun(out, stderr, terminal)
 
 
 @pytest.fixture(scope="module")
-def store_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _run(tmp_path_factory.mktemp("store"), "store", "--sizes", SIZES_ARG)
+def store_run(tmp_path_factory: pytest.TempPathFactory) -> BenchRun:
+    out = tmp_path_factory.mktemp("store")
+    samples = ("--samples", str(SAMPLES))
+    return _run(out, "store", "--sizes", SIZES_ARG, *samples, quiet=False, terminal=True)
 
 
 @pytest.fixture(scope="module")
-def fetch_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def fetch_run(tmp_path_factory: pytest.TempPathFactory) -> BenchRun:
     pytest.importorskip("nixl._api", reason="the fetch bench reads over NIXL")
-    return _run(tmp_path_factory.mktemp("fetch"), "fetch", "--sizes", SIZES_ARG)
+    out = tmp_path_factory.mktemp("fetch")
+    samples = ("--samples", str(SAMPLES))
+    return _run(out, "fetch", "--sizes", SIZES_ARG, *samples, quiet=False, terminal=False)
 
 
 @pytest.fixture(scope="module")
-def proxy_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _run(tmp_path_factory.mktemp("proxy"), "proxy")
+def proxy_run(tmp_path_factory: pytest.TempPathFactory) -> BenchRun:
+    out = tmp_path_factory.mktemp("proxy")
+    samples = ("--samples", str(PROXY_REQUESTS))
+    return _run(out, "proxy", *samples, quiet=True, terminal=True)
+
+
+@pytest.fixture(scope="module")
+def store_dir(store_run: BenchRun) -> Path:
+    return store_run.dir
+
+
+@pytest.fixture(scope="module")
+def fetch_dir(fetch_run: BenchRun) -> Path:
+    return fetch_run.dir
+
+
+@pytest.fixture(scope="module")
+def proxy_dir(proxy_run: BenchRun) -> Path:
+    return proxy_run.dir
 
 
 def _table_rows(markdown: str) -> list[list[str]]:
@@ -101,6 +183,7 @@ def test_store_bench_files_hold_a_row_per_size(store_dir: Path) -> None:
     assert result.schema_version == SCHEMA_VERSION
     assert result.machine.cpus == os.cpu_count()
     assert result.parameters.sizes == list(SIZES) and result.parameters.quick
+    assert result.parameters.samples == result.parameters.table_samples == SAMPLES
     assert [c.size_bytes for c in result.copies] == list(SIZES)
     for c in result.copies:
         assert c.put_gbps > 0 and c.memcpy_gbps > 0
@@ -110,14 +193,19 @@ def test_store_bench_files_hold_a_row_per_size(store_dir: Path) -> None:
     _check_png(store_dir / "store.png")
 
 
-def test_fetch_bench_files_hold_ecshare_raw_nixl_and_memcpy_per_size(fetch_dir: Path) -> None:
+def test_fetch_bench_files_hold_ecshare_raw_nixl_and_memcpy_per_size(fetch_run: BenchRun) -> None:
+    fetch_dir = fetch_run.dir
     result = read_report(fetch_dir / "fetch.json")
     assert isinstance(result, FetchBenchResult)
     assert result.parameters.sizes == list(SIZES)
     assert result.parameters.sporadic_sizes == list(SIZES)
+    for counts in ("single_samples", "batch_samples", "sporadic_samples"):
+        assert getattr(result.parameters, counts) == [SAMPLES] * len(SIZES), counts
+    assert result.latency_64k_samples == SAMPLES
     assert {(r.size_bytes, r.mode) for r in result.rows} == {(s, m) for s in SIZES for m in MODES}
     for r in result.rows:
         assert min(r.ecshare_gbps, r.raw_nixl_gbps, r.memcpy_gbps) > 0
+        assert r.samples == SAMPLES
     markdown = (fetch_dir / "fetch.md").read_text()
     rows = _table_rows(markdown.split("\n\nSporadic:")[0])
     assert sorted((r[0], r[1]) for r in rows) == sorted(
@@ -127,11 +215,17 @@ def test_fetch_bench_files_hold_ecshare_raw_nixl_and_memcpy_per_size(fetch_dir: 
     assert [r[0] for r in sporadic] == [format_size(s) for s in SIZES]
     assert "Producer network thread CPU" in markdown
     _check_png(fetch_dir / "fetch.png")
+    # Its stderr was a pipe: no bar, and the "wrote" lines name the files.
+    assert not fetch_run.terminal and b"fetch: " not in fetch_run.stderr, fetch_run.stderr
+    wrote = [line for line in fetch_run.stderr.decode().splitlines() if line.startswith("wrote ")]
+    assert wrote == [f"wrote {fetch_dir / ('fetch' + ext)}" for ext in (".json", ".md", ".png")]
 
 
 def test_proxy_bench_files_hold_a_row_per_scenario(proxy_dir: Path) -> None:
     result = read_report(proxy_dir / "proxy.json")
     assert isinstance(result, ProxyBenchResult)
+    assert result.parameters.requests_per_round == [PROXY_REQUESTS] * 2
+    assert {r.requests for r in result.rows} == {PROXY_REQUESTS * result.rounds}
     rows = _table_rows((proxy_dir / "proxy.md").read_text())
     assert len(rows) == len(result.rows)
     assert {(r[0], r[1]) for r in rows} == {(r.scenario, str(r.concurrency)) for r in result.rows}
@@ -164,6 +258,15 @@ def _planted(fetch_dir: Path, tmp_path: Path, factor: float) -> Path:
     return path
 
 
+def _compare(capsys: pytest.CaptureFixture[str], *args: str) -> subprocess.CompletedProcess[str]:
+    """`ecshare bench compare ARGS`, called in this process (the command runs as one of its
+    own in test_compare_passes_identical_files)."""
+    capsys.readouterr()
+    code = main(["bench", "compare", *args])
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["compare", *args], code, out, err)
+
+
 def test_compare_passes_identical_files(fetch_dir: Path) -> None:
     before = str(fetch_dir / "fetch.json")
     proc = _ecshare("bench", "compare", before, before, "--fail-on-regression", "0")
@@ -177,30 +280,34 @@ def test_compare_passes_identical_files(fetch_dir: Path) -> None:
 
 
 @pytest.mark.parametrize("by", ["ecshare", "ratio"])
-def test_compare_flags_a_planted_regression(fetch_dir: Path, tmp_path: Path, by: str) -> None:
+def test_compare_flags_a_planted_regression(
+    fetch_dir: Path, tmp_path: Path, by: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     before, after = str(fetch_dir / "fetch.json"), str(_planted(fetch_dir, tmp_path, 0.5))
-    proc = _ecshare("bench", "compare", before, after, "--by", by)
+    proc = _compare(capsys, before, after, "--by", by)
     assert proc.returncode == 0, proc.stderr  # flagged, but not asked to fail
     flagged = [r for r in _table_rows(proc.stdout) if "**REGRESSION**" in r[-1]]
     assert [(r[0], r[4], r[5]) for r in flagged] == [("256 KiB single", "0.500x", "-50.0% (worse)")]
-    proc = _ecshare("bench", "compare", before, after, "--by", by, "--fail-on-regression", "20")
+    proc = _compare(capsys, before, after, "--by", by, "--fail-on-regression", "20")
     assert proc.returncode == 1
     assert "256 KiB single" in proc.stderr and "50.0% worse" in proc.stderr
     # A 10% slowdown fails a 5% gate and passes a 20% one.
     after = str(_planted(fetch_dir, tmp_path, 0.9))
-    assert _ecshare("bench", "compare", before, after, "--fail-on-regression", "5").returncode == 1
-    assert _ecshare("bench", "compare", before, after, "--fail-on-regression", "20").returncode == 0
+    assert _compare(capsys, before, after, "--fail-on-regression", "5").returncode == 1
+    assert _compare(capsys, before, after, "--fail-on-regression", "20").returncode == 0
 
 
-def test_compare_counts_a_faster_run_as_no_regression(fetch_dir: Path, tmp_path: Path) -> None:
+def test_compare_counts_a_faster_run_as_no_regression(
+    fetch_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     before, after = str(fetch_dir / "fetch.json"), str(_planted(fetch_dir, tmp_path, 2.0))
-    proc = _ecshare("bench", "compare", before, after, "--fail-on-regression", "0")
+    proc = _compare(capsys, before, after, "--fail-on-regression", "0")
     assert proc.returncode == 0, proc.stderr
     assert "+100.0% (better)" in proc.stdout
 
 
 def test_compare_refuses_bad_files_with_a_clear_error(
-    store_dir: Path, fetch_dir: Path, tmp_path: Path
+    store_dir: Path, fetch_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     fetch, store = str(fetch_dir / "fetch.json"), str(store_dir / "store.json")
     cases = {
@@ -211,7 +318,7 @@ def test_compare_refuses_bad_files_with_a_clear_error(
     garbage.write_text("{not json")
     cases["garbage"] = (str(garbage), "not a bench result file")
     for name, (before, message) in cases.items():
-        proc = _ecshare("bench", "compare", before, fetch)
+        proc = _compare(capsys, before, fetch)  # an exception would fail the test here
         assert proc.returncode == 2, name
         assert message in proc.stderr, (name, proc.stderr)
         assert "Traceback" not in proc.stderr
@@ -239,26 +346,19 @@ def test_schema_command_prints_the_json_schema_of_every_bench() -> None:
     assert {"StoreBenchResult", "FetchBenchResult", "ProxyBenchResult", "Machine"} <= names
 
 
-def test_progress_bar_goes_to_a_terminal_stderr_only(tmp_path: Path) -> None:
-    """On a terminal the bar shows on stderr; with --quiet, or piped, there is none."""
-    for quiet in (False, True):
-        leader, follower = pty.openpty()
-        args = ["bench", "store", "--quick", "--sizes", "64KiB", "--json"]
-        proc = subprocess.run(
-            [sys.executable, "-m", "ecshare", *args, *(["--quiet"] if quiet else [])],
-            stdout=subprocess.PIPE,
-            stderr=follower,
-            text=True,
-            timeout=120,
-        )
-        os.close(follower)
-        shown = b""
-        try:
-            while chunk := os.read(leader, 65536):
-                shown += chunk
-        except OSError:  # EIO: the terminal's other end is closed
-            pass
-        os.close(leader)
-        assert proc.returncode == 0
-        json.loads(proc.stdout)  # stdout holds the result alone, bar or not
-        assert (b"store" in shown) is not quiet, shown[-500:]
+def test_progress_bar_goes_to_a_terminal_stderr_only(
+    store_run: BenchRun, proxy_run: BenchRun
+) -> None:
+    """On a terminal the bar shows on stderr; with --quiet there is none (nor piped: see
+    the fetch bench's test).
+
+    The bar's line is its label and the step, e.g. "store: 64 KiB entries"; the "wrote"
+    lines name the files, and --quiet leaves them out too. Each run's stdout held the
+    result alone (see `_run`).
+    """
+    assert store_run.terminal and b"store: " in store_run.stderr, store_run.stderr[-500:]
+    assert b"wrote " in store_run.stderr
+    assert proxy_run.terminal
+    assert b"proxy: " not in proxy_run.stderr and b"wrote " not in proxy_run.stderr, (
+        proxy_run.stderr[-500:]
+    )
