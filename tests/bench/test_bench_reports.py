@@ -68,15 +68,16 @@ def _in_terminal(*args: str) -> tuple[subprocess.CompletedProcess[str], bytes]:
 
     reader = threading.Thread(target=read, daemon=True)
     try:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "ecshare", *args],
-            stdout=subprocess.PIPE,
-            stderr=follower,
-            text=True,
-            env=_env(),
-        )
-        os.close(follower)
-        follower = -1
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "ecshare", *args],
+                stdout=subprocess.PIPE,
+                stderr=follower,
+                text=True,
+                env=_env(),
+            )
+        finally:
+            os.close(follower)  # the bench holds its own
         reader.start()
         try:
             stdout, _ = proc.communicate(timeout=_TIMEOUT_S)
@@ -85,11 +86,9 @@ def _in_terminal(*args: str) -> tuple[subprocess.CompletedProcess[str], bytes]:
             proc.communicate()
             raise
         reader.join(timeout=30)
+        assert not reader.is_alive(), "the bench's children still hold its terminal"
     finally:
-        if follower >= 0:
-            os.close(follower)
-    assert not reader.is_alive(), "the bench's children still hold its terminal"
-    os.close(leader)
+        os.close(leader)
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, ""), b"".join(shown)
 
 
