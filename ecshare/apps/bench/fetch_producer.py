@@ -171,8 +171,15 @@ def _clear(store: Store, held: list[str]) -> None:
     # A removed entry with a pin left (a Release still in flight) is freed once
     # the pin goes; wait for that, so that the next fill finds the whole region.
     deadline = time.monotonic() + 10
-    while store.stats().used_blocks and time.monotonic() < deadline:
+    while (used := store.stats().used_blocks) and time.monotonic() < deadline:
         time.sleep(0.005)
+    if used:
+        # Every figure after this would be measured on a region that is not the one
+        # asked for (and this wait would hide the entry still held).
+        raise RuntimeError(
+            f"the bench producer's region did not empty within 10 s: {used} blocks are "
+            "still held by an entry the bench did not remove or a pin not released"
+        )
 
 
 # -- in the parent --------------------------------------------------------------------------
