@@ -10,6 +10,8 @@ import pytest
 
 pytest.importorskip("nixl._api")
 
+from ecshare.apps.cli import build_parser
+
 pytestmark = pytest.mark.timeout(240)
 
 SAMPLES = 4  # requests per size and mode, after the warm-up: each push must be in time
@@ -58,3 +60,14 @@ def test_pipeline_bench_prints_push_and_pull_rows_and_pushes_in_time() -> None:
     for size in (65536, 100003):
         assert rows[(size, "push")]["pushed_in_time"] == 1.0
         assert rows[(size, "pull")]["pushed_in_time"] == 0.0
+
+
+@pytest.mark.parametrize("flag", [["--out", "results"], ["--quiet"]])
+def test_pipeline_refuses_the_file_and_progress_flags_it_has_no_use_for(
+    flag: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # It writes no files and draws no bar: taking these flags would ignore them silently.
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["bench", "pipeline", *flag])
+    assert exit_info.value.code == 2
+    assert f"unrecognized arguments: {' '.join(flag)}" in capsys.readouterr().err

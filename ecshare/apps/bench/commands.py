@@ -62,7 +62,10 @@ _percent = _float_in("a percentage", 0, 1e6, "{text} is not a percentage from 0 
 _gap_ms = _float_in("milliseconds", 0, 10_000, "{text} ms is not between 0 and 10000")
 
 
-def _common(parser: argparse.ArgumentParser, sizes: bool, samples: str) -> None:
+def _common(
+    parser: argparse.ArgumentParser, sizes: bool, samples: str, *, files: bool = True
+) -> None:
+    """The options benches share; `files`: it writes --out files and has a progress bar."""
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     parser.add_argument(
@@ -73,15 +76,16 @@ def _common(parser: argparse.ArgumentParser, sizes: bool, samples: str) -> None:
         "warm-up. A few make a run that checks the bench end to end, not one to read "
         "figures from",
     )
-    parser.add_argument(
-        "--out",
-        type=Path,
-        metavar="DIR",
-        help="also write DIR/<bench>.json, DIR/<bench>.md and DIR/<bench>.png",
-    )
-    parser.add_argument(
-        "-q", "--quiet", action="store_true", help="no progress bar and no 'wrote' lines"
-    )
+    if files:
+        parser.add_argument(
+            "--out",
+            type=Path,
+            metavar="DIR",
+            help="also write DIR/<bench>.json, DIR/<bench>.md and DIR/<bench>.png",
+        )
+        parser.add_argument(
+            "-q", "--quiet", action="store_true", help="no progress bar and no 'wrote' lines"
+        )
     if sizes:
         parser.add_argument(
             "--sizes",
@@ -117,7 +121,8 @@ def add_bench_arguments(bench: argparse.ArgumentParser) -> None:
         "(default 5)",
     )
     pipeline = sub.add_parser("pipeline", help="exposed latency at the PD of push against pull")
-    _common(pipeline, True, "requests per size and mode")
+    # It prints its table or JSON only: no files, no progress bar to quieten.
+    _common(pipeline, True, "requests per size and mode", files=False)
     pipeline.add_argument(
         "--delay-ms",
         type=_gap_ms,
