@@ -19,7 +19,11 @@ moving (over UCX TCP) when it stops:
 - `freeze_consumer_mid_read`: a consumer with a large read in flight is stopped
   past the producers' heartbeat timeout; the producers end its sessions while
   the read is stalled, and on SIGCONT it finds its sessions gone and starts new
-  ones.
+  ones. Over cross-memory attach a consumer's read runs inside one call on its
+  network thread, which holds the GIL throughout, so no other thread ever sees
+  it in flight (the fault used to strike by luck, after many misses): there
+  the consumer is stopped with a large fetch in flight (asked for, granted or
+  being read), its grant held at the producer while it sleeps.
 - `partition_control`: one producer's control path is held both ways (not
   reset) past both sides' heartbeat timeouts while its large read moves; NIXL's
   data path is untouched.
@@ -169,7 +173,10 @@ class Fleet(PushFaults):
         ready = self._ready_consumers()
         if not ready:
             return False
-        return self._arm(self.rng.choice(ready), "freeze_consumer_mid_read", freeze=True)
+        # Over cross-memory attach a read runs inside one call: see the module docstring.
+        fetch = self.o.ucx_tls == "cma"
+        child = self.rng.choice(ready)
+        return self._arm(child, "freeze_consumer_mid_read", freeze=True, fetch=fetch)
 
     def _strike_seconds(self, kind: str, child: Child) -> float:
         """How long the fault lasts once it strikes `child` (drawn when it is armed)."""

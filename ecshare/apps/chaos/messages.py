@@ -87,6 +87,10 @@ class Arm(msgspec.Struct, frozen=True):
     # Watch for a push instead: a producer's push offered or being written, a
     # consumer's blocks reserved for one.
     push: bool = False
+    # A consumer whose reads finish inside the read call (cross-memory attach) never
+    # shows one in flight to another thread: watch for a large fetch in flight instead
+    # (asked for, granted or being read, not yet settled).
+    fetch: bool = False
 
 
 Command = Fetch | Push | Fill | Quiesce | Stats | Stop | Arm

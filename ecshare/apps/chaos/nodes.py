@@ -194,6 +194,22 @@ def _watch(
     return look
 
 
+def _fetching(store: Store, unsettled: dict[int, tuple[str, int]], cmd: Arm) -> Callable[[], int]:
+    """A look for the largest fetch of `cmd.min_nbytes` or more in flight here (not
+    settled, and not READY locally): its size, or 0."""
+
+    def look() -> int:
+        largest = 0
+        for h, n in list(unsettled.values()):
+            if n >= cmd.min_nbytes and n > largest:
+                entry = store.get(h)
+                if entry is None or entry.state is not EntryState.READY:
+                    largest = n
+        return largest
+
+    return look
+
+
 def _push_ended(pipe: ChildPipe, push_id: int, t0: float, future: Future[PushOutcome]) -> None:
     out = future.result()  # a push's future never raises
     pipe.send(PushEnded(push_id, out.state.value, out.detail[:300], time.monotonic() - t0))
@@ -330,9 +346,14 @@ def consumer_main(conn: Connection, spec: ConsumerSpec) -> None:
         queue.Queue()
     )
 
+    # Fetches asked for and not settled, by id: (mm_hash, nbytes). Written by this
+    # thread and the network thread, read by an armed watch (one dict op each).
+    unsettled: dict[int, tuple[str, int]] = {}
+
     def on_settled(fetch_id: int, h: str, n: int, t0: float, future: Future[FetchResult]) -> None:
         # Runs on the consumer's network thread: note the time, check elsewhere.
         now = time.monotonic()
+        unsettled.pop(fetch_id, None)
         settled.put((fetch_id, h, n, now - t0, now, future))
 
     def check_loop() -> None:
@@ -354,6 +375,7 @@ def consumer_main(conn: Connection, spec: ConsumerSpec) -> None:
                     cmd.items, consumer.fetch(items, cmd.peers), strict=True
                 ):
                     fetched[h] = n
+                    unsettled[fetch_id] = (h, n)
                     future.add_done_callback(partial(on_settled, fetch_id, h, n, t0))
             elif isinstance(cmd, Stats):
                 pipe.send(
@@ -364,6 +386,8 @@ def consumer_main(conn: Connection, spec: ConsumerSpec) -> None:
             elif isinstance(cmd, Arm):
                 if cmd.push:
                     _arm(pipe, cmd, _reserved(consumer, list(fetched.items()), cmd))
+                elif cmd.fetch:
+                    _arm(pipe, cmd, _fetching(node.store, unsettled, cmd))
                 else:
                     _arm(pipe, cmd, _watch(node.store, fetched.items(), cmd, "allocated"))
     finally:

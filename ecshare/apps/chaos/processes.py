@@ -226,13 +226,13 @@ class Processes(RunState):
 
     # -- arming and resuming ----------------------------------------------------------------
 
-    def _arm(self, child: Child, kind: str, *, freeze: bool) -> bool:
+    def _arm(self, child: Child, kind: str, *, freeze: bool, fetch: bool = False) -> bool:
         # Set before the child can answer: its answer is handled on another thread.
         child.strike_s = self._strike_seconds(kind, child)
         child.armed = kind
         push = kind in MID_PUSH_KINDS
         try:
-            child.send(Arm(kind, self.o.large_read_bytes, self.o.read_wait_s, freeze, push))
+            child.send(Arm(kind, self.o.large_read_bytes, self.o.read_wait_s, freeze, push, fetch))
         except ChildGone:
             child.armed = ""
             return False
