@@ -7,9 +7,9 @@ evicts while consumers ask. A consumer child is a real `Consumer`; it fetches
 what the parent asks for and checks every delivered entry against the bytes
 its key names (`synthetic_bytes`) before it reports the outcome.
 
-Children start with `multiprocessing`'s spawn method (NIXL and ZMQ state must
-not be forked). The parent may SIGKILL, SIGSTOP or
-SIGCONT them at any moment; every wait on a child is bounded.
+Children fork from `multiprocessing`'s fork server (see `ecshare.apps.bench.child`:
+no NIXL or ZMQ state is ever forked). The parent may SIGKILL, SIGSTOP or SIGCONT
+them at any moment; every wait on a child is bounded.
 """
 
 from __future__ import annotations
