@@ -83,6 +83,7 @@ class InstalledServerSpec(ServerSpec):
         return env
 
 
+@pytest.mark.vllm_serve
 def test_vllm_serve_loads_the_connector_by_name_with_no_module_path(
     installed: InstalledVenv, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

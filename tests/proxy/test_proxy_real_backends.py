@@ -24,7 +24,7 @@ from proxy_testing import Launched
 
 from ecshare.vllm.servers import read_metrics
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.vllm_serve]
 
 
 def _ask(launched: Launched, name: str, *, stream: bool) -> list[int]:

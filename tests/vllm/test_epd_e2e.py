@@ -78,7 +78,7 @@ from ecshare.vllm.servers import (
     start_all,
 )
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.vllm_serve]
 
 PUSH_NAME = "pd0"
 # Two blocks: an item the encoder announced is evicted once two newer ones are stored.

@@ -59,10 +59,9 @@ from ecshare.vllm.servers import (
     post_chat,
     random_image_url,
     read_metrics,
-    start_all,
 )
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.vllm_serve]
 
 CLIENTS = 32
 IMAGE_SIDE = 224  # 64 image tokens: 64 x 128 x 4 bytes = 32 KiB per item
@@ -123,17 +122,11 @@ def serving_cases() -> dict[str, dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def served(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+def served(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, plain_vllm: VllmServer
+) -> Iterator[Served]:
     tmp = tmp_path_factory.mktemp("serving")
     cases = serving_cases()
-    plain = VllmServer(ServerSpec(tiny_model, free_port(), core=0), tmp / "single.log")
-    start_all([plain])
-    try:
-        answers, _ = post_all(plain.url, cases)
-        reference = {name: token_ids(a) for name, a in answers.items()}
-    finally:
-        plain.stop()
-
     keys = Keys.generate(tmp)
     port = free_port()
     encoder = VllmServer(
@@ -156,7 +149,22 @@ def served(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         ),
         tmp / "prefill_decode.log",
     )  # fmt: skip
-    start_all([encoder, prefill_decode])
+    pair = [encoder, prefill_decode]
+    # They start up while the session's plain instance (tests/conftest.py) finishes its
+    # start-up, if it has not yet, and answers every case for reference; it is idle
+    # during the load.
+    for server in pair:
+        server.start()
+    try:
+        plain_vllm.wait_ready()
+        answers, _ = post_all(plain_vllm.url, cases)
+        reference = {name: token_ids(a) for name, a in answers.items()}
+        for server in pair:
+            server.wait_ready()
+    except BaseException:
+        for server in pair:
+            server.stop()
+        raise
     proxy: subprocess.Popen[str] | None = None
     try:
         proxy, url = start_proxy(encoder.url, prefill_decode.url, tmp / "proxy.log")

