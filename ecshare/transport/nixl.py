@@ -174,17 +174,24 @@ def _torch_cuda_known() -> bool:
     return not hasattr(version, "cuda") or version.cuda is not None
 
 
-def _import_nixl() -> Any:
-    try:
-        spare_torch_probe()
-        import nixl._api as nixl_api
-    except ImportError as e:
-        raise TransportError(_INSTALL_HINT) from e
+def import_nixl_api() -> Any:
+    """`nixl._api`, imported without torch where that can be spared (`spare_torch_probe`);
+    whatever the import raises, it raises."""
+    spare_torch_probe()
+    import nixl._api as nixl_api
+
     # NIXL logs every agent creation at INFO to stdout, which would mix with a
     # program's own output; NIXL_LOG_LEVEL still overrides this.
     if not os.environ.get("NIXL_LOG_LEVEL"):
         logging.getLogger("nixl").setLevel(logging.WARNING)
     return nixl_api
+
+
+def _import_nixl() -> Any:
+    try:
+        return import_nixl_api()
+    except ImportError as e:
+        raise TransportError(_INSTALL_HINT) from e
 
 
 @contextlib.contextmanager

@@ -6,15 +6,14 @@ from importlib import metadata
 
 from ecshare.apps.ops.check import Check
 from ecshare.apps.ops.versions import SUPPORTED, Supported, installed
-from ecshare.transport.nixl import spare_torch_probe
+from ecshare.transport.nixl import import_nixl_api
 
 
 def check_nixl() -> Check:
     """nixl imports, and which version it is against the supported range."""
     spec = next(s for s in SUPPORTED if s.component == "nixl")
     try:
-        spare_torch_probe()
-        import nixl._api as api
+        api = import_nixl_api()
     except Exception as exc:  # ImportError, or a native library that fails to load
         return Check(
             name="nixl",
