@@ -49,21 +49,19 @@ def test_a_command_without_its_optional_package_names_the_extra_to_install() -> 
     assert out.returncode == 0 and "chaos" in out.stdout, out.stderr
 
 
-DOCTOR = [sys.executable, "-m", "ecshare", "doctor", "--json", "--no-selftest"]
-
-
 def test_a_reader_that_went_away_is_no_crash() -> None:
     # `ecshare doctor --json | head -0`: the pipe's reader is gone before the report.
     read_end, write_end = os.pipe()
     os.close(read_end)
     try:
         out = subprocess.run(
-            [*DOCTOR, "--region-bytes", str(64 << 20), "--no-prefault"],
+            [sys.executable, "-m", "ecshare", "doctor", "--json", "--no-selftest",
+             "--region-bytes", str(64 << 20), "--no-prefault"],
             stdout=write_end,
             stderr=subprocess.PIPE,
             text=True,
             timeout=60,
-        )
+        )  # fmt: skip
     finally:
         os.close(write_end)
     assert "Traceback" not in out.stderr, out.stderr

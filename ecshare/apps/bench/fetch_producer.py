@@ -122,7 +122,7 @@ def _producer_main(conn: Connection, settings: dict[str, Any], fingerprint: str)
         pipe.send(Ready(os.getpid(), producer.address, producer.port, node.transport.local_info()))
         for cmd in pipe.commands():
             if isinstance(cmd, FillEntries):
-                if fresh:  # else the region never empties and _clear waits out its bound
+                if fresh:  # else the region never empties and _clear stops with an error
                     held.append(fresh)
                     fresh = ""
                 _clear(store, held)
