@@ -350,6 +350,7 @@ COUNTED: Final[tuple[Counted, ...]] = (
         "unexpected_message",
         "status_requests",
         "replayed_ended_grants",
+        "releases_in_requests",
         # Renewals granted: lease_renewals counts them on the consumer's side, and
         # the two sides of one node must not add up to twice the renewals.
         "renewed",

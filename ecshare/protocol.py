@@ -44,7 +44,10 @@ CAP_RENEW: Final = "lease.renew"
 # consumer's region. A consumer lists it only to producers it allows to push,
 # a producer only when its data plane can write; both must list it.
 CAP_PUSH: Final = "push.write"
-LOCAL_CAPABILITIES: Final = (CAP_CHECKSUM_XXH3_64, CAP_RENEW, CAP_PUSH)
+# A FetchRequest may carry Releases (`FetchRequest.releases`), which the producer
+# applies before it grants, with no answer of their own.
+CAP_RELEASE_IN_REQUEST: Final = "release.in_request"
+LOCAL_CAPABILITIES: Final = (CAP_CHECKSUM_XXH3_64, CAP_RENEW, CAP_PUSH, CAP_RELEASE_IN_REQUEST)
 
 # Most sessions listed one by one in a `StatusReply`; the counts cover them all.
 MAX_STATUS_SESSIONS: Final = 4096
@@ -168,11 +171,17 @@ class ItemRequest(msgspec.Struct, frozen=True, array_like=True):
 
 
 class FetchRequest(_Message, frozen=True, kw_only=True, tag="fetch"):
-    """Consumer -> producer: grant these items. `request_id` is per attempt."""
+    """Consumer -> producer: grant these items. `request_id` is per attempt.
+
+    With `CAP_RELEASE_IN_REQUEST` agreed, `releases` names grants whose reads have
+    ended, as a `Release` would, released before the items are granted and not
+    answered; a repeated request releases nothing twice (grant ids are never reused).
+    """
 
     session_id: Token
     request_id: Token
     items: Annotated[list[ItemRequest], msgspec.Meta(min_length=1, max_length=MAX_BATCH_ITEMS)]
+    releases: Annotated[list[Token], msgspec.Meta(max_length=MAX_BATCH_ITEMS)] = []
 
 
 class ItemReply(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

@@ -86,6 +86,7 @@ class PeerLink:
         # From the producer's Welcome: the lease it grants and whether it renews.
         self.lease_s = 0.0
         self.renews = False
+        self.releases_in_request = False  # Releases may ride in a FetchRequest
         self.pushes = False  # both sides agreed to push on this session
         self.peer_info: PeerInfo | None = None  # the producer's data plane, as welcomed
         self._ping_interval_s = config.heartbeat_interval_s
@@ -166,6 +167,7 @@ class PeerLink:
             self.max_batch_items = max(1, min(msg.max_batch_items, self._config.max_batch_items))
             self.lease_s = msg.lease_ms / 1000
             self.renews = p.CAP_RENEW in msg.capabilities
+            self.releases_in_request = p.CAP_RELEASE_IN_REQUEST in msg.capabilities
             # Ping at least as often as the producer pings its own side: it judges
             # our liveness on its own heartbeat settings.
             self._ping_interval_s = min(
@@ -304,9 +306,17 @@ class PeerLink:
         self.pending[request_id] = transfers
         self._sent_at[request_id] = now
         self.last_used = now
-        if self._releases_first:
+        releases: list[str] = []
+        if self.releases_in_request:
+            # They ride in the request, applied before its grants and never answered:
+            # one message each way instead of two.
+            releases = self._releases[: p.MAX_BATCH_ITEMS]
+            del self._releases[: p.MAX_BATCH_ITEMS]
+        elif self._releases_first:
             self.flush_releases(lane_only=lane_only)
-        request = p.FetchRequest(session_id=self.session_id, request_id=request_id, items=items)
+        request = p.FetchRequest(
+            session_id=self.session_id, request_id=request_id, items=items, releases=releases
+        )
         lane = self.lane
         if lane is not None and (lane.usable or lane_only):
             # Kept for a resend even if the send fails: the lane's loss resends it.
@@ -317,8 +327,9 @@ class PeerLink:
                 self.lane_lost()  # sends it again over ZMQ, with the others
         else:
             self.client.send(request)
-        # After the request, which the producer then answers first; its Released
-        # answer follows the grant back, with no wake-up of its own on either side.
+        # Without the capability (or beyond one message's worth), after the request,
+        # which the producer then answers first; its Released answer follows the grant
+        # back, with no wake-up of its own on either side.
         self.flush_releases(lane_only=lane_only)
 
     def expired_requests(self, now: float) -> list[tuple[str, list[Any]]]:
@@ -333,6 +344,10 @@ class PeerLink:
     def heard(self, now: float) -> None:
         self._unanswered_since = 0.0
         self.last_heard = now
+
+    def oldest_unanswered(self) -> float:
+        """When the oldest request still waiting for its answer was sent; 0.0: none."""
+        return min(self._sent_at.values(), default=0.0)
 
     def answered(self, request_id: str) -> None:
         self._sent_at.pop(request_id, None)

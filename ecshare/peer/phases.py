@@ -7,12 +7,14 @@ CLOCK_MONOTONIC and shared by every process of a host, so the producer's and
 the consumer's marks of one fetch lie on one time line.
 
 Consumer marks: ``call`` (fetch() entered), ``picked`` (its network thread
-took the item), ``sent`` (the FetchRequest is about to go), ``granted`` (the
-reply was read), ``read_start`` and ``read_return`` (around the transport's
-read call, which on one host copies synchronously), ``done`` (the transport
-said DONE), ``result`` (the future was resolved). Producer marks: ``recv``
-(the request was read off the socket) and ``replied`` (the answer is about to
-go). Each side marks before it sends, so no step comes out negative.
+took the item), ``sent`` (the FetchRequest is about to go), ``c_woke`` (the
+network thread's poll returned with the reply), ``granted`` (the reply was
+read), ``read_start`` and ``read_return`` (around the transport's read call,
+which on one host copies synchronously), ``done`` (the transport said DONE),
+``result`` (the future was resolved). Producer marks: ``p_woke`` (its poll
+returned with the request), ``recv`` (the request was read off the socket and
+opened) and ``replied`` (the answer is about to go). Each side marks before it
+sends, so no step comes out negative.
 """
 
 from __future__ import annotations

@@ -142,6 +142,7 @@ class Producer(NetworkThread):
         self.started_at = time.time()
         # Per-item timestamps of each step (see peer/phases.py); off unless set.
         self.phases: PhaseLog | None = None
+        self._woke_at = 0.0  # with phases: when the loop's poll last returned
         # Shared with a Consumer over the same transport: each takes its own notices.
         self._notices = Notices.of(transport)
         writer = writer_of(transport)
@@ -301,6 +302,8 @@ class Producer(NetworkThread):
                 )
                 timeout_ms = 0 if active else int(cfg.reap_interval_s * 1000)
                 events = dict(poller.poll(timeout_ms))
+                if self.phases is not None:
+                    self._woke_at = time.monotonic()
                 woken = self._waker.fileno() in events  # zmq.Poller reports it by descriptor
                 if woken:
                     self._waker.clear()
@@ -370,6 +373,7 @@ class Producer(NetworkThread):
         if self.phases is not None and isinstance(reply, p.FetchReply):
             replied = time.monotonic()  # before the send, so before the consumer's marks
             for item in reply.items:
+                self.phases.mark(item.mm_hash, "p_woke", self._woke_at)
                 self.phases.mark(item.mm_hash, "recv", received)
                 self.phases.mark(item.mm_hash, "replied", replied)
         return reply
@@ -565,6 +569,9 @@ class Producer(NetworkThread):
     def _on_fetch(self, session: _Session, msg: p.FetchRequest) -> p.Message:
         cfg = self._config
         self._count("fetch_requests")
+        if msg.releases:
+            # First, so that the grants below see the session's limits without them.
+            self._add("releases_in_requests", len(self._release(session, msg.releases)))
         cached = session.replies.get(msg.request_id)
         if cached is not None:
             # The same attempt again: same grants, leases renewed, nothing pinned twice.

@@ -34,6 +34,7 @@ from peer_testing import (
 
 from ecshare import protocol as p
 from ecshare.peer import FailureReason, FetchFailed
+from ecshare.peer.producer import pin_owner
 from ecshare.store import EntryMeta, EntryState, StoreFull
 
 pytestmark = pytest.mark.timeout(60)
@@ -289,3 +290,60 @@ def test_session_named_like_another_pin_owner_cannot_touch_its_pins(
     # The session's own grant runs out with its lease; the engine's pin stays.
     assert wait_until(lambda: node.store.stats().pins == 1, 3.0)
     assert node.store.pinned_entry(engine, "load-1") is not None
+
+
+def test_releases_inside_a_request_free_pins_before_it_grants_and_only_once(
+    loop_producer: MakeLoopProducer, raw_session: MakeRawSession, keyring: Keyring
+) -> None:
+    first_h, next_h = "released-in-request", "granted-after"
+    # One grant per session: the second request is granted only if its Release
+    # of the first is applied before it grants.
+    node, producer = loop_producer(
+        keyring.producer_config(),
+        {"max_grants_per_session": 1},
+        entries={first_h: MiB, next_h: MiB},
+    )
+    session = raw_session(producer.address)
+    welcome = session.call(
+        p.Hello(
+            versions=list(p.SUPPORTED_VERSIONS),
+            session_id=session.session_id,
+            client_name="raw-test-client",
+            fingerprint=session.fingerprint,
+            capabilities=[p.CAP_RELEASE_IN_REQUEST],
+        )
+    )
+    assert isinstance(welcome, p.Welcome) and p.CAP_RELEASE_IN_REQUEST in welcome.capabilities
+    other = raw_session(producer.address)
+    assert isinstance(other.hello(), p.Welcome)
+    theirs = granted(other.fetch("theirs", first_h)).grant_id
+    mine = granted(session.fetch("r1", first_h)).grant_id
+    assert node.store.stats().pins == 2
+
+    def request_releasing(request_id: str, *grant_ids: str) -> p.Message:
+        return session.call(
+            p.FetchRequest(
+                session_id=session.session_id,
+                request_id=request_id,
+                items=[p.ItemRequest(next_h)],
+                releases=list(grant_ids),
+            )
+        )
+
+    # Another session's grant named here is not ours to release: it stays.
+    reply = request_releasing("r2", mine, theirs)
+    assert isinstance(reply, p.FetchReply), reply
+    second = granted(reply).grant_id
+    assert node.store.pinned_entry(pin_owner(other.session_id), theirs) is not None
+    assert producer.counters["releases_in_requests"] == 1
+    assert producer.counters["released"] == 1
+    assert node.store.stats().pins == 2  # theirs and the new grant; mine is gone
+    # Nothing else was said: the next message is the answer to the next call.
+    assert session.client.recv(timeout_ms=100) is None
+    # The same attempt again (a resend after a lost lane): same grant, nothing
+    # released twice, nothing pinned twice.
+    assert request_releasing("r2", mine, theirs) == reply
+    assert producer.counters["released"] == 1
+    assert producer.counters["duplicate_requests"] == 1
+    assert node.store.stats().pins == 2
+    assert second != mine

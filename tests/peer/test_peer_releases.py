@@ -91,3 +91,51 @@ def test_closing_the_link_sends_queued_releases_before_bye() -> None:
     link._pool = pool  # type: ignore[assignment]
     link.close()
     assert _kinds(wire) == ["Release", "Bye"]
+
+
+def test_with_the_capability_releases_ride_inside_the_next_request() -> None:
+    link, wire = _ready_link()
+    link.releases_in_request = True  # as a Welcome listing CAP_RELEASE_IN_REQUEST sets it
+    link.release(["g1", "g2"])
+
+    link.request("r2", [p.ItemRequest("next")], [], 0.0)
+
+    # One message, not two: the producer releases them before it grants, unanswered.
+    assert wire.sent == [
+        p.FetchRequest(
+            session_id="s1", request_id="r2", items=[p.ItemRequest("next")], releases=["g1", "g2"]
+        )
+    ]
+    link.request("r3", [p.ItemRequest("after")], [], 0.0)
+    assert wire.sent[1] == p.FetchRequest(
+        session_id="s1", request_id="r3", items=[p.ItemRequest("after")]
+    )
+
+
+def test_releases_beyond_one_message_follow_the_request_that_carries_the_first() -> None:
+    link, wire = _ready_link()
+    link.releases_in_request = True
+    grants = [f"g{i}" for i in range(p.MAX_BATCH_ITEMS + 3)]
+    link.release(grants)
+
+    link.request("r2", [p.ItemRequest("next")], [], 0.0)
+
+    assert _kinds(wire) == ["FetchRequest", "Release"]
+    request, rest = wire.sent
+    assert isinstance(request, p.FetchRequest) and isinstance(rest, p.Release)
+    assert request.releases == grants[: p.MAX_BATCH_ITEMS]
+    assert rest.grant_ids == grants[p.MAX_BATCH_ITEMS :]
+
+
+def test_after_a_refusal_for_load_releases_in_requests_still_come_first() -> None:
+    link, wire = _ready_link()
+    link.releases_in_request = True
+    link.release(["g1"])
+    link.releases_ahead()  # what is queued goes at once, as without the capability
+    assert _kinds(wire) == ["Release"]
+
+    link.release(["g2"])
+    link.request("r3", [p.ItemRequest("next")], [], 0.0)
+    # In the request: released before its grants, which is what "ahead" is for.
+    assert _kinds(wire) == ["Release", "FetchRequest"]
+    assert isinstance(wire.sent[1], p.FetchRequest) and wire.sent[1].releases == ["g2"]

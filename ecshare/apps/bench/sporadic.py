@@ -69,9 +69,11 @@ Bytes = npt.NDArray[np.uint8]
 ECSHARE_STEPS = (
     ("picked", "wake consumer thread"),
     ("sent", "send request"),
-    ("recv", "request to producer thread"),
+    ("p_woke", "request to producer thread"),
+    ("recv", "producer: read request"),
     ("replied", "grant"),
-    ("granted", "reply to consumer thread"),
+    ("c_woke", "reply to consumer thread"),
+    ("granted", "consumer: read reply"),
     ("read_start", "allocate destination"),
     ("read_return", "READ call"),
     ("done", "READ to DONE"),
