@@ -4,6 +4,10 @@ The producer runs as its own process (`ecshare serve`) with synthetic entries; a
 consumer in this process holds a session, and a raw session holds one grant, so
 that the counts the CLI prints can be checked against what was really done. The
 CLI runs as a subprocess, over CURVE on 127.0.0.1.
+
+That busy producer is one for the module: its tests only ask it, and an answered or
+refused status query changes nothing another test reads (no entry, grant or session; the
+one counter a refusal moves is checked as a delta by the test that moves it).
 """
 
 from __future__ import annotations
@@ -22,12 +26,13 @@ import pytest
 from peer_testing import (
     FINGERPRINT,
     Keyring,
-    MakeConsumer,
-    MakeRawSession,
     ProducerProcess,
     SpawnProducer,
     child_env,
+    consumers,
     expected,
+    producer_processes,
+    raw_sessions,
     stored_bytes,
     wait_until,
 )
@@ -41,9 +46,9 @@ KiB, MiB = 1 << 10, 1 << 20
 BLOCK = 64 * KiB
 SYNTHETIC = "64KiB:4,1MiB:2"
 # A long lease and a patient liveness check, so that the grant and both sessions held
-# for the query outlive a slow CLI start-up on a loaded machine; the consumer's
-# deadline cap stays under the lease, as the config requires.
-PATIENT = {"lease_s": 60.0, "heartbeat_timeout_s": 20.0}
+# for the module's queries outlive their CLI start-ups on a loaded machine; the
+# consumer's deadline cap stays under the lease, as the config requires.
+PATIENT = {"lease_s": 600.0, "heartbeat_timeout_s": 20.0}
 
 
 @dataclass(frozen=True)
@@ -73,46 +78,49 @@ def status_cli(
     )
 
 
-@pytest.fixture
-def admin_secret(tmp_path: Path) -> Path:
-    return generate_keypair(tmp_path / "admin", "admin").secret_path
+@pytest.fixture(scope="module")
+def admin_secret(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return generate_keypair(tmp_path_factory.mktemp("admin"), "admin").secret_path
 
 
-@pytest.fixture
-def busy(
-    keyring: Keyring,
-    admin_secret: Path,
-    spawn_producer: SpawnProducer,
-    make_consumer: MakeConsumer,
-    raw_session: MakeRawSession,
-) -> Iterator[Busy]:
-    admin_public = admin_secret.with_suffix(".key")
-    producer = spawn_producer(
-        synthetic=SYNTHETIC,
-        config={**keyring.producer_config(), **PATIENT, "admin_keys_file": str(admin_public)},
-        hooks=True,
-    )
-    sizes = producer.sizes
-    small = next(h for h, n in sizes.items() if n == 64 * KiB)
-    big = next(h for h, n in sizes.items() if n == MiB)
-    # A real consumer fetches one item over NIXL and keeps its session (heartbeats).
-    node, consumer = make_consumer(keyring.consumer_config(), PATIENT)
-    consumer.fetch([small], [producer.address])[0].result(timeout=30)
-    assert np.array_equal(stored_bytes(node, small), expected(small, sizes[small]))
-    # A raw session takes a grant and never releases it while the test runs.
-    raw = raw_session(producer.address)
-    assert isinstance(raw.hello(), p.Welcome)
-    reply = raw.fetch("r-hold", big)
-    assert isinstance(reply, p.FetchReply) and reply.items[0].status is p.ItemStatus.GRANTED
-    done = threading.Event()
-    keeper = threading.Thread(target=raw.keep_alive_until, args=(done.is_set, 120.0), daemon=True)
-    keeper.start()
-    # The consumer's Release of its own grant may ride with its next message a
-    # moment later: the raw session's grant is then the only one.
-    assert wait_until(lambda: producer.stats()["active_grants"] == 1, 5.0)
-    yield Busy(producer, admin_secret, big, sizes[big])
-    done.set()
-    keeper.join(timeout=10)
+@pytest.fixture(scope="module")
+def busy(keyring: Keyring, admin_secret: Path) -> Iterator[Busy]:
+    with (
+        producer_processes() as spawn_producer,
+        consumers() as make_consumer,
+        raw_sessions(keyring) as raw_session,
+    ):
+        admin_public = admin_secret.with_suffix(".key")
+        producer = spawn_producer(
+            synthetic=SYNTHETIC,
+            config={**keyring.producer_config(), **PATIENT, "admin_keys_file": str(admin_public)},
+            hooks=True,
+        )
+        sizes = producer.sizes
+        small = next(h for h, n in sizes.items() if n == 64 * KiB)
+        big = next(h for h, n in sizes.items() if n == MiB)
+        # A real consumer fetches one item over NIXL and keeps its session (heartbeats).
+        node, consumer = make_consumer(keyring.consumer_config(), PATIENT)
+        consumer.fetch([small], [producer.address])[0].result(timeout=30)
+        assert np.array_equal(stored_bytes(node, small), expected(small, sizes[small]))
+        # A raw session takes a grant and never releases it while the module's tests run.
+        raw = raw_session(producer.address)
+        assert isinstance(raw.hello(), p.Welcome)
+        reply = raw.fetch("r-hold", big)
+        assert isinstance(reply, p.FetchReply) and reply.items[0].status is p.ItemStatus.GRANTED
+        done = threading.Event()
+        keeper = threading.Thread(
+            target=raw.keep_alive_until, args=(done.is_set, 600.0), daemon=True
+        )
+        keeper.start()
+        # The consumer's Release of its own grant may ride with its next message a
+        # moment later: the raw session's grant is then the only one.
+        assert wait_until(lambda: producer.stats()["active_grants"] == 1, 5.0)
+        try:
+            yield Busy(producer, admin_secret, big, sizes[big])
+        finally:
+            done.set()
+            keeper.join(timeout=10)
 
 
 def test_status_with_admin_key_shows_the_real_counts(busy: Busy, keyring: Keyring) -> None:

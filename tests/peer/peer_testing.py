@@ -289,16 +289,25 @@ def start_producer_process(
 SpawnProducer = Callable[..., ProducerProcess]
 
 
-@pytest.fixture
-def spawn_producer() -> Iterator[SpawnProducer]:
+@contextlib.contextmanager
+def producer_processes() -> Iterator[SpawnProducer]:
+    """`start_producer_process`, each producer stopped at the end of the with-block."""
     started: list[ProducerProcess] = []
 
     def spawn(**kwargs: Any) -> ProducerProcess:
         return start_producer_process(started=started, **kwargs)
 
-    yield spawn
-    for producer in started:
-        producer.stop()
+    try:
+        yield spawn
+    finally:
+        for producer in started:
+            producer.stop()
+
+
+@pytest.fixture
+def spawn_producer() -> Iterator[SpawnProducer]:
+    with producer_processes() as spawn:
+        yield spawn
 
 
 # -- in-process nodes ----------------------------------------------------------------------------
@@ -354,15 +363,24 @@ class Started:
             node.close()
 
 
-@pytest.fixture
-def make_consumer() -> Iterator[MakeConsumer]:
+@contextlib.contextmanager
+def consumers() -> Iterator[MakeConsumer]:
+    """Consumers in this process on nodes of their own, stopped at the end of the with-block."""
     started = Started()
 
     def make(*layers: Mapping[str, Any], fingerprint: str = FINGERPRINT) -> tuple[Node, Consumer]:
         return started.consumer(Node.create(config_of(*layers), "consumer"), fingerprint)
 
-    yield make
-    started.close()
+    try:
+        yield make
+    finally:
+        started.close()
+
+
+@pytest.fixture
+def make_consumer() -> Iterator[MakeConsumer]:
+    with consumers() as make:
+        yield make
 
 
 @pytest.fixture
@@ -443,8 +461,9 @@ class RawSession:
 MakeRawSession = Callable[..., RawSession]
 
 
-@pytest.fixture
-def raw_session(keyring: Keyring) -> Iterator[MakeRawSession]:
+@contextlib.contextmanager
+def raw_sessions(keyring: Keyring) -> Iterator[MakeRawSession]:
+    """Raw sessions with the consumer's key, closed at the end of the with-block."""
     clients: list[ControlClient] = []
 
     def make(address: str, *, fingerprint: str = FINGERPRINT, insecure: bool = False) -> RawSession:
@@ -458,9 +477,17 @@ def raw_session(keyring: Keyring) -> Iterator[MakeRawSession]:
         clients.append(client)
         return RawSession(client, fingerprint)
 
-    yield make
-    for client in clients:
-        client.close()
+    try:
+        yield make
+    finally:
+        for client in clients:
+            client.close()
+
+
+@pytest.fixture
+def raw_session(keyring: Keyring) -> Iterator[MakeRawSession]:
+    with raw_sessions(keyring) as make:
+        yield make
 
 
 # -- a consumer process --------------------------------------------------------------------------
