@@ -289,6 +289,7 @@ COUNTED: Final[tuple[Counted, ...]] = (
     # The session's fetch lane: a lost one leaves the session on ZMQ (why, by reason).
     Counted(_CS, "lanes_lost.", EVENTS, by_reason=True),
     *_events(_CS, "lanes_opened", "lane_requests", "lane_resent", "requests_sent_by_caller"),
+    *_events(_CS, "warm_ups", "warm_ups_skipped"),
     *_events(
         _CS,
         "single_flight_joins",

@@ -53,7 +53,9 @@ def test_batch_is_read_with_one_read_and_lands_byte_exact(
     counters = consumer.counter_snapshot()
     assert counters["requests"] == 1 and counters["read_posts"] == 1
     assert counters["reads_started"] == len(sizes)
-    assert cnode.transport.reads_started == 1  # type: ignore[attr-defined]
+    # One READ for the batch, beside the session's one-byte warm-up read.
+    assert counters["warm_ups"] == 1
+    assert cnode.transport.reads_started == 1 + 1  # type: ignore[attr-defined]
     assert wait_until(lambda: pnode.store.stats().pins == 0, 5)
     assert consumer.fenced_reads()[0] == 0 and cnode.store.stats().canary_violations == 0
 
@@ -81,7 +83,9 @@ def test_batch_read_given_up_fences_every_destination_until_the_one_read_ends(
     assert consumer.counter_snapshot()["read_posts"] == 1
     time.sleep(0.2)  # the READ is still in flight: its blocks are held, not reused
     stats = cnode.store.stats()
-    assert (stats.quarantined, consumer.fenced_reads()[0]) == (3, 3), stats
+    # Beside them, the session's one-block warm-up read, waiting on the producer too.
+    assert consumer.counter_snapshot()["warm_ups"] == 1
+    assert (stats.quarantined, consumer.fenced_reads()[0]) == (3 + 1, 3), stats
     assert all(cnode.store.get(h) is None for h in sizes)
 
     gate.set()  # the producer progresses; the READ ends and every block comes back

@@ -2,7 +2,10 @@
 
 A session's first use costs tens of milliseconds (the CURVE handshake, Hello and
 Welcome, loading the producer's NIXL metadata); a consumer told its peers early
-pays that before any item is needed.
+pays that before any item is needed. Once welcomed, it also wires its data plane
+to the producer with a one-byte warm-up read, so that the first fetch's READ does
+not wait for the transport's connection set-up; that read's block is held until
+the read has ended, as any read's destination is.
 """
 
 from __future__ import annotations
@@ -14,7 +17,10 @@ import pytest
 
 pytest.importorskip("nixl._api")
 
+from loopback_testing import MakeLoopConsumer, MakeLoopProducer
 from peer_testing import Keyring, MakeConsumer, MakeProducer, expected, stored_bytes, wait_until
+
+from ecshare.transport.loopback import Completion
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -37,6 +43,12 @@ def test_connect_opens_the_session_before_any_fetch(
     assert producer.session_count() == 1  # the fetch used the session connect opened
     consumer.connect([producer.address])  # already up: left as it is
     assert wait_until(lambda: producer.session_count() == 1, 0.2)
+    # The data plane was wired up at the Welcome, and nothing of it is left over.
+    assert consumer.counters["warm_ups"] == 1
+    assert consumer.counters["reads_started"] == 1  # the fetch's own READ
+    stats = cnode.store.stats()
+    assert (stats.entries, stats.quarantined) == (1, 0)
+    assert cnode.transport.in_flight == 0
 
 
 def test_connect_never_takes_the_place_of_a_link(
@@ -84,3 +96,33 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def test_a_warm_up_read_holds_its_block_until_the_read_has_ended(
+    loop_producer: MakeLoopProducer, loop_consumer: MakeLoopConsumer, keyring: Keyring
+) -> None:
+    h, nbytes = "after-warm-up", 100_003
+    # Reads from this producer move only as it progresses (UCX over TCP), and it is
+    # stalled (a stopped process): the warm-up read cannot end.
+    pnode, producer = loop_producer(
+        keyring.producer_config(), entries={h: nbytes}, completion=Completion.TARGET
+    )
+    pnode.transport.stall()
+    cnode, consumer = loop_consumer(keyring.consumer_config())
+    consumer.connect([producer.address])
+    assert wait_until(lambda: consumer.counters["warm_ups"] == 1, 10.0)
+
+    # Its destination is held, not handed out again, while the read may still land.
+    for _ in range(3):
+        stats = cnode.store.stats()
+        assert (stats.quarantined, stats.quarantined_blocks) == (1, 1), stats
+        assert cnode.transport.in_flight == 1
+        wait_until(lambda: False, 0.1)
+    assert consumer.fenced_reads() == (0, 0.0)  # not a read given up: a warm-up
+
+    pnode.transport.resume()
+    assert wait_until(lambda: cnode.store.stats().quarantined == 0, 10.0)
+    assert cnode.store.stats().entries == 0
+    result = consumer.fetch([h], peers=[producer.address])[0].result(timeout=10)
+    assert result.nbytes == nbytes
+    assert np.array_equal(stored_bytes(cnode, h), expected(h, nbytes))

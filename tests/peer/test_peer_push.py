@@ -263,7 +263,11 @@ class FakeProducer:
             settings=LinkSettings(heartbeat_ivl_s=0.2, heartbeat_timeout_s=1.0),
         )
         self.mm = mmap.mmap(-1, 1 << 20)
-        self.transport = NixlTransport(f"fake-producer-{uuid.uuid4().hex[:8]}")
+        # Progressing on its own, as a producer's data plane does by default: the
+        # consumer's warm-up read at the Welcome needs it to.
+        self.transport = NixlTransport(
+            f"fake-producer-{uuid.uuid4().hex[:8]}", progress_thread=True
+        )
         addr = int(np.frombuffer(self.mm, dtype=np.uint8).ctypes.data)
         self.transport.register(addr, 1 << 20)
         self.address = f"tcp://127.0.0.1:{self.server.port}"
@@ -355,6 +359,9 @@ def test_unauthorized_pusher_is_refused_counted_and_learns_nothing(
     assert reply.status is p.PushStatus.FORBIDDEN and reply.extents == []
     assert reply.deadline_ms == 0
     assert consumer.counter_snapshot()["push_refused.forbidden"] == 1
+    # The session's warm-up read (one block, held until the read has ended) is seen
+    # to end at the consumer's next pass.
+    assert wait_until(lambda: cnode.store.stats().quarantined == 0, 5.0)
     assert cnode.store.stats().allocated == 0 and cnode.store.stats().used_blocks == 0
 
 
