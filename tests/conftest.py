@@ -13,6 +13,13 @@ selected test uses the plain instance, it starts at the first test marked `vllm_
 instances do; a fixture that uses it starts its own instances before it waits for it
 (`wait_ready()`).
 
+A module whose fixture starts instances of its own may start them before its turn: it
+defines `early_start` (tests/vllm/serving_testing.py `EarlyStart`), and they start, at
+a low priority, at the first test after the last one of any earlier module that serves
+vLLM (that module's instances are gone by then, so that few live at once); they start
+up on the core the tests running meanwhile leave idle. Instances never taken are stopped
+at the end of the session.
+
 Bytecode: this machine's environment sets PYTHONDONTWRITEBYTECODE=1, so no process
 writes a .pyc, and every child a test starts (`ecshare serve`, doctor, status, chaos and
 bench children, each vLLM process through the plugin) compiled ecshare from source again:
@@ -27,7 +34,7 @@ import compileall
 import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -39,6 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 TINY_MODEL_DIR = REPO / ".work" / "tiny-qwen2vl"
 PLAIN = "plain_vllm"
 _PLAIN_WANTED = pytest.StashKey[bool]()
+_EARLY = pytest.StashKey[dict[str, list[Any]]]()  # nodeid -> EarlyStart to start there
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -52,6 +60,25 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_collection_finish(session: pytest.Session) -> None:
     used = (PLAIN in getattr(item, "fixturenames", ()) for item in session.items)
     session.stash[_PLAIN_WANTED] = any(used)
+    session.stash[_EARLY] = _early_starts(session)
+
+
+def _early_starts(session: pytest.Session) -> dict[str, list[Any]]:
+    """Where each selected module's `early_start` starts: the test after the last one
+    marked `vllm_serve` before the module, outside the modules that start early."""
+    at: dict[str, list[Any]] = {}
+    seen: set[int] = set()
+    after_serving = 0  # index of the test after the last vllm_serve one so far
+    for index, item in enumerate(session.items):
+        early = getattr(getattr(item, "module", None), "early_start", None)
+        if early is None:
+            if item.get_closest_marker("vllm_serve") is not None:
+                after_serving = index + 1
+        elif id(early) not in seen:
+            seen.add(id(early))
+            at.setdefault(session.items[after_serving].nodeid, []).append(early)
+            session.config.add_cleanup(early.close)
+    return at
 
 
 @pytest.fixture(scope="session")
@@ -82,3 +109,11 @@ def _start_plain_vllm_early(request: pytest.FixtureRequest) -> None:
         and importlib.util.find_spec("vllm") is not None
     ):
         request.getfixturevalue(PLAIN)
+
+
+@pytest.fixture(autouse=True)
+def _start_early(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Start the instances of the modules whose turn to start early this is (see the
+    module's docstring)."""
+    for early in request.session.stash.get(_EARLY, {}).get(request.node.nodeid, ()):
+        early.start(tmp_path_factory)

@@ -56,11 +56,14 @@ if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("nixl") 
     )
 
 from serving_testing import (
+    EarlyStart,
+    Starting,
     delta,
     fresh_images,
     single_instance_tokens,
     start_proxy,
     token_ids,
+    wait_all_ready,
     wait_metric,
 )
 
@@ -75,7 +78,6 @@ from ecshare.vllm.servers import (
     random_image_url,
     read_by_label,
     read_metrics,
-    start_all,
 )
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.vllm_serve]
@@ -155,9 +157,8 @@ class EPD:
     proxies: dict[str, str]  # "omit", "keep", "push": the proxy's URL
 
 
-@pytest.fixture(scope="module")
-def epd(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EPD]:
-    tmp = tmp_path_factory.mktemp("epd")
+def start_pair(tmp: Path, tiny_model: Path) -> Starting[Path]:
+    """The encoder and the prefill/decode instance, started (`value`: their folder)."""
     keys = Keys.generate(tmp)
     port = free_port()
     encoder = VllmServer(
@@ -180,7 +181,17 @@ def epd(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         ),
         tmp / "prefill_decode.log",
     )  # fmt: skip
-    start_all([encoder, prefill_decode])
+    return Starting(tmp, [encoder.start(), prefill_decode.start()])
+
+
+early_start = EarlyStart("epd", start_pair)
+
+
+@pytest.fixture(scope="module")
+def epd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EPD]:
+    pair = early_start.take(tmp_path_factory)
+    tmp, (encoder, prefill_decode) = pair.value, pair.servers
+    wait_all_ready(pair.servers)
     front = EncoderFront(encoder.url)
     threading.Thread(target=front.serve_forever, daemon=True).start()
     procs: list[subprocess.Popen[str]] = []

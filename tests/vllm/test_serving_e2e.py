@@ -47,7 +47,7 @@ if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("nixl") 
         allow_module_level=True,
     )
 
-from serving_testing import start_proxy, token_ids
+from serving_testing import EarlyStart, Starting, start_proxy, token_ids, wait_all_ready
 
 from ecshare.apps.proxy.fanout import encoder_request, media_parts
 from ecshare.vllm.servers import (
@@ -121,12 +121,8 @@ def serving_cases() -> dict[str, dict[str, Any]]:
     return cases
 
 
-@pytest.fixture(scope="module")
-def served(
-    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, plain_vllm: VllmServer
-) -> Iterator[Served]:
-    tmp = tmp_path_factory.mktemp("serving")
-    cases = serving_cases()
+def start_pair(tmp: Path, tiny_model: Path) -> Starting[Path]:
+    """The encoder and the prefill/decode instance, started (`value`: their folder)."""
     keys = Keys.generate(tmp)
     port = free_port()
     encoder = VllmServer(
@@ -149,22 +145,29 @@ def served(
         ),
         tmp / "prefill_decode.log",
     )  # fmt: skip
-    pair = [encoder, prefill_decode]
-    # They start up while the session's plain instance (tests/conftest.py) finishes its
-    # start-up, if it has not yet, and answers every case for reference; it is idle
-    # during the load.
-    for server in pair:
-        server.start()
+    return Starting(tmp, [encoder.start(), prefill_decode.start()])
+
+
+early_start = EarlyStart("serving", start_pair)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory, plain_vllm: VllmServer) -> Iterator[Served]:
+    cases = serving_cases()
+    pair = early_start.take(tmp_path_factory)
+    tmp, (encoder, prefill_decode) = pair.value, pair.servers
+    # They start up (if they have not yet) while the session's plain instance
+    # (tests/conftest.py) finishes its start-up, if it has not yet, and answers every
+    # case for reference; it is idle during the load.
     try:
         plain_vllm.wait_ready()
         answers, _ = post_all(plain_vllm.url, cases)
         reference = {name: token_ids(a) for name, a in answers.items()}
-        for server in pair:
-            server.wait_ready()
     except BaseException:
-        for server in pair:
+        for server in pair.servers:
             server.stop()
         raise
+    wait_all_ready(pair.servers)
     proxy: subprocess.Popen[str] | None = None
     try:
         proxy, url = start_proxy(encoder.url, prefill_decode.url, tmp / "proxy.log")
