@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -26,7 +27,7 @@ from ecshare.apps.chaos.harness import _region_check
 from ecshare.apps.chaos.hosts import hosts_unavailable
 from ecshare.apps.chaos.messages import NodeStats
 from ecshare.apps.chaos.netns import netem_unavailable
-from ecshare.apps.chaos.nodes import _Checker
+from ecshare.apps.chaos.nodes import _Checker, _fill
 from ecshare.apps.chaos.options import MID_READ_KINDS, PUSH_KINDS
 from ecshare.peer import FailureReason
 from ecshare.store import Region, Store
@@ -242,6 +243,20 @@ def test_region_check_reports_a_write_after_free_the_canary_caught() -> None:
         )
         check = _region_check("consumer-1", stats)
         assert check.canary_violations == 1, check
+
+
+def test_a_fill_while_an_earlier_one_holds_the_region_takes_nothing_and_gives_back() -> None:
+    # Fills come every fault interval and last 0.5-1.5 s: a second one at the same
+    # consumer once named its first entry as the first fill had, and the consumer died.
+    with Region.create(MiB, name="ecshare-chaos-test", prefault=False) as region:
+        store = Store(region, 64 * 1024)
+        _fill(store, 0.2)
+        assert store.stats().free_blocks == 0
+        _fill(store, 0.2)
+        deadline = time.monotonic() + 5.0
+        while store.stats().free_blocks < 16 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert store.stats().free_blocks == 16, store.stats()
 
 
 @pytest.fixture

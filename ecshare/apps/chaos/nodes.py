@@ -72,6 +72,10 @@ _CHECK_LEASE_S = 600.0
 # How often an armed child looks for a large read in flight. A 4 MiB read over UCX
 # TCP takes some 15 ms here; the look itself is a few dictionary lookups.
 _ARM_POLL_S = 0.0005
+# Numbers the entries of every fill in this process: a fill may come while an earlier
+# one still holds its blocks (it gives them back after its `seconds`), and its names
+# must not meet theirs.
+_FILL_NUMBERS = itertools.count()
 
 
 __all__ = ["Child", "ChildGone", "consumer_main", "producer_main", "working_set_keys"]
@@ -234,9 +238,10 @@ def _fill(store: Store, seconds: float) -> None:
     """Take every block there is (evicting what may be evicted) in half-written entries,
     and give them back after `seconds`."""
     taken: list[Entry] = []
-    for i in itertools.count():
+    while True:
+        name = f"chaos-fill-{os.getpid()}-{next(_FILL_NUMBERS)}"
         try:
-            taken.append(store.allocate(f"chaos-fill-{os.getpid()}-{i}", store.block_size))
+            taken.append(store.allocate(name, store.block_size))
         except StoreFull:
             break
 
