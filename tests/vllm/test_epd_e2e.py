@@ -55,9 +55,8 @@ if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("nixl") 
         allow_module_level=True,
     )
 
+from early_start import EarlyStart, Starting
 from serving_testing import (
-    EarlyStart,
-    Starting,
     delta,
     fresh_images,
     single_instance_tokens,
@@ -184,14 +183,14 @@ def start_pair(tmp: Path, tiny_model: Path) -> Starting[Path]:
     return Starting(tmp, [encoder.start(), prefill_decode.start()])
 
 
-early_start = EarlyStart("epd", start_pair)
+early_start = EarlyStart("epd", 2, start_pair)
 
 
 @pytest.fixture(scope="module")
 def epd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EPD]:
     pair = early_start.take(tmp_path_factory)
-    tmp, (encoder, prefill_decode) = pair.value, pair.servers
-    wait_all_ready(pair.servers)
+    tmp, (encoder, prefill_decode) = pair.value, pair.processes
+    wait_all_ready(pair.processes)
     front = EncoderFront(encoder.url)
     threading.Thread(target=front.serve_forever, daemon=True).start()
     procs: list[subprocess.Popen[str]] = []

@@ -47,7 +47,8 @@ if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("nixl") 
         allow_module_level=True,
     )
 
-from serving_testing import EarlyStart, Starting, start_proxy, token_ids, wait_all_ready
+from early_start import EarlyStart, Starting
+from serving_testing import start_proxy, token_ids, wait_all_ready
 
 from ecshare.apps.proxy.fanout import encoder_request, media_parts
 from ecshare.vllm.servers import (
@@ -148,14 +149,14 @@ def start_pair(tmp: Path, tiny_model: Path) -> Starting[Path]:
     return Starting(tmp, [encoder.start(), prefill_decode.start()])
 
 
-early_start = EarlyStart("serving", start_pair)
+early_start = EarlyStart("serving", 2, start_pair)
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory, plain_vllm: VllmServer) -> Iterator[Served]:
     cases = serving_cases()
     pair = early_start.take(tmp_path_factory)
-    tmp, (encoder, prefill_decode) = pair.value, pair.servers
+    tmp, (encoder, prefill_decode) = pair.value, pair.processes
     # They start up (if they have not yet) while the session's plain instance
     # (tests/conftest.py) finishes its start-up, if it has not yet, and answers every
     # case for reference; it is idle during the load.
@@ -164,10 +165,10 @@ def served(tmp_path_factory: pytest.TempPathFactory, plain_vllm: VllmServer) -> 
         answers, _ = post_all(plain_vllm.url, cases)
         reference = {name: token_ids(a) for name, a in answers.items()}
     except BaseException:
-        for server in pair.servers:
+        for server in pair.processes:
             server.stop()
         raise
-    wait_all_ready(pair.servers)
+    wait_all_ready(pair.processes)
     proxy: subprocess.Popen[str] | None = None
     try:
         proxy, url = start_proxy(encoder.url, prefill_decode.url, tmp / "proxy.log")
