@@ -93,6 +93,8 @@ class PeerLink:
         self.quarantine_reason = FailureReason.PEER_UNREACHABLE
         self.pending: dict[str, list[Any]] = {}  # request id -> transfers
         self._sent_at: dict[str, float] = {}
+        # Releases riding in a request not yet answered: queued again if it times out.
+        self._carried: dict[str, list[str]] = {}
         self._hello_at = 0.0
         # When the first ping the peer has not yet answered went out (0: none).
         self._unanswered_since = 0.0
@@ -268,6 +270,7 @@ class PeerLink:
         self._quarantined_until = now + self._config.quarantine_s
         self.pending.clear()
         self._sent_at.clear()
+        self._carried.clear()
         self._renewals.clear()
         self._releases.clear()  # the session is gone: the producer's leases end them
 
@@ -312,6 +315,8 @@ class PeerLink:
             # one message each way instead of two.
             releases = self._releases[: p.MAX_BATCH_ITEMS]
             del self._releases[: p.MAX_BATCH_ITEMS]
+            if releases:
+                self._carried[request_id] = releases
         elif self._releases_first:
             self.flush_releases(lane_only=lane_only)
         request = p.FetchRequest(
@@ -339,6 +344,11 @@ class PeerLink:
         for rid in expired:
             del self._sent_at[rid]
             out.append((rid, self.pending.pop(rid, [])))
+            # Unanswered, it may never have arrived: its Releases go again with the
+            # next message (a second release of a grant does nothing).
+            carried = self._carried.pop(rid, None)
+            if carried:
+                self.release(carried)
         return out
 
     def heard(self, now: float) -> None:
@@ -351,6 +361,7 @@ class PeerLink:
 
     def answered(self, request_id: str) -> None:
         self._sent_at.pop(request_id, None)
+        self._carried.pop(request_id, None)
         self._on_lane.pop(request_id, None)
 
     def release(self, grant_ids: list[str]) -> None:

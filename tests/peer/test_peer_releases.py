@@ -139,3 +139,25 @@ def test_after_a_refusal_for_load_releases_in_requests_still_come_first() -> Non
     # In the request: released before its grants, which is what "ahead" is for.
     assert _kinds(wire) == ["Release", "FetchRequest"]
     assert isinstance(wire.sent[1], p.FetchRequest) and wire.sent[1].releases == ["g2"]
+
+
+def test_releases_in_a_request_that_times_out_go_again_with_the_next_message() -> None:
+    link, wire = _ready_link()
+    link.releases_in_request = True
+    link.release(["g1"])
+    link.request("r2", [p.ItemRequest("lost")], [], 0.0)
+    link.request("r3", [p.ItemRequest("answered")], [], 0.0)
+    link.answered("r3")
+
+    # r2 is never answered: it may never have arrived, and g1 with it.
+    expired = link.expired_requests(link._config.request_timeout_s + 1.0)
+    assert [rid for rid, _ in expired] == ["r2"]
+    link.request("r4", [p.ItemRequest("next")], [], 0.0)
+    request = wire.sent[-1]
+    assert isinstance(request, p.FetchRequest) and request.releases == ["g1"]
+    # Once a request carrying them is answered, they are not sent again.
+    link.answered("r4")
+    assert link.expired_requests(1e9) == []
+    link.request("r5", [p.ItemRequest("after")], [], 0.0)
+    last = wire.sent[-1]
+    assert isinstance(last, p.FetchRequest) and last.releases == []
