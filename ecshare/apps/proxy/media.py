@@ -17,7 +17,11 @@ A part keeps its media when:
 * its item has no metadata in the params (the model declares none for the modality, or
   the encoder no longer had the processed item) or no mm_hash could be matched to it;
 * the request sets `mm_processor_kwargs` or `media_io_kwargs`: vLLM hashes those with a
-  `uuid`, so the item would not be keyed by the encoder's mm_hash.
+  `uuid`, so the item would not be keyed by the encoder's mm_hash;
+* another part of the same modality keeps its media: vLLM refuses a request that mixes
+  raw media and embedding parts of one modality (400, "Mixing raw image and embedding
+  inputs is not allowed"), so one image whose encoder call failed keeps every image of
+  the request whole (the params still let prefill/decode fetch those that were encoded).
 
 If prefill/decode then fails the request (the fetch of an item failed, and it has nothing
 to encode it from), `forward` sends it once more with the original media, which takes the
@@ -59,6 +63,15 @@ def media_free(body: Mapping[str, Any], scan: MediaScan, encoded: Encoded) -> Re
     stand_ins = [
         _stand_in(part, mm_hash, encoded.params)
         for part, mm_hash in zip(scan.parts, encoded.hashes, strict=True)
+    ]
+    whole = {  # modalities with a part that keeps its media: all of theirs keep it
+        EMBEDS_PART.get(part.get("type", ""))
+        for part, stand_in in zip(scan.parts, stand_ins, strict=True)
+        if stand_in is None
+    }
+    stand_ins = [
+        None if EMBEDS_PART.get(part.get("type", "")) in whole else stand_in
+        for part, stand_in in zip(scan.parts, stand_ins, strict=True)
     ]
     messages: list[Any] = body["messages"]
     copied: list[Any] = list(messages)
