@@ -352,16 +352,17 @@ def test_unauthorized_pusher_is_refused_counted_and_learns_nothing(
     assert (hello.data_plane.region_address, hello.data_plane.region_size) == (0, 0)
     assert p.CAP_PUSH not in hello.capabilities and hello.push_name == ""
     fake_producer.welcome(hello, [p.CAP_RENEW, p.CAP_PUSH])
-    time.sleep(0.2)
+    # The session is up once its one-block warm-up read (a consumer's first read from a
+    # producer) has ended and given its block back.
+    assert wait_until(
+        lambda: consumer.counters["warm_ups"] == 1 and cnode.store.stats().quarantined == 0, 5.0
+    )
 
     reply = fake_producer.offer("x1")
 
     assert reply.status is p.PushStatus.FORBIDDEN and reply.extents == []
     assert reply.deadline_ms == 0
     assert consumer.counter_snapshot()["push_refused.forbidden"] == 1
-    # The session's warm-up read (one block, held until the read has ended) is seen
-    # to end at the consumer's next pass.
-    assert wait_until(lambda: cnode.store.stats().quarantined == 0, 5.0)
     assert cnode.store.stats().allocated == 0 and cnode.store.stats().used_blocks == 0
 
 
@@ -374,7 +375,11 @@ def test_duplicate_offer_reserves_once_and_is_answered_the_same(
     assert p.CAP_PUSH in hello.capabilities and hello.push_name == "pd-0"
     assert hello.data_plane is not None and hello.data_plane.agent_metadata
     fake_producer.welcome(hello, [p.CAP_RENEW, p.CAP_PUSH])
-    time.sleep(0.2)
+    # The session is up once its one-block warm-up read (a consumer's first read from a
+    # producer) has ended and given its block back.
+    assert wait_until(
+        lambda: consumer.counters["warm_ups"] == 1 and cnode.store.stats().quarantined == 0, 5.0
+    )
 
     first = fake_producer.offer("d1", "dup", 300_000)
     second = fake_producer.offer("d1", "dup", 300_000)
