@@ -162,6 +162,7 @@ class StubBackend:
 
 
 def _parts(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every content part of a chat request's messages, in order."""
     out = []
     for message in body.get("messages", []):
         content = message.get("content")
@@ -195,12 +196,10 @@ _RAW_MODALITY = {
 def _metadata_only_items(body: dict[str, Any]) -> int:
     """The items of a chat request sent as pre-computed-embedding parts with metadata only."""
     count = 0
-    for message in body.get("messages", []):
-        content = message.get("content")
-        for part in content if isinstance(content, list) else []:
-            kind = part.get("type", "")
-            if kind.endswith("_embeds") and isinstance(part.get(kind), dict):
-                count += 1
+    for part in _parts(body):
+        kind = part.get("type", "")
+        if kind.endswith("_embeds") and isinstance(part.get(kind), dict):
+            count += 1
     return count
 
 
