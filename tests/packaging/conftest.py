@@ -14,5 +14,5 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
 
 
 @pytest.fixture(scope="session")
-def installed(tmp_path_factory: pytest.TempPathFactory) -> InstalledVenv:
-    return installed_once(tmp_path_factory.mktemp("installed"), tmp_path_factory.mktemp("build"))
+def installed(built: Built, tmp_path_factory: pytest.TempPathFactory) -> InstalledVenv:
+    return installed_once(tmp_path_factory.mktemp("installed"), built)

@@ -80,12 +80,12 @@ def built_once(tmp: Path) -> Built:
     return made
 
 
-def installed_once(tmp: Path, built_tmp: Path) -> InstalledVenv:
-    """A fresh venv with the wheel (`built_once(built_tmp)`) installed, made in `tmp` the
-    first time this is called in the session."""
+def installed_once(tmp: Path, built: Built) -> InstalledVenv:
+    """A fresh venv with `built`'s wheel installed, made in `tmp` the first time this is
+    called in the session."""
     made = _made.get("installed")
     if made is None:
-        made = _made["installed"] = _install(built_once(built_tmp), tmp)
+        made = _made["installed"] = _install(built, tmp)
     assert isinstance(made, InstalledVenv)
     return made
 

