@@ -290,6 +290,16 @@ COUNTED: Final[tuple[Counted, ...]] = (
     Counted(_CS, "lanes_lost.", EVENTS, by_reason=True),
     *_events(_CS, "lanes_opened", "lane_requests", "lane_resent", "requests_sent_by_caller"),
     *_events(_CS, "warm_ups", "warm_ups_skipped"),
+    # Direct reads: read where the producer said (`Located`), then checked by digest.
+    *_events(
+        _CS,
+        "direct_reads",
+        "direct_reads_stale",
+        "direct_reads_failed",
+        "locations_heard",
+        "bad_locations",
+        "locations_off_session",
+    ),
     *_events(
         _CS,
         "single_flight_joins",
@@ -366,6 +376,8 @@ COUNTED: Final[tuple[Counted, ...]] = (
         "push_done_reported_late",
         "push_peer_refused",
         "lane_unavailable",
+        "located",
+        "located_sent",
     ),
     Counted(_PS, "push_failed", NOT_EXPORTED, why="push_write_failures counts the same ends"),
     Counted(_PS, "push_refused", NOT_EXPORTED, why="pushes_refused counts them by reason"),

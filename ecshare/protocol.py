@@ -47,7 +47,19 @@ CAP_PUSH: Final = "push.write"
 # A FetchRequest may carry Releases (`FetchRequest.releases`), which the producer
 # applies before it grants, with no answer of their own.
 CAP_RELEASE_IN_REQUEST: Final = "release.in_request"
-LOCAL_CAPABILITIES: Final = (CAP_CHECKSUM_XXH3_64, CAP_RENEW, CAP_PUSH, CAP_RELEASE_IN_REQUEST)
+# Direct reads: the producer tells the consumer where each entry it commits lies
+# (`Located`), and the consumer may READ it there with no request, keeping what it
+# read only if its checksum matches (ecshare/peer/consumer.py, "Direct reads";
+# docs/SECURITY.md). A producer lists it only when its data plane serves reads
+# without its own loop.
+CAP_READ_DIRECT: Final = "read.direct"
+LOCAL_CAPABILITIES: Final = (
+    CAP_CHECKSUM_XXH3_64,
+    CAP_RENEW,
+    CAP_PUSH,
+    CAP_RELEASE_IN_REQUEST,
+    CAP_READ_DIRECT,
+)
 
 # Most sessions listed one by one in a `StatusReply`; the counts cover them all.
 MAX_STATUS_SESSIONS: Final = 4096
@@ -201,6 +213,27 @@ class ItemReply(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
 class FetchReply(_Message, frozen=True, kw_only=True, tag="fetch_reply"):
     request_id: Token
     items: Annotated[list[ItemReply], msgspec.Meta(max_length=MAX_BATCH_ITEMS)]
+
+
+class Location(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Where one READY entry lies in the producer's region, and its digest."""
+
+    mm_hash: MMHash
+    extents: Annotated[list[Extent], msgspec.Meta(min_length=1, max_length=MAX_EXTENTS_PER_ITEM)]
+    nbytes: Annotated[int, msgspec.Meta(ge=1, le=1 << 48)]
+    dtype: Annotated[str, msgspec.Meta(max_length=32)] = ""
+    shape: Annotated[list[Dim], msgspec.Meta(max_length=MAX_NDIM)] = []
+    checksum: Annotated[int, msgspec.Meta(ge=0)]  # xxh3-64 of the bytes at `extents`
+
+
+class Located(_Message, frozen=True, kw_only=True, tag="located"):
+    """Producer -> consumer, unasked, with `CAP_READ_DIRECT` agreed: entries just
+    committed and where they lie. Nothing holds them there: a consumer that reads
+    one directly keeps the bytes only if their checksum matches, and asks for a
+    grant otherwise. Not answered."""
+
+    session_id: Token
+    entries: Annotated[list[Location], msgspec.Meta(min_length=1, max_length=MAX_BATCH_ITEMS)]
 
 
 class Release(_Message, frozen=True, kw_only=True, tag="release"):
@@ -380,6 +413,7 @@ Message = Union[  # noqa: UP007 - msgspec needs a runtime Union of tagged struct
     PushOffer,
     PushReply,
     PushDone,
+    Located,
 ]
 MESSAGE_TYPES: Final = Message.__args__  # type: ignore[attr-defined]
 

@@ -112,6 +112,21 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
             "peers can reach only listen_port.",
         ),
     ] = True
+    direct_reads: Annotated[
+        bool,
+        Meta(
+            description="Fetch without a round trip where possible. A producer with it on "
+            "tells each consumer session that also has it on where every entry it commits "
+            "lies, with the entry's xxh3-64 digest (computed once per entry if the engine "
+            "did not); such a consumer then READs an announced entry at once, with no "
+            "request and no grant, and keeps the bytes only if their digest matches. A "
+            "mismatch (the entry was evicted and its blocks reused meanwhile) or a failed "
+            "READ falls back to a granted read from the same producer. The producer "
+            "offers it only when its data plane serves reads without its own loop (NIXL's "
+            "progress thread, or one host). Costs the producer one digest per entry and one "
+            "message per batch of commits to each such session.",
+        ),
+    ] = True
     reply_spin_s: Annotated[
         Seconds,
         Meta(

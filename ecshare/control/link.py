@@ -45,6 +45,7 @@ PRODUCER_TO_CONSUMER: Final[frozenset[type]] = frozenset(
         p.StatusReply,
         p.PushOffer,
         p.PushDone,
+        p.Located,
     }
 )
 

@@ -27,6 +27,17 @@ Two promises bind the reads (DESIGN.md, invariants 2 and 4):
   before that unless a renewal extended it, and a read that nevertheless
   finishes after it is discarded.
 
+Direct reads (`direct_reads`, capability `read.direct`): a producer tells the
+sessions that agreed where each entry it commits lies, with its digest
+(`p.Located`). A fetch of such an entry READs it there at once, with no request
+and no grant. Nothing holds the producer's blocks meanwhile, so the bytes are
+kept only if their xxh3-64 matches the digest told (whatever `checksum` says);
+a mismatch (the entry was evicted and its blocks reused) or a failed READ falls
+back to a granted read from the same producer. The destination follows the
+same rule as any read's: fenced if given up, back only once the READ has ended.
+This bends the lease rule above on purpose: a direct read may run outside any
+lease, and it is the digest, not the lease, that decides what is committed.
+
 Push (with `push_name` set, docs/PUSH.md): producers this consumer allows may
 offer entries on their sessions; the `Inbox` reserves blocks and commits what
 they write. A fetch of an item whose push is reserved (or announced:
@@ -106,6 +117,9 @@ _READ_NAP_S = 0.00005
 _PUSHED_REMEMBERED = 65536
 # The key of a session's warm-up read's destination (see `_warm_up`); never READY.
 _WARM_UP_KEY = "ecshare-warm-up:"
+# Entries producers said where they lie (`p.Located`), remembered at most (the
+# oldest go first): a fetch of one reads it directly.
+_LOCATIONS_REMEMBERED = 65536
 EXPOSED_MODES = ("pushed", "pulled")
 
 
@@ -144,6 +158,15 @@ class _Fenced:
     session_id: str  # the session its grant belongs to
     grant_id: str
     since: float
+
+
+@dataclass(frozen=True)
+class _Located:
+    """Where a producer said an entry lies, on which session."""
+
+    endpoint: str
+    session_id: str
+    where: p.Location
 
 
 @dataclass(frozen=True)
@@ -220,6 +243,8 @@ class Consumer(NetworkThread):
         self._links: dict[str, PeerLink] = {}
         self._fenced: list[_Fenced] = []  # reads to see end before their blocks go back
         self._warming: list[tuple[object, Entry]] = []  # warm-up reads, until they end
+        # mm_hash -> where its producer said it lies (see "Direct reads" above).
+        self._located: collections.OrderedDict[str, _Located] = collections.OrderedDict()
         self._request_ids = itertools.count(1)
         self._pool: ClientPool | None = None
         self.counters: Counter[str] = Counter()
@@ -308,6 +333,7 @@ class Consumer(NetworkThread):
                     or link.state is not PeerLinkState.READY
                     or link.lane is None
                     or not link.lane.usable
+                    or self._where(t, link) is not None  # the network thread reads it
                 ):
                     return False
                 batches.setdefault(link.endpoint, []).append(t)
@@ -635,7 +661,10 @@ class Consumer(NetworkThread):
 
     def _step(self, events: dict[object, int]) -> None:
         now = time.monotonic()
-        self._take_incoming()
+        if self._take_incoming() and self._located:
+            # New fetches of located entries are read before anything else here: the
+            # rest of the pass is tens of microseconds of cold code after an idle gap.
+            self._dispatch_direct(now)
         with self._lock:
             connects, self._connects = self._connects, []
         for endpoint in dict.fromkeys(connects):
@@ -748,7 +777,7 @@ class Consumer(NetworkThread):
                 session_id=session_id,
                 client_name=self._name,
                 fingerprint=self._fingerprint,
-                capabilities=list(p.LOCAL_CAPABILITIES),
+                capabilities=self._capabilities(push=True),
                 data_plane=announced(info),
                 push_name=self._config.push_name or "",
             )
@@ -757,9 +786,16 @@ class Consumer(NetworkThread):
             session_id=session_id,
             client_name=self._name,
             fingerprint=self._fingerprint,
-            capabilities=[c for c in p.LOCAL_CAPABILITIES if c != p.CAP_PUSH],
+            capabilities=self._capabilities(push=False),
             data_plane=announced(info, layout=False),
         )
+
+    def _capabilities(self, *, push: bool) -> list[str]:
+        return [
+            c
+            for c in p.LOCAL_CAPABILITIES
+            if (push or c != p.CAP_PUSH) and (self._config.direct_reads or c != p.CAP_READ_DIRECT)
+        ]
 
     def _push_link(self, link: PeerLink) -> PushLink:
         return PushLink(
@@ -827,6 +863,8 @@ class Consumer(NetworkThread):
             for t in by_hash.values():  # the producer skipped an item: treat as missing
                 if t.state is TransferState.REQUESTED:
                     self._move_on(t, FailureReason.MISSING, "not in reply")
+        elif isinstance(msg, p.Located):
+            self._on_located(link, msg)
         elif isinstance(msg, p.Renewed):
             self._on_renewed(link, msg)
         elif isinstance(msg, p.PushOffer):
@@ -846,6 +884,82 @@ class Consumer(NetworkThread):
                 self._peer_failed(link, problem[0], problem[1], now)
             elif welcomed and link.state is PeerLinkState.READY:
                 self._warm_up(link)
+
+    # -- direct reads ------------------------------------------------------------------------
+
+    def _on_located(self, link: PeerLink, msg: p.Located) -> None:
+        """Remember where a producer says entries lie; a location that does not fit its
+        region (or itself) is dropped and counted, as a bad grant would be."""
+        if not link.direct or link.state is not PeerLinkState.READY:
+            self._count("locations_off_session")
+            return
+        if msg.session_id != link.session_id:
+            self._count("locations_off_session")
+            return
+        region_size = link.region_size
+        for where in msg.entries:
+            if sum(e.length for e in where.extents) != where.nbytes or any(
+                e.length <= 0 or e.offset + e.length > region_size for e in where.extents
+            ):
+                self._count("bad_locations")
+                continue
+            self._located[where.mm_hash] = _Located(link.endpoint, link.session_id, where)
+            self._located.move_to_end(where.mm_hash)
+        while len(self._located) > _LOCATIONS_REMEMBERED:
+            self._located.popitem(last=False)
+        self._count_add("locations_heard", len(msg.entries))
+
+    def _where(self, t: Transfer, link: PeerLink) -> p.Location | None:
+        """Where `t`'s entry lies at its current peer, if that peer said so on this
+        session and no direct read of it was tried there yet."""
+        if t.direct_tried or not link.direct:
+            return None
+        located = self._located.get(t.mm_hash)
+        if (
+            located is None
+            or located.endpoint != link.endpoint
+            or located.session_id != link.session_id
+        ):
+            return None
+        if t.max_nbytes and located.where.nbytes > t.max_nbytes:
+            return None  # the producer's TOO_LARGE says so, with its detail
+        return located.where
+
+    def _dispatch_direct(self, now: float) -> None:
+        """READ the queued fetches whose entries' places are known, one READ per peer.
+        Runs before the requests are batched, so that one that falls back (on one host
+        a READ ends inside the call) is asked for in the same pass."""
+        reads: dict[str, list[tuple[Transfer, list[Segment]]]] = {}
+        for t in list(self._transfers):
+            if t.state is not TransferState.QUEUED or t.not_before > now or t.awaiting_push:
+                continue
+            link = self._links.get(t.peer or "")
+            if link is None or link.state is not PeerLinkState.READY:
+                continue
+            where = self._where(t, link)
+            if where is None:
+                continue
+            t.move(TransferState.REQUESTED)
+            t.move(TransferState.GRANTED)
+            t.direct = t.direct_tried = True
+            if self.phases is not None:
+                self.phases.mark(t.mm_hash, "granted")
+            self._describe(t, where)
+            self._count("direct_reads")
+            self._start_read(link, t, reads.setdefault(link.endpoint, []))
+        for endpoint, posted in reads.items():
+            self._post_reads(self._links[endpoint], posted)
+
+    def _direct_missed(self, t: Transfer, counter: str) -> None:
+        """A direct read that ended without usable bytes: ask the same peer for a grant.
+        Its destination is gone already (the READ has ended)."""
+        self._count(counter)
+        located = self._located.get(t.mm_hash)
+        if located is not None and located.where.checksum == t.checksum:
+            del self._located[t.mm_hash]
+        t.move(TransferState.QUEUED)
+        t.clear_grant()
+        t.not_before = 0.0
 
     # -- pushes ------------------------------------------------------------------------------
 
@@ -967,12 +1081,7 @@ class Consumer(NetworkThread):
                 self._count("grants_expired_on_arrival")
                 self._move_on(t, FailureReason.DEADLINE, "the grant's lease ended in transit")
                 return
-            t.nbytes = item.nbytes
-            t.dtype = item.dtype
-            t.shape = tuple(item.shape)
-            t.checksum = item.checksum
-            t.remote_extents = [(e.offset, e.length) for e in item.extents]
-            t.deadline = max(t.deadline, t.started + self._config.fetch_deadline_s(item.nbytes))
+            self._describe(t, item)
             self._start_read(link, t, reads)
         elif status.retryable:
             if status is p.ItemStatus.OVERLOADED:
@@ -995,6 +1104,15 @@ class Consumer(NetworkThread):
                 p.ItemStatus.TOO_LARGE: FailureReason.TOO_LARGE,
             }.get(status, FailureReason.MISSING)
             self._move_on(t, reason, item.detail or status.value)
+
+    def _describe(self, t: Transfer, item: p.ItemReply | p.Location) -> None:
+        """What a grant or a location says of the item: its size, meta, digest, extents."""
+        t.nbytes = item.nbytes
+        t.dtype = item.dtype
+        t.shape = tuple(item.shape)
+        t.checksum = item.checksum
+        t.remote_extents = [(e.offset, e.length) for e in item.extents]
+        t.deadline = max(t.deadline, t.started + self._config.fetch_deadline_s(item.nbytes))
 
     def _start_read(
         self, link: PeerLink, t: Transfer, reads: list[tuple[Transfer, list[Segment]]]
@@ -1110,15 +1228,25 @@ class Consumer(NetworkThread):
                     link, FailureReason.PEER_UNREACHABLE, status.detail, time.monotonic()
                 )
                 return
+            if t.direct:
+                self._direct_missed(t, "direct_reads_failed")
+                return
             self._move_on(t, FailureReason.TRANSPORT, status.detail)
             return
+        if t.direct:
+            assert t.dest is not None
+            if self._store.checksum(t.dest) != t.checksum:
+                # Evicted and its blocks reused since it was located: not this entry.
+                self._drop_dest(t)
+                self._direct_missed(t, "direct_reads_stale")
+                return
         if time.monotonic() > t.lease_end:
             # The producer may have reused its blocks before the read finished.
             self._drop_dest(t)
             self._count("lease_overruns")
             self._move_on(t, FailureReason.DEADLINE, "the read ended after the lease ran out")
             return
-        if not self._verify(t):
+        if not t.direct and not self._verify(t):
             self._drop_dest(t)
             self._count("checksum_failures")
             self._move_on(t, FailureReason.CHECKSUM_MISMATCH, "checksum differs")
@@ -1295,6 +1423,8 @@ class Consumer(NetworkThread):
     # -- dispatch and expiry -----------------------------------------------------------------
 
     def _dispatch(self, now: float) -> None:
+        if self._located:
+            self._dispatch_direct(now)
         batches: dict[str, list[Transfer]] = {}
         for t in list(self._transfers):
             if t.state is not TransferState.QUEUED or t.not_before > now:

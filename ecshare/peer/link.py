@@ -87,6 +87,7 @@ class PeerLink:
         self.lease_s = 0.0
         self.renews = False
         self.releases_in_request = False  # Releases may ride in a FetchRequest
+        self.direct = False  # the producer tells where entries lie (`p.Located`)
         self.pushes = False  # both sides agreed to push on this session
         self.peer_info: PeerInfo | None = None  # the producer's data plane, as welcomed
         self._ping_interval_s = config.heartbeat_interval_s
@@ -170,6 +171,7 @@ class PeerLink:
             self.lease_s = msg.lease_ms / 1000
             self.renews = p.CAP_RENEW in msg.capabilities
             self.releases_in_request = p.CAP_RELEASE_IN_REQUEST in msg.capabilities
+            self.direct = self._config.direct_reads and p.CAP_READ_DIRECT in msg.capabilities
             # Ping at least as often as the producer pings its own side: it judges
             # our liveness on its own heartbeat settings.
             self._ping_interval_s = min(

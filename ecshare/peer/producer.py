@@ -10,6 +10,12 @@ first, and a block is never reused while a grant on its entry may still be
 read. A session ending (Bye, or heartbeats stopping) does not end its grants:
 a read may still be moving over the data plane while the control plane is
 cut, so they run to their leases (the consumer gives up before then).
+
+Sessions that agreed to direct reads (`read.direct`) are also told, unasked,
+where each entry committed from then on lies, with its digest (`Located`, made
+by `peer.locator.Locator`); such a consumer reads it with no grant and keeps it
+only if the digest matches. Nothing is pinned for those reads: the blocks of an
+entry evicted meanwhile may be reused, which the digest catches.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from ecshare.config import Config
 from ecshare.control import ControlServer, KeyPair, LaneServer, LinkSettings, Waker
 from ecshare.errors import IllegalTransition
 from ecshare.peer.dataplane import announced, peer_info
+from ecshare.peer.locator import Locator
 from ecshare.peer.notices import Notices
 from ecshare.peer.phases import PhaseLog
 from ecshare.peer.pusher import Pusher, PushOutcome, PushState, PushTarget
@@ -86,6 +93,7 @@ class _Session:
     push_name: str = ""  # the consumer accepts pushes under this name ("": none)
     replies: OrderedDict[str, p.FetchReply] = field(default_factory=OrderedDict)
     cached_items: int = 0  # items in `replies`
+    direct: bool = False  # reads directly: told where each committed entry lies
 
     def cache(self, reply: p.FetchReply, max_items: int) -> None:
         """Keep `reply` for repeats of its request, dropping the oldest past the bounds."""
@@ -149,6 +157,10 @@ class Producer(NetworkThread):
         self._pusher = (
             Pusher(store, config, writer, count=self._add) if writer is not None else None
         )
+        # Direct reads need a data plane that serves them without this loop: a read
+        # nobody granted gets no progress from it.
+        self._direct = config.direct_reads and transport.self_progressing
+        self._locator = Locator(store, self._wake_up)
 
     # -- engine-facing -----------------------------------------------------------------------
 
@@ -269,6 +281,8 @@ class Producer(NetworkThread):
             return
         self._started(None)
         self._notices.join("grant")
+        if self._direct:
+            self._locator.start()
         poller = zmq.Poller()
         for pollable in self._server.pollables:
             poller.register(pollable, zmq.POLLIN)
@@ -313,6 +327,8 @@ class Producer(NetworkThread):
                     self._drain()
                 if self._lanes is not None and events:
                     self._drain_lanes(events)
+                if self._locator.pending:
+                    self._tell_located()
                 # Reap right after draining, never after progress: a progress call
                 # that stalled the thread must not make sessions whose heartbeats
                 # wait unread in the socket look dead, and free their pins.
@@ -332,6 +348,7 @@ class Producer(NetworkThread):
             self.failure = exc
             raise
         finally:
+            self._locator.stop()
             self._notices.leave("grant")
             if self._lanes is not None:
                 self._lanes.close()
@@ -471,6 +488,8 @@ class Producer(NetworkThread):
             existing.route = route
             existing.last_seen = time.monotonic()
         session = self._sessions[msg.session_id]
+        session.direct = self._direct and p.CAP_READ_DIRECT in msg.capabilities
+        self._locator.listening = any(s.direct for s in self._sessions.values())
         push = self._push_target(session, msg)
         info: PeerInfo = self._transport.local_info()
         welcome = p.Welcome(
@@ -482,6 +501,7 @@ class Producer(NetworkThread):
                 for c in p.negotiate_capabilities(msg.capabilities)
                 if (c != p.CAP_CHECKSUM_XXH3_64 or cfg.checksum != "none")
                 and (c != p.CAP_PUSH or push is not None)
+                and (c != p.CAP_READ_DIRECT or self._direct)
             ],
             lease_ms=int(cfg.lease_s * 1000),
             heartbeat_ms=int(cfg.heartbeat_interval_s * 1000),
@@ -713,6 +733,24 @@ class Producer(NetworkThread):
         self._add("released", len(released))
         return released
 
+    def _wake_up(self) -> None:
+        if self._waker is not None:
+            self._waker.wake()
+
+    def _tell_located(self) -> None:
+        """Tell each direct-reading session where the entries just committed lie."""
+        assert self._server is not None
+        batches = self._locator.take()
+        sessions = [s for s in self._sessions.values() if s.direct]
+        for batch in batches:
+            for session in sessions:
+                self._server.send(
+                    session.route, p.Located(session_id=session.session_id, entries=batch)
+                )
+            self._add("located", len(batch))
+        if sessions:
+            self._add("located_sent", len(batches) * len(sessions))
+
     def _on_notification(self, agent: str, note: bytes) -> None:
         # A data-plane completion notice "<session>:<grant>" counts only from
         # the agent that session announced, so forged notices do nothing.
@@ -770,6 +808,7 @@ class Producer(NetworkThread):
             self._sessions.pop(session.session_id, None)
             session.grants.clear()
             session.pinned_bytes = 0
+        self._locator.listening = any(s.direct for s in self._sessions.values())
         self._count("sessions_closed")
         if grants:
             log.info(

@@ -153,6 +153,10 @@ class Transfer:
     holds_taken: int = 0  # of `holds`, those a push's commit took
     # A push of the item is expected or reserved: not requested before `not_before`.
     awaiting_push: bool = False
+    # The READ in flight is direct: no grant, no lease; kept only if the digest
+    # matches. `direct_tried`: one was tried from the current peer; ask it instead.
+    direct: bool = False
+    direct_tried: bool = False
 
     @property
     def peer(self) -> str | None:
@@ -166,6 +170,7 @@ class Transfer:
         self.state = new
 
     def clear_grant(self) -> None:
+        self.direct = False
         self.request_id = ""
         self.grant_id = ""
         self.remote_extents = []
@@ -189,6 +194,7 @@ class Transfer:
         self.reasons.append(reason)
         self.peer_index += 1
         self.retries_here = 0
+        self.direct_tried = False
         self.not_before = 0.0
         return self.peer is not None
 

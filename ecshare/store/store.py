@@ -94,6 +94,8 @@ class Store:
             on_free=self._fill_canary if canary else None,
             on_allocate=self._check_canary if canary else None,
         )
+        # Told of each entry that turns READY, on the committing thread (`watch_commits`).
+        self._watchers: tuple[Callable[[Entry], None], ...] = ()
 
     @property
     def region(self) -> Region:
@@ -141,7 +143,7 @@ class Store:
         except BaseException:
             self._table.abort(mm_hash, expect=entry)
             raise
-        return self._table.commit(mm_hash, expect=entry)
+        return self._committed(self._table.commit(mm_hash, expect=entry))
 
     def allocate(self, mm_hash: str, nbytes: int, meta: EntryMeta | None = None) -> Entry:
         """Reserve an entry to fill with ``write`` (or straight through ``views``), then commit."""
@@ -166,7 +168,32 @@ class Store:
         """ALLOCATED -> READY. ``checksum`` records the digest of the bytes just
         written; ``holds`` are pins taken in the same step, so that no eviction
         comes between the entry turning READY and its readers holding it."""
-        return self._table.commit(entry.mm_hash, expect=entry, checksum=checksum, holds=holds)
+        return self._committed(
+            self._table.commit(entry.mm_hash, expect=entry, checksum=checksum, holds=holds)
+        )
+
+    def watch_commits(self, watcher: Callable[[Entry], None]) -> Callable[[], None]:
+        """Call `watcher(entry)` for each entry that turns READY from now on, on the
+        thread that commits it, after the commit; returns the call that stops it.
+
+        A watcher must be quick and must not raise: it runs in the writer's step (an
+        engine's, say). It must not take the entry's blocks as still holding its
+        bytes later on without a pin: the entry may be evicted right after.
+        """
+        self._watchers = (*self._watchers, watcher)
+
+        def stop() -> None:
+            self._watchers = tuple(w for w in self._watchers if w is not watcher)
+
+        return stop
+
+    def _committed(self, entry: Entry) -> Entry:
+        for watcher in self._watchers:
+            try:
+                watcher(entry)
+            except Exception:  # the commit stands whatever a watcher does
+                log.exception("commit watcher failed for %s", entry.mm_hash)
+        return entry
 
     def abort(self, entry: Entry) -> None:
         """ALLOCATED -> FREED: the writer gives up; the blocks go back at once."""

@@ -4,6 +4,7 @@ processes) and loopback_testing.py (in-process nodes on LoopbackTransport)."""
 from loopback_testing import fabric, loop_consumer, loop_producer
 from peer_testing import (
     children,
+    fake_producer,
     gate,
     keyring,
     make_consumer,
@@ -15,6 +16,7 @@ from peer_testing import (
 __all__ = [
     "children",
     "fabric",
+    "fake_producer",
     "gate",
     "keyring",
     "loop_consumer",

@@ -11,6 +11,8 @@ and then reads one command per line from stdin:
                        the same, as soon as a grant is outstanding
     push HASH NAME     push entry HASH to the consumer that accepts pushes as NAME
                        (answers at once; the push runs on)
+    put HASH NBYTES    commit a new entry of synthetic bytes (its sessions that read
+                       directly are told where it lies)
     (EOF)              stop cleanly
 
 Each command answers with one JSON line, so a test can wait for it.
@@ -26,7 +28,7 @@ import time
 
 import msgspec
 
-from ecshare.apps.bench.synthetic import fill_synthetic
+from ecshare.apps.bench.synthetic import fill_synthetic, synthetic_bytes
 from ecshare.apps.ready import ProducerReady, ServedEntry, print_ready
 from ecshare.config import add_config_arguments, load_config
 from ecshare.peer import Node, Producer, start_producer
@@ -94,6 +96,9 @@ def main() -> int:
                 stalling.clear()
                 stall.set()
                 answer = {"armed": True}
+            elif words[0] == "put":
+                node.store.put(words[1], synthetic_bytes(words[1], int(words[2])))
+                answer = {"put": words[1]}
             elif words[0] == "push":
                 producer.push(words[1], to=words[2])
                 answer = {"pushing": words[1]}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import mmap
 import os
 import select
 import signal
@@ -35,8 +36,16 @@ from ecshare.apps.bench.synthetic import synthetic_bytes
 from ecshare.apps.chaos.options import TIMING
 from ecshare.apps.ready import ProducerReady, ServedEntry, parse_ready
 from ecshare.config import Config
-from ecshare.control import ControlClient, KeyPair, LinkSettings, generate_keypair, load_keypair
+from ecshare.control import (
+    ControlClient,
+    ControlServer,
+    KeyPair,
+    LinkSettings,
+    generate_keypair,
+    load_keypair,
+)
 from ecshare.peer import Consumer, Node, Producer, start_consumer, start_producer
+from ecshare.transport import NixlTransport
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -531,3 +540,92 @@ def children() -> Iterator[list[subprocess.Popen[str]]]:
             proc.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=10)
+
+
+# -- a producer driven by hand ------------------------------------------------------------------
+
+
+class FakeProducer:
+    """A producer's control server driven by hand, with a real NIXL data plane to announce."""
+
+    def __init__(self, keyring: Keyring) -> None:
+        self.server = ControlServer(
+            keys=keyring.producer,
+            authorized=frozenset({keyring.consumer.public}),
+            settings=LinkSettings(heartbeat_ivl_s=0.2, heartbeat_timeout_s=1.0),
+        )
+        self.mm = mmap.mmap(-1, 1 << 20)
+        # Progressing on its own, as a producer's data plane does by default: the
+        # consumer's warm-up read at the Welcome needs it to.
+        self.transport = NixlTransport(
+            f"fake-producer-{uuid.uuid4().hex[:8]}", progress_thread=True
+        )
+        addr = int(np.frombuffer(self.mm, dtype=np.uint8).ctypes.data)
+        self.transport.register(addr, 1 << 20)
+        self.address = f"tcp://127.0.0.1:{self.server.port}"
+        self.route = b""
+        self.session_id = ""
+
+    def recv(self, kind: type[Any], timeout_s: float = 5.0) -> Any:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            inbound = self.server.recv(timeout_ms=100)
+            if inbound is None:
+                continue
+            self.route = inbound.peer
+            if isinstance(inbound.message, p.Heartbeat):
+                self.server.send(inbound.peer, p.HeartbeatAck(seq=inbound.message.seq))
+                continue
+            if isinstance(inbound.message, kind):
+                return inbound.message
+        raise AssertionError(f"no {kind.__name__} within {timeout_s} s")
+
+    def welcome(self, hello: p.Hello, capabilities: list[str]) -> None:
+        info = self.transport.local_info()
+        self.session_id = hello.session_id
+        self.server.send(
+            self.route,
+            p.Welcome(
+                version=1,
+                session_id=hello.session_id,
+                server_name="fake",
+                capabilities=capabilities,
+                lease_ms=3000,
+                heartbeat_ms=200,
+                max_batch_items=16,
+                data_plane=p.DataPlaneInfo(
+                    kind=info.kind,
+                    agent_name=info.agent_name,
+                    agent_metadata=info.agent_metadata,
+                    region_address=info.region_address,
+                    region_size=info.region_size,
+                ),
+            ),
+        )
+
+    def offer(self, push_id: str, mm_hash: str = "h", nbytes: int = 100_000) -> p.PushReply:
+        self.server.send(
+            self.route,
+            p.PushOffer(
+                session_id=self.session_id,
+                push_id=push_id,
+                mm_hash=mm_hash,
+                nbytes=nbytes,
+                dtype="uint8",
+                shape=[nbytes],
+            ),
+        )
+        reply: p.PushReply = self.recv(p.PushReply)
+        return reply
+
+    def close(self) -> None:
+        self.server.close()
+        self.transport.close()
+        self.mm.close()
+
+
+@pytest.fixture
+def fake_producer(keyring: Keyring) -> Iterator[FakeProducer]:
+    fake = FakeProducer(keyring)
+    yield fake
+    fake.close()

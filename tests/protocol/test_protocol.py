@@ -120,6 +120,19 @@ EXAMPLES: list[p.Message] = [
     ),
     p.PushReply(session_id="s1", push_id="p2", status=p.PushStatus.FULL, detail="no room"),
     p.PushDone(session_id="s1", push_id="p1", written=True),
+    p.Located(
+        session_id="s1",
+        entries=[
+            p.Location(
+                mm_hash="h1",
+                extents=[p.Extent(0, 4096), p.Extent(65536, 904)],
+                nbytes=5000,
+                dtype="bfloat16",
+                shape=[2500],
+                checksum=2**64 - 1,
+            )
+        ],
+    ),
 ]
 
 

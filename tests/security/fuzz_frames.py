@@ -101,6 +101,19 @@ def seed_messages(session_id: str = "fuzz-session", grant_id: str = "g-fuzz") ->
         p.HeartbeatAck(seq=3),
         p.Bye(session_id=session_id),
         p.Error(code=p.ErrorCode.OVERLOADED, message="busy", request_id="r-fuzz"),
+        p.Located(
+            session_id=session_id,
+            entries=[
+                p.Location(
+                    mm_hash="h0",
+                    extents=[p.Extent(0, 4096), p.Extent(1 << 20, 100)],
+                    nbytes=4196,
+                    dtype="bfloat16",
+                    shape=[2, 2098],
+                    checksum=(1 << 64) - 1,
+                )
+            ],
+        ),
     ]
     covered = {type(m) for m in seeds}
     # Types added to the protocol later are covered too, from their defaults where

@@ -18,6 +18,7 @@ from ecshare.errors import IllegalTransition
 from ecshare.peer import transfer
 from ecshare.store import (
     AllocatorError,
+    Entry,
     EntryExists,
     EntryMeta,
     EntryState,
@@ -396,3 +397,29 @@ def test_every_store_error_is_an_ecshare_error_and_illegal_transition_is_one_cla
         assert issubclass(error, ECShareError)
     assert entries.IllegalTransition is transfer.IllegalTransition is IllegalTransition
     assert issubclass(IllegalTransition, ECShareError)
+
+
+def test_commit_watchers_see_each_entry_that_turns_ready_and_nothing_else(
+    store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    seen: list[tuple[str, EntryState]] = []
+
+    def broken(entry: Entry) -> None:
+        raise RuntimeError("a watcher that fails")
+
+    stop = store.watch_commits(lambda e: seen.append((e.mm_hash, e.state)))
+    stop_broken = store.watch_commits(broken)
+    store.put("put", payload(10))
+    written = store.allocate("written", 5)
+    store.write(written, payload(5))
+    store.commit(written)
+    store.abort(store.allocate("aborted", 5))  # never READY: not seen
+    stop_broken()
+    stop()
+    store.put("after", payload(3))
+
+    assert seen == [("put", EntryState.READY), ("written", EntryState.READY)]
+    # A failing watcher is logged; the commit stands all the same.
+    assert "commit watcher failed" in caplog.text
+    written_now = store.get("written")
+    assert written_now is not None and written_now.state is EntryState.READY

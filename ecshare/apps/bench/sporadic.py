@@ -80,6 +80,16 @@ ECSHARE_STEPS = (
     ("result", "commit"),
     ("woken", "wake caller"),
 )
+# A direct read (the producer told where the entry lies): no request, no grant.
+DIRECT_STEPS = (
+    ("picked", "wake consumer thread"),
+    ("granted", "look up location"),
+    ("read_start", "allocate destination"),
+    ("read_return", "READ call"),
+    ("done", "READ to DONE"),
+    ("result", "verify digest, commit"),
+    ("woken", "wake caller"),
+)
 RAW_STEPS = (("read_return", "READ call"), ("done", "READ to DONE"))
 
 
@@ -120,6 +130,14 @@ def _steps_ms(
         if spans:
             out[name] = round(float(np.median(spans)) * 1000, 4)
     return out
+
+
+def _ecshare_steps_ms(marks: Sequence[dict[str, float]]) -> dict[str, float]:
+    """The steps of the kind of fetch most samples took: asked for, or read directly."""
+    direct = [m for m in marks if "sent" not in m]
+    if len(direct) * 2 > len(marks):
+        return _steps_ms(direct, DIRECT_STEPS)
+    return _steps_ms([m for m in marks if "sent" in m], ECSHARE_STEPS)
 
 
 def _by_key(records: Sequence[tuple[str, str, float]]) -> dict[str, dict[str, float]]:
@@ -208,7 +226,7 @@ def measure_sporadic(
         ecshare_s=eco,
         raw_s=raws,
         memcpy_s=mems,
-        ecshare_phases_ms=_steps_ms(list(eco_marks.values()), ECSHARE_STEPS),
+        ecshare_phases_ms=_ecshare_steps_ms(list(eco_marks.values())),
         raw_phases_ms=_steps_ms(raw_marks, RAW_STEPS),
     )
 

@@ -1,0 +1,400 @@
+"""Direct reads: a located entry is READ with no request, and kept only if its digest matches.
+
+A producer with `direct_reads` tells each session that agreed where every entry
+it commits lies (`Located`, with the entry's xxh3-64). The consumer READs such an
+entry at once; nothing pins it at the producer, so the bytes are committed only
+if their digest matches, and anything else (a stale place, a lying one, a failed
+READ) falls back to a granted read from the same producer. The destination obeys
+the rule of every read: given up while the READ may still write it, it stays
+fenced until the transport says the READ has ended, over UCX TCP too.
+
+Real NIXL throughout (in this process, or a producer process where a test must
+freeze it), and a hand-driven producer (`FakeProducer`, a real control server and
+a real NIXL data plane) where the producer must lie.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import msgspec
+import numpy as np
+import pytest
+import xxhash
+
+pytest.importorskip("nixl._api")
+
+from peer_testing import (
+    FakeProducer,
+    Keyring,
+    MakeConsumer,
+    MakeProducer,
+    SpawnProducer,
+    expected,
+    stored_bytes,
+    wait_until,
+)
+
+from ecshare import protocol as p
+from ecshare.peer import Consumer, FailureReason, FetchFailed, Producer
+from ecshare.peer.locator import Locator
+from ecshare.store import EntryMeta, Store
+from ecshare.store.region import Region
+
+pytestmark = pytest.mark.timeout(90)
+
+MiB = 1 << 20
+# UCX over TCP, where a READ is asynchronous and moves only as the producer's
+# data plane progresses (here NIXL's own progress thread: the default).
+TCP = {"ucx_tls": "tcp", "store_canary": True}
+CMA = {"store_canary": True}
+
+
+def _up(consumer: Consumer, address: str) -> None:
+    """The session is open and its warm-up read has ended."""
+    consumer.connect([address])
+    assert wait_until(lambda: [x.up for x in consumer.peer_liveness()] == [True], 10.0)
+    assert wait_until(lambda: consumer.counter_snapshot().get("warm_ups", 0) == 1, 5.0)
+    assert wait_until(lambda: not consumer._warming, 5.0)
+
+
+def _located(consumer: Consumer, n: int) -> bool:
+    return wait_until(lambda: consumer.counter_snapshot().get("locations_heard", 0) >= n, 5.0)
+
+
+@pytest.mark.parametrize("data_plane", ["cma", "tcp"])
+def test_entry_committed_after_the_session_opened_is_read_with_no_request(
+    make_producer: MakeProducer, make_consumer: MakeConsumer, keyring: Keyring, data_plane: str
+) -> None:
+    dp = TCP if data_plane == "tcp" else CMA
+    pnode, producer = make_producer(keyring.producer_config(), dp)
+    cnode, consumer = make_consumer(keyring.consumer_config(), dp)
+    _up(consumer, producer.address)
+    sizes = {"d-1": 1, "d-2": 65_537, "d-3": 4_505_600}
+    for h, n in sizes.items():
+        pnode.store.put(h, expected(h, n))
+    assert _located(consumer, len(sizes))
+
+    futures = consumer.fetch(list(sizes), [producer.address])
+    results = [f.result(timeout=15) for f in futures]
+
+    for result, (h, n) in zip(results, sizes.items(), strict=True):
+        assert (result.mm_hash, result.nbytes, result.peer) == (h, n, producer.address)
+        assert result.attempts == 0  # no request was sent for it
+        np.testing.assert_array_equal(stored_bytes(cnode, h), expected(h, n), err_msg=h)
+    counters = consumer.counter_snapshot()
+    assert counters["direct_reads"] == len(sizes)
+    assert "requests" not in counters and "direct_reads_stale" not in counters
+    pcounters = dict(producer.counters)
+    assert "granted" not in pcounters and "fetch_requests" not in pcounters
+    assert pcounters["located"] == len(sizes)
+    assert pnode.store.stats().pins == 0  # the digests' pins are gone
+    assert consumer.fenced_reads()[0] == 0
+    assert cnode.store.stats().canary_violations == 0
+    cnode.store.check_invariants()
+
+
+def test_stale_location_is_never_committed_and_the_fetch_asks_the_producer(
+    make_producer: MakeProducer, make_consumer: MakeConsumer, keyring: Keyring
+) -> None:
+    """The entry is evicted and its blocks hold another's bytes by the time it is
+    fetched: the direct READ reads the other entry, its digest differs, nothing is
+    committed, and the producer is asked (and says it is gone)."""
+    n = 3 * MiB + 5
+    pnode, producer = make_producer(keyring.producer_config(), CMA)
+    cnode, consumer = make_consumer(keyring.consumer_config(), CMA)
+    _up(consumer, producer.address)
+    old = pnode.store.put("old", expected("old", n))
+    assert _located(consumer, 1)
+    pnode.store.remove("old")
+    new = pnode.store.put("new", expected("new", n))
+    assert new.extents == old.extents  # the same blocks, now another entry's
+    assert _located(consumer, 2)
+
+    with pytest.raises(FetchFailed) as failed:
+        consumer.fetch(["old"], [producer.address])[0].result(timeout=10)
+
+    assert failed.value.reason is FailureReason.MISSING, failed.value
+    assert cnode.store.get("old") is None
+    counters = consumer.counter_snapshot()
+    assert counters["direct_reads"] == 1 and counters["direct_reads_stale"] == 1
+    assert counters["requests"] == 1  # the fallback asked the producer
+    assert dict(producer.counters)["refused_missing"] == 1
+    # The other entry's place is known and right: read directly, byte-exact.
+    assert consumer.fetch(["new"], [producer.address])[0].result(timeout=10).attempts == 0
+    np.testing.assert_array_equal(stored_bytes(cnode, "new"), expected("new", n))
+    assert consumer.counter_snapshot()["direct_reads"] == 2
+    assert cnode.store.stats().canary_violations == 0
+    cnode.store.check_invariants()
+
+
+def test_relocated_entry_is_read_where_it_lies_now(
+    make_producer: MakeProducer, make_consumer: MakeConsumer, keyring: Keyring
+) -> None:
+    pnode, producer = make_producer(keyring.producer_config(), CMA)
+    cnode, consumer = make_consumer(keyring.consumer_config(), CMA)
+    _up(consumer, producer.address)
+    pnode.store.put("pad", expected("pad", MiB))
+    first = pnode.store.put("h", expected("h", MiB))
+    assert _located(consumer, 2)
+    pnode.store.remove("pad")
+    pnode.store.remove("h")
+    pnode.store.put("other", expected("other", 2 * MiB))  # takes h's old blocks
+    assert _located(consumer, 3)
+    second = pnode.store.put("h", expected("h", MiB))
+    assert second.extents != first.extents
+    assert _located(consumer, 4)
+
+    result = consumer.fetch(["h"], [producer.address])[0].result(timeout=10)
+
+    assert result.attempts == 0
+    np.testing.assert_array_equal(stored_bytes(cnode, "h"), expected("h", MiB))
+    assert "direct_reads_stale" not in consumer.counter_snapshot()
+
+
+@pytest.mark.parametrize("off", ["producer", "consumer"])
+def test_direct_reads_off_on_either_side_keeps_every_fetch_granted(
+    make_producer: MakeProducer,
+    make_consumer: MakeConsumer,
+    keyring: Keyring,
+    off: str,
+) -> None:
+    pnode, producer = make_producer(
+        keyring.producer_config(), CMA, {"direct_reads": off != "producer"}
+    )
+    cnode, consumer = make_consumer(
+        keyring.consumer_config(), CMA, {"direct_reads": off != "consumer"}
+    )
+    _up(consumer, producer.address)
+    pnode.store.put("h", expected("h", MiB))
+    time.sleep(0.2)  # room for a Located that must not come
+
+    result = consumer.fetch(["h"], [producer.address])[0].result(timeout=10)
+
+    assert result.attempts == 1
+    np.testing.assert_array_equal(stored_bytes(cnode, "h"), expected("h", MiB))
+    counters = consumer.counter_snapshot()
+    assert counters["requests"] == 1 and "direct_reads" not in counters
+    assert "locations_heard" not in counters
+    assert "located_sent" not in dict(producer.counters)
+
+
+def test_producer_whose_reads_need_its_own_loop_offers_no_direct_reads(
+    make_producer: MakeProducer, make_consumer: MakeConsumer, keyring: Keyring
+) -> None:
+    # Without NIXL's progress thread a READ nobody granted would get no progress
+    # over TCP from the producer's loop, which progresses only for grants.
+    pnode, producer = make_producer(keyring.producer_config(), {"nixl_progress_thread": False})
+    _, consumer = make_consumer(keyring.consumer_config())
+    _up(consumer, producer.address)
+    pnode.store.put("h", expected("h", 65_536))
+
+    result = consumer.fetch(["h"], [producer.address])[0].result(timeout=10)
+
+    assert result.attempts == 1
+    assert not consumer._links[producer.address].direct
+    assert "located_sent" not in dict(producer.counters)
+
+
+# -- a producer that lies --------------------------------------------------------------------
+
+
+def _welcomed(fake: FakeProducer, consumer: Consumer) -> None:
+    consumer.connect([fake.address])
+    hello: p.Hello = fake.recv(p.Hello)
+    assert p.CAP_READ_DIRECT in hello.capabilities
+    fake.welcome(hello, [p.CAP_READ_DIRECT, p.CAP_CHECKSUM_XXH3_64])
+    assert wait_until(lambda: [x.up for x in consumer.peer_liveness()] == [True], 5.0)
+
+
+def _location(mm_hash: str, extents: list[tuple[int, int]], checksum: int) -> p.Location:
+    nbytes = sum(n for _, n in extents)
+    return p.Location(
+        mm_hash=mm_hash,
+        extents=[p.Extent(o, n) for o, n in extents],
+        nbytes=nbytes,
+        dtype="uint8",
+        shape=[nbytes],
+        checksum=checksum,
+    )
+
+
+def test_lying_locations_are_dropped_or_caught_and_the_fetch_is_granted(
+    fake_producer: FakeProducer, make_consumer: MakeConsumer, keyring: Keyring
+) -> None:
+    fake = fake_producer
+    n = 100_000
+    data = expected("h", n)
+    region = np.frombuffer(fake.mm, dtype=np.uint8)
+    region[:n] = data
+    cnode, consumer = make_consumer(keyring.consumer_config(), CMA)
+    _welcomed(fake, consumer)
+    right = xxhash.xxh3_64_intdigest(data.tobytes())
+
+    def tell(session_id: str, *where: p.Location) -> None:
+        fake.server.send(fake.route, p.Located(session_id=session_id, entries=list(where)))
+
+    # Beyond the region, or extents that do not add up: dropped, counted.
+    tell(fake.session_id, _location("h", [(1 << 20, 4096)], right))
+    bad_sum = msgspec.structs.replace(_location("h", [(0, n)], right), nbytes=n + 1)
+    tell(fake.session_id, bad_sum)
+    # Another session's word: dropped, counted.
+    tell("not-this-session", _location("h", [(0, n)], right))
+    assert wait_until(lambda: consumer.counter_snapshot().get("bad_locations", 0) == 2, 5.0)
+    assert wait_until(lambda: consumer.counter_snapshot().get("locations_off_session", 0) == 1, 5.0)
+    # A wrong digest: read, caught, not committed; the fetch asks for a grant.
+    tell(fake.session_id, _location("h", [(0, n)], right ^ 1))
+    assert wait_until(lambda: consumer.counter_snapshot().get("locations_heard", 0) == 3, 5.0)
+
+    future = consumer.fetch(["h"], [fake.address])[0]
+    request: p.FetchRequest = fake.recv(p.FetchRequest)
+    assert cnode.store.get("h") is None  # nothing committed from the direct read
+    fake.server.send(
+        fake.route,
+        p.FetchReply(
+            request_id=request.request_id,
+            items=[
+                p.ItemReply(
+                    mm_hash="h",
+                    status=p.ItemStatus.GRANTED,
+                    grant_id="g1",
+                    extents=[p.Extent(0, n)],
+                    nbytes=n,
+                    dtype="uint8",
+                    shape=[n],
+                    checksum=right,
+                    lease_ms=3000,
+                )
+            ],
+        ),
+    )
+    result = future.result(timeout=10)
+
+    assert result.attempts == 1
+    np.testing.assert_array_equal(stored_bytes(cnode, "h"), data)
+    counters = consumer.counter_snapshot()
+    assert counters["direct_reads"] == 1 and counters["direct_reads_stale"] == 1
+    assert cnode.store.stats().canary_violations == 0
+
+
+# -- lifetimes over TCP ----------------------------------------------------------------------
+
+
+def test_direct_read_given_up_over_tcp_is_fenced_until_the_read_ends(
+    spawn_producer: SpawnProducer, make_consumer: MakeConsumer, keyring: Keyring
+) -> None:
+    """The producer process freezes with a direct READ of 8 MiB in flight: the fetch
+    gives up, its destination stays held while the READ may still write it, and
+    comes back only once the producer thaws and the READ has ended."""
+    producer = spawn_producer(synthetic="", config={**keyring.producer_config(), **TCP}, hooks=True)
+    cnode, consumer = make_consumer(
+        keyring.consumer_config(),
+        TCP,
+        {"fetch_deadline_base_s": 0.5, "fetch_deadline_max_s": 0.5},
+    )
+    _up(consumer, producer.address)
+    h, n = "frozen", 8 * MiB
+    assert producer.command(f"put {h} {n}") == {"put": h}
+    assert _located(consumer, 1)
+
+    os.kill(producer.process.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(FetchFailed):
+            consumer.fetch([h], [producer.address])[0].result(timeout=10)
+        counters = consumer.counter_snapshot()
+        assert counters["direct_reads"] == 1 and counters["reads_fenced"] == 1
+        time.sleep(0.3)  # the READ is still in flight: its blocks are held, not reused
+        assert consumer.fenced_reads()[0] == 1
+        assert cnode.store.stats().quarantined == 1
+        assert cnode.store.get(h) is None
+    finally:
+        os.kill(producer.process.pid, signal.SIGCONT)
+
+    assert wait_until(lambda: cnode.store.stats().quarantined == 0, 15.0)
+    counters = consumer.counter_snapshot()
+    assert counters["fenced_reads_ended"] == 1 and consumer.fenced_reads()[0] == 0
+    assert cnode.store.stats().canary_violations == 0
+    cnode.store.check_invariants()
+    # The producer serves again: the same entry lands byte-exact.
+    assert wait_until(lambda: [x.up for x in consumer.peer_liveness()] == [True], 15.0)
+    result = consumer.fetch([h], [producer.address])[0].result(timeout=15)
+    assert result.nbytes == n
+    np.testing.assert_array_equal(stored_bytes(cnode, h), expected(h, n))
+
+
+# -- the producer's side ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def region() -> Iterator[Region]:
+    with Region.create(64 * MiB, name="ecshare-test-locator") as r:
+        yield r
+
+
+def test_locator_takes_each_digest_under_a_pin_and_skips_what_is_gone(region: Region) -> None:
+    store = Store(region, 64 * 1024)
+    wakes: list[int] = []
+    locator = Locator(store, lambda: wakes.append(1))
+    locator.start()
+    store.put("quiet", np.zeros(10, dtype=np.uint8))  # nobody listens yet: not queued
+    assert not locator.pending
+    locator.listening = True
+    a = store.put("a", expected("a", 70_000))
+    store.put("b", expected("b", 5), checksum=True)  # the engine's digest is taken as is
+    store.put("gone", expected("gone", 10))
+    store.remove("gone")
+    assert wakes == [1]  # one wake-up for the queue that was empty
+
+    [batch] = locator.take()
+
+    assert [x.mm_hash for x in batch] == ["a", "b"]
+    assert batch[0].checksum == xxhash.xxh3_64_intdigest(expected("a", 70_000).tobytes())
+    assert [(e.offset, e.length) for e in batch[0].extents] == list(a.extents)
+    assert (batch[0].nbytes, batch[0].dtype, batch[0].shape) == (70_000, "uint8", [70_000])
+    assert batch[1].checksum == xxhash.xxh3_64_intdigest(expected("b", 5).tobytes())
+    assert (locator.located, locator.digests, locator.gone) == (2, 1, 1)
+    assert store.stats().pins == 0
+    locator.stop()
+    store.put("after", np.zeros(10, dtype=np.uint8))
+    assert not locator.pending
+
+
+def test_locator_splits_what_one_frame_cannot_hold(region: Region) -> None:
+    store = Store(region, 4096)
+    locator = Locator(store, lambda: None)
+    locator.start()
+    locator.listening = True
+    for i in range(5000):
+        store.allocate(f"e{i}", 1, EntryMeta(dtype="uint8", shape=(1,)))
+        store.commit(store.get(f"e{i}"))  # type: ignore[arg-type]
+
+    batches = locator.take()
+
+    assert sum(len(b) for b in batches) == 5000 and len(batches) >= 2
+    codec = p.Codec()
+    for batch in batches:
+        assert len(batch) <= p.MAX_BATCH_ITEMS
+        codec.encode(p.Located(session_id="s", entries=batch))  # within the frame limit
+
+
+def test_located_entries_reach_only_sessions_that_read_directly(
+    make_producer: MakeProducer, make_consumer: MakeConsumer, keyring: Keyring
+) -> None:
+    pnode, producer = make_producer(keyring.producer_config(), CMA)
+    _, direct = make_consumer(keyring.consumer_config(), CMA)
+    _, granted = make_consumer(keyring.consumer_config(), CMA, {"direct_reads": False})
+    _up(direct, producer.address)
+    _up(granted, producer.address)
+    pnode.store.put("h", expected("h", 4096))
+
+    assert _located(direct, 1)
+    time.sleep(0.2)
+    assert "locations_heard" not in granted.counter_snapshot()
+    assert _sent(producer) == 1
+
+
+def _sent(producer: Producer) -> int:
+    return dict(producer.counters).get("located_sent", 0)
