@@ -296,6 +296,7 @@ COUNTED: Final[tuple[Counted, ...]] = (
         "direct_reads",
         "direct_reads_stale",
         "direct_reads_failed",
+        "tag_reads",
         "locations_heard",
         "bad_locations",
         "locations_off_session",

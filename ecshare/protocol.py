@@ -216,14 +216,22 @@ class FetchReply(_Message, frozen=True, kw_only=True, tag="fetch_reply"):
 
 
 class Location(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """Where one READY entry lies in the producer's region, and its digest."""
+    """Where one READY entry lies in the producer's region, and how to know that the
+    bytes read there were still its: its digest, or its tag, or both.
+
+    The tag is a word at `tag_offset` of the region that holds `tag` while the
+    entry's blocks are its own, and never again once they were freed: a reader
+    that reads it back after the bytes and finds `tag` read the entry's bytes.
+    """
 
     mm_hash: MMHash
     extents: Annotated[list[Extent], msgspec.Meta(min_length=1, max_length=MAX_EXTENTS_PER_ITEM)]
     nbytes: Annotated[int, msgspec.Meta(ge=1, le=1 << 48)]
     dtype: Annotated[str, msgspec.Meta(max_length=32)] = ""
     shape: Annotated[list[Dim], msgspec.Meta(max_length=MAX_NDIM)] = []
-    checksum: Annotated[int, msgspec.Meta(ge=0)]  # xxh3-64 of the bytes at `extents`
+    checksum: Annotated[int, msgspec.Meta(ge=0)] | None = None  # xxh3-64 of the bytes
+    tag: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)] = 0  # 0: none
+    tag_offset: Size = 0
 
 
 class Located(_Message, frozen=True, kw_only=True, tag="located"):

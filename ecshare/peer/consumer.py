@@ -28,15 +28,22 @@ Two promises bind the reads (DESIGN.md, invariants 2 and 4):
   finishes after it is discarded.
 
 Direct reads (`direct_reads`, capability `read.direct`): a producer tells the
-sessions that agreed where each entry it commits lies, with its digest
-(`p.Located`). A fetch of such an entry READs it there at once, with no request
-and no grant. Nothing holds the producer's blocks meanwhile, so the bytes are
-kept only if their xxh3-64 matches the digest told (whatever `checksum` says);
-a mismatch (the entry was evicted and its blocks reused) or a failed READ falls
+sessions that agreed where each entry it commits lies (`p.Located`). A fetch of
+such an entry READs it there at once, with no request and no grant. Nothing
+holds the producer's blocks meanwhile, so the bytes are kept only if they are
+shown to be the entry's: up to `DIGEST_MAX` bytes by their xxh3-64 against the
+digest told (whatever `checksum` says); larger ones by the entry's tag, a word
+the producer's store holds for the entry while its blocks are its own and never
+again once they are freed (`ecshare.store.entries`, "Tags"), read back with a
+second READ once the bytes have landed, into the destination's spare bytes. A
+tag found there means the blocks had not been freed when it was read, so the
+bytes read before it were the entry's; this needs no pass over the bytes. A
+mismatch (the entry was evicted and its blocks reused) or a failed READ falls
 back to a granted read from the same producer. The destination follows the
-same rule as any read's: fenced if given up, back only once the READ has ended.
-This bends the lease rule above on purpose: a direct read may run outside any
-lease, and it is the digest, not the lease, that decides what is committed.
+same rule as any read's: fenced if given up, back only once the READs have
+ended. This bends the lease rule above on purpose: a direct read may run
+outside any lease, and it is the digest or the tag, not the lease, that decides
+what is committed.
 
 Push (with `push_name` set, docs/PUSH.md): producers this consumer allows may
 offer entries on their sessions; the `Inbox` reserves blocks and commits what
@@ -68,6 +75,7 @@ from ecshare.control import AuthenticationFailed, ClientPool, KeyPair, LinkSetti
 from ecshare.peer.dataplane import announced
 from ecshare.peer.inbox import Inbox, PushLink, Reservation
 from ecshare.peer.link import PeerLink, PeerLinkState
+from ecshare.peer.locator import DIGEST_MAX
 from ecshare.peer.notices import Notices
 from ecshare.peer.phases import PhaseLog
 from ecshare.peer.thread import NetworkThread
@@ -245,6 +253,8 @@ class Consumer(NetworkThread):
         self._warming: list[tuple[object, Entry]] = []  # warm-up reads, until they end
         # mm_hash -> where its producer said it lies (see "Direct reads" above).
         self._located: collections.OrderedDict[str, _Located] = collections.OrderedDict()
+        # Direct reads whose bytes have landed and whose tags are to be read back.
+        self._tags_due: list[tuple[PeerLink, Transfer]] = []
         self._request_ids = itertools.count(1)
         self._pool: ClientPool | None = None
         self.counters: Counter[str] = Counter()
@@ -661,10 +671,20 @@ class Consumer(NetworkThread):
 
     def _step(self, events: dict[object, int]) -> None:
         now = time.monotonic()
-        if self._take_incoming() and self._located:
+        taken = self._take_incoming()
+        if taken and self._located:
             # New fetches of located entries are read before anything else here: the
             # rest of the pass is tens of microseconds of cold code after an idle gap.
             self._dispatch_direct(now)
+            woken_by_fetch = self._waker is not None and set(events) <= {self._waker.fileno()}
+            done = all(t.state is TransferState.DONE for t in taken)
+            if woken_by_fetch and done and not self._connects:
+                # Only `fetch` woke us, and its reads are done (on one host a READ ends
+                # inside the call): answer before the rest of the pass, whose
+                # GIL-holding work the woken caller would wait out. Nothing else
+                # arrived (no message, no `connect`), and what is due by time `_wait`
+                # schedules as ever.
+                return
         with self._lock:
             connects, self._connects = self._connects, []
         for endpoint in dict.fromkeys(connects):
@@ -898,8 +918,12 @@ class Consumer(NetworkThread):
             return
         region_size = link.region_size
         for where in msg.entries:
-            if sum(e.length for e in where.extents) != where.nbytes or any(
-                e.length <= 0 or e.offset + e.length > region_size for e in where.extents
+            tag_ok = where.tag_offset % 8 == 0 and where.tag_offset + 8 <= region_size
+            if (
+                sum(e.length for e in where.extents) != where.nbytes
+                or any(e.length <= 0 or e.offset + e.length > region_size for e in where.extents)
+                or (where.tag and not tag_ok)
+                or (not where.tag and where.checksum is None)  # nothing to check it by
             ):
                 self._count("bad_locations")
                 continue
@@ -928,8 +952,12 @@ class Consumer(NetworkThread):
     def _dispatch_direct(self, now: float) -> None:
         """READ the queued fetches whose entries' places are known, one READ per peer.
         Runs before the requests are batched, so that one that falls back (on one host
-        a READ ends inside the call) is asked for in the same pass."""
-        reads: dict[str, list[tuple[Transfer, list[Segment]]]] = {}
+        a READ ends inside the call) is asked for in the same pass.
+
+        How each is checked: a lone entry of up to `DIGEST_MAX` bytes by its digest
+        (one cheap pass over it); anything more by tags, which one more READ brings
+        back for the whole batch, at no cost per byte."""
+        found: dict[str, tuple[PeerLink, list[tuple[Transfer, p.Location]]]] = {}
         for t in list(self._transfers):
             if t.state is not TransferState.QUEUED or t.not_before > now or t.awaiting_push:
                 continue
@@ -937,25 +965,75 @@ class Consumer(NetworkThread):
             if link is None or link.state is not PeerLinkState.READY:
                 continue
             where = self._where(t, link)
-            if where is None:
+            if where is not None:
+                found.setdefault(link.endpoint, (link, []))[1].append((t, where))
+        for link, batch in found.values():
+            by_tag = sum(where.nbytes for _, where in batch) > DIGEST_MAX
+            reads: list[tuple[Transfer, list[Segment]]] = []
+            for t, where in batch:
+                t.move(TransferState.REQUESTED)
+                t.move(TransferState.GRANTED)
+                t.direct = t.direct_tried = True
+                if self.phases is not None:
+                    self.phases.mark(t.mm_hash, "granted")
+                self._describe(t, where)
+                if where.tag and (by_tag or where.checksum is None):
+                    t.tag, t.tag_offset = where.tag, where.tag_offset
+                self._count("direct_reads")
+                self._start_read(link, t, reads)
+            self._post_reads(link, reads)
+
+    def _read_tags(self) -> None:
+        """The bytes of these direct reads have landed: READ their entries' tags back,
+        one READ per producer, each into its destination's spare bytes (fenced with
+        the destination as ever)."""
+        due, self._tags_due = self._tags_due, []
+        by_link: dict[str, tuple[PeerLink, list[Transfer]]] = {}
+        for link, t in due:
+            if t.state is TransferState.READING and t.read_handle is None and t.dest is not None:
+                by_link.setdefault(link.endpoint, (link, []))[1].append(t)
+        block = self._store.block_size
+        for link, transfers in by_link.values():
+            segments = [
+                segment
+                for t in transfers
+                if t.dest is not None
+                for segment in pair_segments([(t.dest.spare_offset(block), 8)], [(t.tag_offset, 8)])
+            ]
+            try:
+                handle = self._transport.read(link.agent, segments)
+            except Exception as exc:  # nothing was posted: the blocks are ours again
+                log.debug("tag read from %s failed to start: %s", link.endpoint, exc)
+                for t in transfers:
+                    self._drop_dest(t)
+                    self._direct_missed(t, "direct_reads_failed")
                 continue
-            t.move(TransferState.REQUESTED)
-            t.move(TransferState.GRANTED)
-            t.direct = t.direct_tried = True
-            if self.phases is not None:
-                self.phases.mark(t.mm_hash, "granted")
-            self._describe(t, where)
-            self._count("direct_reads")
-            self._start_read(link, t, reads.setdefault(link.endpoint, []))
-        for endpoint, posted in reads.items():
-            self._post_reads(self._links[endpoint], posted)
+            shared = handle if len(transfers) == 1 else _SharedRead(handle, len(transfers))
+            for t in transfers:
+                t.tag_read = True
+                t.read_handle = shared
+            self._count("tag_reads")
+            for t in transfers:  # on one host it has ended already
+                if t.state is TransferState.READING and t.read_handle is shared:
+                    self._poll_read(t)
+
+    def _intact(self, t: Transfer) -> bool:
+        """The bytes of a direct read are the entry's: its tag was still in place after
+        them, or they have its digest."""
+        assert t.dest is not None
+        if t.tag:
+            return self._store.word(t.dest.spare_offset(self._store.block_size)) == t.tag
+        return self._store.checksum(t.dest) == t.checksum
 
     def _direct_missed(self, t: Transfer, counter: str) -> None:
         """A direct read that ended without usable bytes: ask the same peer for a grant.
         Its destination is gone already (the READ has ended)."""
         self._count(counter)
         located = self._located.get(t.mm_hash)
-        if located is not None and located.where.checksum == t.checksum:
+        if (
+            located is not None
+            and [(e.offset, e.length) for e in located.where.extents] == t.remote_extents
+        ):  # not a newer word of where it lies
             del self._located[t.mm_hash]
         t.move(TransferState.QUEUED)
         t.clear_grant()
@@ -1133,7 +1211,8 @@ class Consumer(NetworkThread):
             return
         meta = EntryMeta(dtype=t.dtype or "uint8", shape=t.shape, checksum=t.checksum)
         try:
-            dest = self._store.allocate(t.mm_hash, t.nbytes, meta)
+            # A tag is read back into the destination's own spare bytes: fenced with it.
+            dest = self._store.allocate(t.mm_hash, t.nbytes, meta, spare=8 if t.tag else 0)
         except EntryExists:
             link.release([t.grant_id])
             existing = self._store.get(t.mm_hash)
@@ -1188,6 +1267,8 @@ class Consumer(NetworkThread):
             # A failed READ that takes its peer down moves the others on with it.
             if t.state is TransferState.READING and t.read_handle is shared:
                 self._poll_read(t)
+        if self._tags_due:
+            self._read_tags()
 
     def _poll_handle(self, handle: object) -> ReadStatus:
         if isinstance(handle, _SharedRead):
@@ -1208,6 +1289,8 @@ class Consumer(NetworkThread):
         for t in list(self._transfers):
             if t.state is TransferState.READING and t.read_handle is not None:
                 self._poll_read(t)
+        if self._tags_due:
+            self._read_tags()
 
     def _poll_read(self, t: Transfer) -> None:
         status = self._poll_handle(t.read_handle)
@@ -1234,8 +1317,10 @@ class Consumer(NetworkThread):
             self._move_on(t, FailureReason.TRANSPORT, status.detail)
             return
         if t.direct:
-            assert t.dest is not None
-            if self._store.checksum(t.dest) != t.checksum:
+            if t.tag and not t.tag_read:
+                self._tags_due.append((link, t))  # `_read_tags`, with the others of this pass
+                return
+            if not self._intact(t):
                 # Evicted and its blocks reused since it was located: not this entry.
                 self._drop_dest(t)
                 self._direct_missed(t, "direct_reads_stale")

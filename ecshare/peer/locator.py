@@ -6,11 +6,16 @@ entry's digest, in a `Located` message; the consumer may then READ the entry
 there with no request and no grant, and keeps the bytes only if their digest
 matches (see `ecshare.peer.consumer`, "Direct reads").
 
-Nothing is pinned for a direct read, so the one thing this side must get right
-is the digest: it is computed (or taken from the entry's meta) under a pin, so
-that it is the digest of the bytes the extents held while the entry was READY.
-A digest taken of blocks already reused for another entry would let a consumer
-keep that entry's bytes under this entry's name.
+Nothing is pinned for a direct read. The consumer learns that the bytes it read
+were the entry's from the entry's tag (a word the store keeps for it while its
+blocks are its own: `ecshare.store.entries`, "Tags"), or from its digest. Tags
+cost nothing here, so every entry's is told; a digest is told where the engine
+computed one, and computed here for entries of up to `DIGEST_MAX` bytes, for
+which checking it is cheaper than the consumer's second READ of the tag (and
+always in a store without tags). A digest is taken under a pin, so that it is
+the digest of the bytes the extents held while the entry was READY: one taken
+of blocks already reused for another entry would let a consumer keep that
+entry's bytes under this entry's name.
 
 The `Locator` is fed on the committing thread (the engine's) by a store
 watcher, which only queues the name and wakes the producer's thread; the pin,
@@ -36,6 +41,9 @@ _QUEUED_MAX = 65536
 # Bytes of a Located frame's entries, about, before another frame is started: well
 # under the smallest frame limit a peer may set, and `MAX_BATCH_ITEMS` at most.
 _FRAME_BUDGET = 256 * 1024
+# Entries up to this size are told with a digest, computed here if need be: one
+# pass over 1 MiB costs about as much as the consumer's READ of a tag (30 us).
+DIGEST_MAX = 1 << 20
 
 
 class Locator:
@@ -91,7 +99,7 @@ class Locator:
             location = self._locate(mm_hash)
             if location is None:
                 continue
-            cost = 96 + len(mm_hash) + 16 * len(location.extents) + 8 * len(location.shape)
+            cost = 128 + len(mm_hash) + 16 * len(location.extents) + 8 * len(location.shape)
             if batch and (size + cost > _FRAME_BUDGET or len(batch) >= p.MAX_BATCH_ITEMS):
                 batches.append(batch)
                 batch, size = [], 0
@@ -115,8 +123,9 @@ class Locator:
                 return None
             if len(entry.extents) > p.MAX_EXTENTS_PER_ITEM:
                 return None  # too scattered to tell in one Location: granted reads only
+            tag_offset = self._store.tag_offset(entry)
             checksum = entry.meta.checksum
-            if checksum is None:
+            if checksum is None and (tag_offset is None or entry.nbytes <= DIGEST_MAX):
                 checksum = self._store.checksum(entry)
                 self.digests += 1
             self.located += 1
@@ -127,6 +136,8 @@ class Locator:
                 dtype=entry.meta.dtype,
                 shape=list(entry.meta.shape),
                 checksum=checksum,
+                tag=entry.tag if tag_offset is not None else 0,
+                tag_offset=tag_offset or 0,
             )
         finally:
             self._store.unpin(_OWNER, pin)

@@ -58,7 +58,7 @@ def status_reply(
 ) -> p.StatusReply:
     """The reply, with as many sessions listed as fit in one frame (all are counted)."""
     stats = store.stats()
-    region_bytes = store.region.size
+    region_bytes = stats.total_blocks * stats.block_size  # the blocks; their tags lie past
     used_bytes = stats.used_blocks * stats.block_size
     listed = [
         p.SessionStatus(

@@ -157,6 +157,11 @@ class Transfer:
     # matches. `direct_tried`: one was tried from the current peer; ask it instead.
     direct: bool = False
     direct_tried: bool = False
+    # A direct read checked by tag: read the word at `tag_offset` back after the
+    # bytes (`tag_read` once that READ is posted) and find `tag` there.
+    tag: int = 0
+    tag_offset: int = 0
+    tag_read: bool = False
 
     @property
     def peer(self) -> str | None:
@@ -171,6 +176,8 @@ class Transfer:
 
     def clear_grant(self) -> None:
         self.direct = False
+        self.tag = self.tag_offset = 0
+        self.tag_read = False
         self.request_id = ""
         self.grant_id = ""
         self.remote_extents = []

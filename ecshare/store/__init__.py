@@ -29,7 +29,7 @@ from ecshare.store.entries import (
     StoreStats,
 )
 from ecshare.store.region import Region, RegionError, RegionHandle
-from ecshare.store.store import Store
+from ecshare.store.store import Store, tag_bytes
 
 __all__ = [
     "AllocatorError",
@@ -54,4 +54,5 @@ __all__ = [
     "StoreError",
     "StoreFull",
     "StoreStats",
+    "tag_bytes",
 ]

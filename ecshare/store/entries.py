@@ -25,12 +25,23 @@ ends keeps them for good: leaked and counted, never reused.
 
 With ``on_free``/``on_allocate`` hooks (the store's debug canary) the table
 calls them under its lock with the runs being freed or handed out.
+
+Tags. Each allocation gets a tag, a number no other allocation of this table
+gets. With a ``tags`` array (one word per block, in memory peers can read) the
+table writes an entry's tag at its first block when it allocates it and zero
+there when it frees it, before the blocks can go to anyone else. A peer that
+read an entry's bytes and then reads that word back and finds the entry's tag
+knows the blocks were not freed before the word was read, so the bytes read
+before it were that entry's: tags only ever go from an entry's to zero to
+another's, never back (direct reads, ``ecshare.peer.consumer``).
 """
 
 from __future__ import annotations
 
 import enum
+import itertools
 import math
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -39,6 +50,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 import msgspec
+import numpy as np
+import numpy.typing as npt
 from sortedcontainers import SortedList
 
 from ecshare.errors import ECShareError, IllegalTransition
@@ -157,6 +170,14 @@ class Entry:
     state: EntryState = EntryState.ALLOCATED
     pins: int = 0
     last_used: float = 0.0
+    tag: int = 0  # this allocation's, unique in its table (see "Tags" above)
+    spare: int = 0  # bytes the blocks hold for the writer past `nbytes` (`allocate`)
+
+    def spare_offset(self, block_size: int) -> int:
+        """Byte offset in the region of the last 8 bytes of the entry's blocks: past
+        its `nbytes` when it was allocated with `spare` of 8 or more."""
+        last = self.runs[-1]
+        return (last.start + last.count) * block_size - 8
 
     def byte_extents(self, block_size: int) -> list[tuple[int, int]]:
         """(byte offset in the region, byte length) per run; the lengths sum to ``nbytes``."""
@@ -164,12 +185,16 @@ class Entry:
 
 
 def _byte_extents(runs: Sequence[Run], block_size: int, nbytes: int) -> list[tuple[int, int]]:
-    extents = [(r.start * block_size, r.count * block_size) for r in runs]
-    # Only the last block has slack, and it is < block_size, so trimming the
-    # last run is enough.
-    off, length = extents[-1]
-    slack = sum(n for _, n in extents) - nbytes
-    extents[-1] = (off, length - slack)
+    # The first `nbytes` of the runs, in order: blocks past them (an entry's spare
+    # bytes) are no extent of it.
+    extents = []
+    left = nbytes
+    for r in runs:
+        if left <= 0:
+            break
+        length = min(r.count * block_size, left)
+        extents.append((r.start * block_size, length))
+        left -= length
     return extents
 
 
@@ -231,6 +256,7 @@ class EntryTable:
         clock: Callable[[], float] = time.monotonic,
         on_free: Callable[[Sequence[Run]], None] | None = None,
         on_allocate: Callable[[Sequence[Run]], None] | None = None,
+        tags: npt.NDArray[np.uint64] | None = None,
     ) -> None:
         if block_size & (block_size - 1) or not MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE:
             raise ValueError(
@@ -247,6 +273,13 @@ class EntryTable:
         self._quarantined_blocks = 0
         self._on_free = on_free
         self._on_allocate = on_allocate
+        if tags is not None and len(tags) < capacity_blocks:
+            raise ValueError(f"{len(tags)} tag words for {capacity_blocks} blocks")
+        self._tags = tags
+        # Unique per allocation; a random start, so that tags of another table (a
+        # restarted producer's) are unlikely to match either.
+        # Below 2**56: a tag fits the wire's signed 64-bit integers.
+        self._tag_ids = itertools.count(int.from_bytes(os.urandom(5), "little") << 16 | 1)
         # READY entries without pins, the least recently used first. Only these
         # are evictable, so eviction never has to skip anything.
         self._lru: OrderedDict[str, Entry] = OrderedDict()
@@ -278,11 +311,14 @@ class EntryTable:
 
     # -- entries -------------------------------------------------------------
 
-    def allocate(self, mm_hash: str, nbytes: int, meta: EntryMeta | None = None) -> Entry:
-        """Reserve blocks for ``nbytes``, evicting LRU unpinned READY entries if needed."""
+    def allocate(
+        self, mm_hash: str, nbytes: int, meta: EntryMeta | None = None, *, spare: int = 0
+    ) -> Entry:
+        """Reserve blocks for ``nbytes`` (and ``spare`` bytes more after them, which the
+        entry does not count), evicting LRU unpinned READY entries if needed."""
         if nbytes <= 0:
             raise InvalidMeta(f"{mm_hash}: entries must hold at least one byte, got {nbytes}")
-        nblocks = -(-nbytes // self._block_size)
+        nblocks = -(-(nbytes + max(0, spare)) // self._block_size)
         if nblocks > self._alloc.total_blocks:
             raise EntryTooLarge(
                 f"{mm_hash}: {nbytes} bytes need {nblocks} blocks, "
@@ -312,8 +348,18 @@ class EntryTable:
                 self._on_allocate(runs)
             extents = tuple(_byte_extents(runs, self._block_size, nbytes))
             entry = Entry(
-                mm_hash, nbytes, tuple(runs), meta, nblocks, extents, last_used=self._clock()
+                mm_hash,
+                nbytes,
+                tuple(runs),
+                meta,
+                nblocks,
+                extents,
+                last_used=self._clock(),
+                tag=next(self._tag_ids),
+                spare=max(0, spare),
             )
+            if self._tags is not None:
+                self._tags[runs[0].start] = entry.tag
             self._entries[mm_hash] = entry
             self._counts[EntryState.ALLOCATED] += 1
             self._bytes_used += nbytes
@@ -563,9 +609,8 @@ class EntryTable:
             for entry in live:
                 if entry.state is EntryState.FREED:
                     raise AssertionError(f"{entry.mm_hash}: FREED entry still indexed")
-                if entry.nblocks != -(-entry.nbytes // self._block_size) or entry.nblocks != sum(
-                    r.count for r in entry.runs
-                ):
+                wanted = -(-(entry.nbytes + entry.spare) // self._block_size)
+                if entry.nblocks != wanted or entry.nblocks != sum(r.count for r in entry.runs):
                     raise AssertionError(f"{entry.mm_hash}: {entry.nblocks} blocks for {entry}")
                 if list(entry.extents) != entry.byte_extents(self._block_size):
                     raise AssertionError(f"{entry.mm_hash}: stale extents {entry.extents}")
@@ -638,6 +683,8 @@ class EntryTable:
         if new is EntryState.FREED:
             # The only place blocks go back: an entry is FREED exactly when its
             # blocks may be reused.
+            if self._tags is not None:
+                self._tags[entry.runs[0].start] = 0  # before anyone may have the blocks
             if self._on_free is not None:
                 self._on_free(entry.runs)
             self._alloc.free(entry.runs)

@@ -66,6 +66,11 @@ _PLAIN_KINDS = frozenset("biufc")
 Bytes = npt.NDArray[np.uint8]
 
 
+def tag_bytes(capacity_blocks: int) -> int:
+    """Room for the tags of `capacity_blocks` blocks, whole pages."""
+    return -(-8 * capacity_blocks // 4096) * 4096
+
+
 class Store:
     """Entries in a region: put, write/commit, zero-copy views, reads and checksums."""
 
@@ -76,8 +81,14 @@ class Store:
         *,
         clock: Callable[[], float] = time.monotonic,
         canary: bool = False,
+        tags: bool = False,
     ) -> None:
+        """With `tags`, the region's tail past the blocks holds one word per block for
+        the entry table's tags (see `entries`, "Tags"; `tag_bytes` says how much)."""
         capacity = region.size // block_size
+        if tags:
+            while capacity and capacity * block_size + tag_bytes(capacity) > region.size:
+                capacity -= 1
         if capacity < 1:
             raise ValueError(f"region of {region.size} bytes holds no block of {block_size}")
         self._region = region
@@ -87,12 +98,19 @@ class Store:
         if canary:
             self._canary_words = region.array[: capacity * block_size].view(np.uint64)
             self._canary_words.fill(_CANARY_WORD)
+        self._tag_base: int | None = None
+        tag_words = None
+        if tags:
+            self._tag_base = capacity * block_size
+            tag_words = region.array[self._tag_base : self._tag_base + 8 * capacity].view(np.uint64)
+            tag_words.fill(0)
         self._table = EntryTable(
             capacity,
             block_size,
             clock=clock,
             on_free=self._fill_canary if canary else None,
             on_allocate=self._check_canary if canary else None,
+            tags=tag_words,
         )
         # Told of each entry that turns READY, on the committing thread (`watch_commits`).
         self._watchers: tuple[Callable[[Entry], None], ...] = ()
@@ -145,11 +163,26 @@ class Store:
             raise
         return self._committed(self._table.commit(mm_hash, expect=entry))
 
-    def allocate(self, mm_hash: str, nbytes: int, meta: EntryMeta | None = None) -> Entry:
-        """Reserve an entry to fill with ``write`` (or straight through ``views``), then commit."""
+    def allocate(
+        self, mm_hash: str, nbytes: int, meta: EntryMeta | None = None, *, spare: int = 0
+    ) -> Entry:
+        """Reserve an entry to fill with ``write`` (or straight through ``views``), then
+        commit. ``spare``: room for that many bytes more past ``nbytes``, for the
+        writer's own use (8 at most are addressable: `Entry.spare_offset`)."""
         if meta is not None:
             _check_meta(meta, nbytes, mm_hash)
-        return self._table.allocate(mm_hash, nbytes, meta)
+        return self._table.allocate(mm_hash, nbytes, meta, spare=spare)
+
+    def tag_offset(self, entry: Entry) -> int | None:
+        """Byte offset in the region of the word holding `entry`'s tag while its blocks
+        are its own (see `entries`, "Tags"); None in a store without tags."""
+        if self._tag_base is None:
+            return None
+        return self._tag_base + 8 * entry.runs[0].start
+
+    def word(self, offset: int) -> int:
+        """The 8-byte little-endian word at byte `offset` of the region."""
+        return int.from_bytes(self._region.array[offset : offset + 8].tobytes(), "little")
 
     def write(self, entry: Entry, data: object) -> None:
         """Copy ``data`` (exactly ``entry.nbytes`` bytes) into an ALLOCATED entry."""

@@ -97,8 +97,7 @@ class SaveBook:
                 continue
             checksum = self._store.checksum(entry) if self._config.checksum != "none" else None
             self._store.commit(entry, checksum=checksum)
-            self._tally.add("saved_items")
-            self._tally.add("saved_bytes", entry.nbytes)
+            self._tally.add_all({"saved_items": 1, "saved_bytes": entry.nbytes})
         for grant, why in report.save_failed.items():
             save = self._pop(grant)
             if save is None:

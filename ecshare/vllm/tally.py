@@ -29,6 +29,12 @@ class Tally:
         with self._lock:
             self._counts[key] += n
 
+    def add_all(self, counts: dict[str, int]) -> None:
+        """Several counts in one step, so that no take sees some of them without the
+        rest (items without their bytes, say)."""
+        with self._lock:
+            self._counts.update(counts)
+
     def sample(self, key: str, seconds: float) -> None:
         """One latency sample of `key` (named `<what>_s`: `fetch_latency_s`)."""
         with self._lock:

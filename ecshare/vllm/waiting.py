@@ -303,12 +303,10 @@ class WaitingRequests:
             result = fetch.future.result()
             exposed_s = max(0.0, fetch.done_at - fetch.started_at)
             if result.pushed:
-                self._tally.add("push_received")
-                self._tally.add("push_received_bytes", result.nbytes)
+                self._tally.add_all({"push_received": 1, "push_received_bytes": result.nbytes})
                 self._tally.sample("exposed_pushed_s", exposed_s)
             elif result.peer != LOCAL:
-                self._tally.add("fetched_items")
-                self._tally.add("fetched_bytes", result.nbytes)
+                self._tally.add_all({"fetched_items": 1, "fetched_bytes": result.nbytes})
                 self._tally.sample("fetch_latency_s", result.latency_s)
                 self._tally.sample("exposed_pulled_s", exposed_s)
             return

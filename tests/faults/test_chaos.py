@@ -69,6 +69,9 @@ def test_every_fault_kind_leaves_no_corruption_leak_hang_or_untyped_end() -> Non
     # entries that had been evicted.
     assert report.faults["evictions_under_load"] >= 1, report.faults
     assert report.faults["missing_refusals"] >= 1, report.faults
+    # Entries the producers churned in were read directly, with no grant, under all
+    # of this; none corrupted (above) whatever was evicted meanwhile.
+    assert report.direct_counters.get("direct_reads", 0) >= 1, report.direct_counters
 
     # After the faults, every consumer fetches from every (restarted) producer again.
     assert report.unrecovered_pairs == 0, where
@@ -117,6 +120,7 @@ def test_reads_in_flight_over_tcp_survive_freezes_partitions_readds_and_short_le
 
     _assert_clean(report)
     assert report.transport == "tcp" and report.network == "loopback"
+    assert report.direct_counters.get("direct_reads", 0) >= 1, report.direct_counters
     for kind in NETWORK_FAULTS:
         assert report.faults[kind] >= 1, (kind, report.faults, report.fault_log)
     assert report.faults["control_held_chunks"] >= 1, report.faults  # the partition held

@@ -67,7 +67,7 @@ def test_real_fetch_counts_bytes_items_latency_grants_and_releases_pins(
     assert value(c, "ecshare_region_payload_bytes") == payload
     assert value(c, "ecshare_region_entries", state="ready") == 3
     assert value(c, "ecshare_region_used_bytes") >= payload
-    assert value(c, "ecshare_region_size_bytes") == node.region.size
+    assert value(c, "ecshare_region_size_bytes") == node.config.region_bytes
     assert value(c, "ecshare_peer_up", peer=producer.address) == 1
     assert value(c, "ecshare_peer_quarantined", peer=producer.address) == 0
     assert value(c, "ecshare_peer_last_heard_age_seconds", peer=producer.address) >= 0
@@ -204,19 +204,19 @@ def test_endpoint_is_shared_in_one_process_and_closes_with_the_last_peer(
     pnode, producer = loop_producer(
         keyring.producer_config(), {"metrics_port": port}, entries={"h-shared": 65536}
     )
-    cnode, consumer = loop_consumer(keyring.consumer_config(), {"metrics_port": port})
+    _, consumer = loop_consumer(keyring.consumer_config(), {"metrics_port": port})
     assert consumer.fetch(["h-shared"], [producer.address])[0].result(timeout=20).nbytes == 65536
     both = scrape(url)
     # One endpoint, both peers: the producer's grants and the consumer's fetches, and
     # the two regions summed.
     assert value(both, "ecshare_grants_total") == 1
     assert value(both, "ecshare_fetched_items_total") == 1
-    assert value(both, "ecshare_region_size_bytes") == pnode.region.size + cnode.region.size
+    assert value(both, "ecshare_region_size_bytes") == 2 * pnode.config.region_bytes
 
     consumer.stop()
     left = scrape(url)
     assert value(left, "ecshare_grants_total") == 1
-    assert value(left, "ecshare_region_size_bytes") == pnode.region.size
+    assert value(left, "ecshare_region_size_bytes") == pnode.config.region_bytes
     assert ("ecshare_fetch_latency_seconds_count", frozenset()) not in left
     producer.stop()
     assert refused(url)

@@ -40,7 +40,7 @@ from peer_testing import (
 
 from ecshare import protocol as p
 from ecshare.peer import Consumer, FailureReason, FetchFailed, Producer
-from ecshare.peer.locator import Locator
+from ecshare.peer.locator import DIGEST_MAX, Locator
 from ecshare.store import EntryMeta, Store
 from ecshare.store.region import Region
 
@@ -88,22 +88,27 @@ def test_entry_committed_after_the_session_opened_is_read_with_no_request(
     counters = consumer.counter_snapshot()
     assert counters["direct_reads"] == len(sizes)
     assert "requests" not in counters and "direct_reads_stale" not in counters
+    # Together over DIGEST_MAX: checked by tags, all three back in one more READ.
+    assert counters["tag_reads"] == 1
     pcounters = dict(producer.counters)
     assert "granted" not in pcounters and "fetch_requests" not in pcounters
     assert pcounters["located"] == len(sizes)
+    # The node's region holds its blocks and, past them, their tags.
+    assert pnode.store.stats().total_blocks == 64 * MiB // pnode.store.block_size
     assert pnode.store.stats().pins == 0  # the digests' pins are gone
     assert consumer.fenced_reads()[0] == 0
     assert cnode.store.stats().canary_violations == 0
     cnode.store.check_invariants()
 
 
+@pytest.mark.parametrize("n", [65_537, 3 * MiB + 5], ids=["by-digest", "by-tag"])
 def test_stale_location_is_never_committed_and_the_fetch_asks_the_producer(
-    make_producer: MakeProducer, make_consumer: MakeConsumer, keyring: Keyring
+    make_producer: MakeProducer, make_consumer: MakeConsumer, keyring: Keyring, n: int
 ) -> None:
     """The entry is evicted and its blocks hold another's bytes by the time it is
-    fetched: the direct READ reads the other entry, its digest differs, nothing is
-    committed, and the producer is asked (and says it is gone)."""
-    n = 3 * MiB + 5
+    fetched: the direct READ reads the other entry, its digest (up to DIGEST_MAX)
+    or its tag (above) shows it, nothing is committed, and the producer is asked
+    (and says it is gone)."""
     pnode, producer = make_producer(keyring.producer_config(), CMA)
     cnode, consumer = make_consumer(keyring.consumer_config(), CMA)
     _up(consumer, producer.address)
@@ -121,6 +126,7 @@ def test_stale_location_is_never_committed_and_the_fetch_asks_the_producer(
     assert cnode.store.get("old") is None
     counters = consumer.counter_snapshot()
     assert counters["direct_reads"] == 1 and counters["direct_reads_stale"] == 1
+    assert counters.get("tag_reads", 0) == (1 if n > DIGEST_MAX else 0)
     assert counters["requests"] == 1  # the fallback asked the producer
     assert dict(producer.counters)["refused_missing"] == 1
     # The other entry's place is known and right: read directly, byte-exact.
@@ -208,6 +214,7 @@ def _welcomed(fake: FakeProducer, consumer: Consumer) -> None:
     assert p.CAP_READ_DIRECT in hello.capabilities
     fake.welcome(hello, [p.CAP_READ_DIRECT, p.CAP_CHECKSUM_XXH3_64])
     assert wait_until(lambda: [x.up for x in consumer.peer_liveness()] == [True], 5.0)
+    assert wait_until(lambda: not consumer._warming, 5.0)  # the data plane is wired up
 
 
 def _location(mm_hash: str, extents: list[tuple[int, int]], checksum: int) -> p.Location:
@@ -228,8 +235,7 @@ def test_lying_locations_are_dropped_or_caught_and_the_fetch_is_granted(
     fake = fake_producer
     n = 100_000
     data = expected("h", n)
-    region = np.frombuffer(fake.mm, dtype=np.uint8)
-    region[:n] = data
+    fake.mm[:n] = data.tobytes()
     cnode, consumer = make_consumer(keyring.consumer_config(), CMA)
     _welcomed(fake, consumer)
     right = xxhash.xxh3_64_intdigest(data.tobytes())
@@ -278,6 +284,47 @@ def test_lying_locations_are_dropped_or_caught_and_the_fetch_is_granted(
     counters = consumer.counter_snapshot()
     assert counters["direct_reads"] == 1 and counters["direct_reads_stale"] == 1
     assert cnode.store.stats().canary_violations == 0
+
+
+def test_a_tag_that_is_not_in_place_is_caught_and_a_bad_one_dropped(
+    fake_producer: FakeProducer, make_consumer: MakeConsumer, keyring: Keyring
+) -> None:
+    fake = fake_producer
+    n = MiB - 4096  # the fake's region is 1 MiB: the bytes, then a word at its end
+    data = expected("t", n)
+    word = (1 << 20) - 8
+    fake.mm[:n] = data.tobytes()
+    fake.mm[word:] = (41).to_bytes(8, "little")
+    cnode, consumer = make_consumer(keyring.consumer_config(), CMA)
+    _welcomed(fake, consumer)
+
+    def tag(offset: int, value: int) -> p.Location:
+        return msgspec.structs.replace(
+            _location("t", [(0, n)], 0), checksum=None, tag=value, tag_offset=offset
+        )
+
+    for bad in (tag(word + 4, 41), tag(1 << 20, 41)):  # unaligned; past the region
+        fake.server.send(fake.route, p.Located(session_id=fake.session_id, entries=[bad]))
+    assert wait_until(lambda: consumer.counter_snapshot().get("bad_locations", 0) == 2, 5.0)
+    # The word holds 41, not 42: another entry's blocks by now.
+    fake.server.send(fake.route, p.Located(session_id=fake.session_id, entries=[tag(word, 42)]))
+    assert _located(consumer, 1)
+
+    future = consumer.fetch(["t"], [fake.address])[0]
+    request: p.FetchRequest = fake.recv(p.FetchRequest)
+    assert cnode.store.get("t") is None
+    counters = consumer.counter_snapshot()
+    assert counters.get("tag_reads") == 1 and counters.get("direct_reads_stale") == 1, counters
+    fake.server.send(fake.route, p.FetchReply(request_id=request.request_id, items=[_missing("t")]))
+    with pytest.raises(FetchFailed):
+        future.result(timeout=10)
+    assert cnode.store.get("t") is None
+    assert cnode.store.stats().canary_violations == 0
+    cnode.store.check_invariants()
+
+
+def _missing(mm_hash: str) -> p.ItemReply:
+    return p.ItemReply(mm_hash=mm_hash, status=p.ItemStatus.MISSING)
 
 
 # -- lifetimes over TCP ----------------------------------------------------------------------

@@ -423,3 +423,38 @@ def test_commit_watchers_see_each_entry_that_turns_ready_and_nothing_else(
     assert "commit watcher failed" in caplog.text
     written_now = store.get("written")
     assert written_now is not None and written_now.state is EntryState.READY
+
+
+def test_tags_mark_an_entrys_blocks_while_they_are_its_own(region: Region) -> None:
+    store = Store(region, BLOCK, tags=True)
+    capacity = store.stats().total_blocks
+    # The tags lie past the blocks, a word each, in the same region.
+    assert capacity * BLOCK + 8 * capacity <= region.size
+    first = store.put("first", payload(3 * BLOCK))
+    offset = store.tag_offset(first)
+    assert offset is not None and offset >= capacity * BLOCK
+    assert first.tag and store.word(offset) == first.tag
+    store.remove("first")
+    assert store.word(offset) == 0  # freed: before the blocks can go to anyone else
+    again = store.put("again", payload(3 * BLOCK))
+    assert again.runs == first.runs  # the same blocks...
+    assert store.word(offset) == again.tag != first.tag  # ...under a tag never seen before
+    # A store without tags has none to tell.
+    assert Store(region, BLOCK).tag_offset(again) is None
+
+
+@pytest.mark.parametrize("nbytes", [1, BLOCK - 8, BLOCK - 7, BLOCK, 3 * BLOCK])
+def test_spare_bytes_lie_in_the_entrys_blocks_past_its_bytes(store: Store, nbytes: int) -> None:
+    entry = store.allocate("spare", nbytes, spare=8)
+    assert entry.nblocks == -(-(nbytes + 8) // BLOCK)
+    assert sum(n for _, n in entry.extents) == nbytes  # the spare is no extent of it
+    spare = entry.spare_offset(BLOCK)
+    last = entry.runs[-1]
+    assert last.start * BLOCK <= spare and spare + 8 == last.end * BLOCK
+    assert all(not (o <= spare < o + n) for o, n in entry.extents)
+    data = payload(nbytes, seed=nbytes)
+    store.write(entry, data)
+    store.region.array[spare : spare + 8] = 0xAB  # the writer's own use
+    store.commit(entry)
+    assert np.array_equal(store.read("spare"), data)
+    store.check_invariants()

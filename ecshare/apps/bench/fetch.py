@@ -598,6 +598,15 @@ def _run_sporadic(
     return rows, cpu
 
 
+def _open_session(consumer: Consumer, address: str, timeout_s: float = 30.0) -> None:
+    consumer.connect([address])
+    deadline = time.monotonic() + timeout_s
+    while not any(peer.up for peer in consumer.peer_liveness()):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no session with the bench's producer {address}")
+        time.sleep(0.01)
+
+
 def run_fetch_bench(
     json_output: bool = False,
     quick: bool = False,
@@ -664,6 +673,9 @@ def run_fetch_bench(
             )
             node = Node.create(config, "consumer")
             consumer = start_consumer(node, fingerprint=FINGERPRINT)
+            # As a deployment does once it knows its producers: the session is up
+            # before entries are written, so the producer says where each lies.
+            _open_session(consumer, producer.address)
             raw_region = Region.create(step_bytes, name="ecshare-bench-raw")
             raw = NixlTransport(f"ecshare-bench-raw-{os.getpid()}")
             raw.register(raw_region.address, raw_region.size)

@@ -87,7 +87,7 @@ DIRECT_STEPS = (
     ("read_start", "allocate destination"),
     ("read_return", "READ call"),
     ("done", "READ to DONE"),
-    ("result", "verify digest, commit"),
+    ("result", "check, commit"),
     ("woken", "wake caller"),
 )
 RAW_STEPS = (("read_return", "READ call"), ("done", "READ to DONE"))

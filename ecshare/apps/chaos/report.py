@@ -120,6 +120,10 @@ class ChaosReport(msgspec.Struct, frozen=True):
     # ("consumer.push_fenced", "producer.push_writes"): fences, what ended them (notice,
     # PushDone, failed probe), refusals by reason, deadlines.
     push_counters: dict[str, int] = msgspec.field(default_factory=dict)
+    # Direct reads (a producer said where the entry lies; read with no grant, kept only
+    # if checked), the consumers' counters summed (last seen, killed ones included):
+    # direct_reads, direct_reads_stale, direct_reads_failed, tag_reads.
+    direct_counters: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 def print_report(report: ChaosReport, out: TextIO = sys.stdout) -> None:
@@ -156,6 +160,12 @@ def print_report(report: ChaosReport, out: TextIO = sys.stdout) -> None:
         )  # fmt: skip
         shown = ", ".join(f"{k} {report.push_counters.get(f'consumer.{k}', 0)}" for k in keys)
         w(f"  push fences           {shown}\n")
+    direct = report.direct_counters
+    w(
+        f"  direct reads          {direct.get('direct_reads', 0)} (stale "
+        f"{direct.get('direct_reads_stale', 0)}, failed {direct.get('direct_reads_failed', 0)}, "
+        f"tags read back {direct.get('tag_reads', 0)})\n"
+    )
     faults = ", ".join(f"{k} {v}" for k, v in sorted(report.faults.items()) if v) or "none"
     w(f"  faults injected       {faults}\n")
     for label, value in (

@@ -16,6 +16,11 @@ from ecshare.apps.chaos.options import _STATS_TIMEOUT_S
 from ecshare.apps.chaos.report import ChaosReport, RegionCheck
 from ecshare.apps.chaos.soak import SoakSampling
 
+# The consumers' counters of direct reads a report sums (`ChaosReport.direct_counters`).
+DIRECT_COUNTERS = frozenset(
+    {"direct_reads", "direct_reads_stale", "direct_reads_failed", "tag_reads"}
+)
+
 
 class Verdict(Load, SoakSampling):
     def _finish(self, started: float) -> ChaosReport:
@@ -199,6 +204,9 @@ class Verdict(Load, SoakSampling):
                 push_counters.update(
                     {f"{side}.{k}": v for k, v in counters.items() if k.startswith("push")}
                 )
+        direct_counters: Counter[str] = Counter()
+        for counters in self.consumer_counters.values():
+            direct_counters.update({k: v for k, v in counters.items() if k in DIRECT_COUNTERS})
         faults = {k: self.faults[k] for k in self.o.faults}
         faults["control_delayed_chunks"] = sum(p.counters["delayed_chunks"] for p in self.proxies)
         faults["control_random_cuts"] = sum(p.counters["random_cuts"] for p in self.proxies)
@@ -288,6 +296,7 @@ class Verdict(Load, SoakSampling):
             delivered_pushed=self.pushes.delivered_pushed,
             push_settle_max_ms=round(self.pushes.max_settle_s * 1000, 2),
             push_counters=dict(sorted(push_counters.items())),
+            direct_counters=dict(sorted(direct_counters.items())),
         )
 
 
