@@ -127,7 +127,7 @@ _PUSHED_REMEMBERED = 65536
 _WARM_UP_KEY = "ecshare-warm-up:"
 # Entries producers said where they lie (`p.Located`), remembered at most (the
 # oldest go first): a fetch of one reads it directly.
-_LOCATIONS_REMEMBERED = 65536
+_LOCATIONS_REMEMBERED = 16384
 EXPOSED_MODES = ("pushed", "pulled")
 
 
@@ -149,11 +149,14 @@ class _SharedRead:
     the backend has ended the whole READ. One READ instead of one per item saves
     the backend's per-transfer work and merges items that lie end to end."""
 
-    __slots__ = ("handle", "users")
+    __slots__ = ("ended", "handle", "users")
 
     def __init__(self, handle: object, users: int) -> None:
         self.handle = handle
         self.users = users
+        # The transport's word that the READ has ended, kept: its users see it in one
+        # pass, and asking the backend again for each of them costs it each time.
+        self.ended: ReadStatus | None = None
 
 
 @dataclass(frozen=True)
@@ -328,8 +331,8 @@ class Consumer(NetworkThread):
         if not self._net_lock.acquire(blocking=False):
             return False
         try:
-            if not self._serving:
-                return False
+            if not self._serving or self._any_located():
+                return False  # left in the queue: the network thread reads them first
             now = time.monotonic()
             picked = self._take_incoming()
             batches: dict[str, list[Transfer]] = {}
@@ -343,7 +346,6 @@ class Consumer(NetworkThread):
                     or link.state is not PeerLinkState.READY
                     or link.lane is None
                     or not link.lane.usable
-                    or self._where(t, link) is not None  # the network thread reads it
                 ):
                     return False
                 batches.setdefault(link.endpoint, []).append(t)
@@ -933,6 +935,19 @@ class Consumer(NetworkThread):
             self._located.popitem(last=False)
         self._count_add("locations_heard", len(msg.entries))
 
+    def _any_located(self) -> bool:
+        """A queued fetch's entry is located: the network thread is to read it directly
+        (a READ is never made on the caller's thread), at the start of its next pass."""
+        if not self._located:
+            return False
+        with self._lock:
+            queued = list(self._incoming)
+        for t in queued:
+            link = self._links.get(t.peer or "")
+            if link is not None and self._where(t, link) is not None:
+                return True
+        return False
+
     def _where(self, t: Transfer, link: PeerLink) -> p.Location | None:
         """Where `t`'s entry lies at its current peer, if that peer said so on this
         session and no direct read of it was tried there yet."""
@@ -1272,7 +1287,12 @@ class Consumer(NetworkThread):
 
     def _poll_handle(self, handle: object) -> ReadStatus:
         if isinstance(handle, _SharedRead):
-            handle = handle.handle
+            if handle.ended is not None:
+                return handle.ended
+            status = self._transport.poll(handle.handle)
+            if status.state is not ReadState.PENDING:
+                handle.ended = status
+            return status
         return self._transport.poll(handle)
 
     def _release_handle(self, handle: object) -> None:
@@ -1338,6 +1358,8 @@ class Consumer(NetworkThread):
             return
         holds = list(t.holds)
         assert t.dest is not None  # a READ is posted only for a transfer with its destination
+        if t.tag:
+            self._store.drop_spare(t.dest)  # the tag's 8 bytes may have taken a block
         self._store.commit(t.dest, holds=holds)
         self._count_add("fetched_bytes", t.nbytes)
         self._succeed(t, link.endpoint)  # no caller joins the transfer after this

@@ -393,6 +393,37 @@ class EntryTable:
                 self._pin(mm_hash, hold.owner, hold.grant_id, hold.lease_s)
             return entry
 
+    def drop_spare(self, mm_hash: str, *, expect: Entry | None = None) -> int:
+        """An ALLOCATED entry's writer is done with its spare bytes: blocks that hold
+        nothing of its ``nbytes`` go back now. Returns how many."""
+        with self._lock:
+            entry = self._live(mm_hash, expect)
+            if entry.state is not EntryState.ALLOCATED:
+                raise IllegalTransition(f"{mm_hash}: spare bytes of a {entry.state.name} entry")
+            keep = -(-entry.nbytes // self._block_size)
+            extra = entry.nblocks - keep
+            entry.spare = 0
+            if extra <= 0:
+                return 0
+            runs = list(entry.runs)
+            freed: list[Run] = []
+            left = extra
+            while left:
+                last = runs.pop()
+                if last.count <= left:
+                    freed.append(last)
+                    left -= last.count
+                else:
+                    runs.append(Run(last.start, last.count - left))
+                    freed.append(Run(last.end - left, left))
+                    left = 0
+            entry.runs = tuple(runs)
+            entry.nblocks = keep
+            if self._on_free is not None:
+                self._on_free(freed)
+            self._alloc.free(freed)
+            return extra
+
     def abort(self, mm_hash: str, *, expect: Entry | None = None) -> None:
         """ALLOCATED -> FREED: the writer gives up; the blocks go back at once."""
         with self._lock:

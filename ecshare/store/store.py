@@ -173,6 +173,11 @@ class Store:
             _check_meta(meta, nbytes, mm_hash)
         return self._table.allocate(mm_hash, nbytes, meta, spare=spare)
 
+    def drop_spare(self, entry: Entry) -> int:
+        """Before the commit: the blocks ``allocate(spare=...)`` added for the writer's
+        own use go back (the entry keeps only what holds its bytes)."""
+        return self._table.drop_spare(entry.mm_hash, expect=entry)
+
     def tag_offset(self, entry: Entry) -> int | None:
         """Byte offset in the region of the word holding `entry`'s tag while its blocks
         are its own (see `entries`, "Tags"); None in a store without tags."""

@@ -96,8 +96,12 @@ class SaveBook:
                 self._free(save, f"worker saved {dtype}{list(shape)}")
                 continue
             checksum = self._store.checksum(entry) if self._config.checksum != "none" else None
-            self._store.commit(entry, checksum=checksum)
+            # Counted first: the commit wakes the producer's thread (to tell direct
+            # readers where the entry lies), and a step's take of the counts that came
+            # while it ran would leave them to the next step, which an idle encoder
+            # may not take for long.
             self._tally.add_all({"saved_items": 1, "saved_bytes": entry.nbytes})
+            self._store.commit(entry, checksum=checksum)
         for grant, why in report.save_failed.items():
             save = self._pop(grant)
             if save is None:

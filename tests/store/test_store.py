@@ -458,3 +458,22 @@ def test_spare_bytes_lie_in_the_entrys_blocks_past_its_bytes(store: Store, nbyte
     store.commit(entry)
     assert np.array_equal(store.read("spare"), data)
     store.check_invariants()
+
+
+@pytest.mark.parametrize("nbytes", [BLOCK - 8, BLOCK - 7, BLOCK, 3 * BLOCK])
+def test_spare_blocks_go_back_before_the_commit(store: Store, nbytes: int) -> None:
+    free = store.stats().free_blocks
+    entry = store.allocate("spare", nbytes, spare=8)
+    data = payload(nbytes, seed=nbytes)
+    store.write(entry, data)
+    extra = store.drop_spare(entry)
+    store.commit(entry)
+
+    needed = -(-nbytes // BLOCK)
+    assert extra == -(-(nbytes + 8) // BLOCK) - needed  # a block only where it took one
+    assert entry.nblocks == needed and entry.spare == 0
+    assert store.stats().free_blocks == free - needed
+    assert np.array_equal(store.read("spare"), data)
+    store.check_invariants()
+    with pytest.raises(IllegalTransition):
+        store.drop_spare(entry)  # READY: too late
