@@ -86,7 +86,10 @@ class Store:
         """With `tags`, the region's tail past the blocks holds one word per block for
         the entry table's tags (see `entries`, "Tags"; `tag_bytes` says how much)."""
         capacity = region.size // block_size
-        if tags:
+        if tags:  # the most blocks that fit beside their tags; a few steps from the estimate
+            capacity = region.size // (block_size + 8)
+            while (capacity + 1) * block_size + tag_bytes(capacity + 1) <= region.size:
+                capacity += 1
             while capacity and capacity * block_size + tag_bytes(capacity) > region.size:
                 capacity -= 1
         if capacity < 1:
