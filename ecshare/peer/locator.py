@@ -1,10 +1,10 @@
 """Where committed entries lie, told to consumers that read directly.
 
 With `read.direct` agreed on a session (config `direct_reads` on both sides),
-the producer tells the consumer where each entry it commits lies, with the
-entry's digest, in a `Located` message; the consumer may then READ the entry
-there with no request and no grant, and keeps the bytes only if their digest
-matches (see `ecshare.peer.consumer`, "Direct reads").
+the producer tells the consumer where each entry it commits lies, in a
+`Located` message; the consumer may then READ the entry there with no request
+and no grant, and keeps the bytes only if it can tell they were the entry's
+(see `ecshare.peer.consumer`, "Direct reads").
 
 Nothing is pinned for a direct read. The consumer learns that the bytes it read
 were the entry's from the entry's tag (a word the store keeps for it while its

@@ -12,10 +12,11 @@ a read may still be moving over the data plane while the control plane is
 cut, so they run to their leases (the consumer gives up before then).
 
 Sessions that agreed to direct reads (`read.direct`) are also told, unasked,
-where each entry committed from then on lies, with its digest (`Located`, made
-by `peer.locator.Locator`); such a consumer reads it with no grant and keeps it
-only if the digest matches. Nothing is pinned for those reads: the blocks of an
-entry evicted meanwhile may be reused, which the digest catches.
+where each entry committed from then on lies, with its tag and (small ones) its
+digest (`Located`, made by `peer.locator.Locator`); such a consumer reads it with
+no grant and keeps it only if the tag or the digest says the bytes were the
+entry's. Nothing is pinned for those reads: the blocks of an entry evicted
+meanwhile may be reused, which those checks catch.
 """
 
 from __future__ import annotations
