@@ -29,6 +29,8 @@ COUNTERS = {
     "fetches_started": "Fetches started for items named in a request's ec_transfer_params.",
     "fetched_items": "Items fetched from a producer into this instance's region.",
     "fetched_bytes": "Bytes fetched from producers over the data plane (NIXL).",
+    "fetched_direct_items": "Items of fetched_items read with one READ and no request: their "
+    "producer had said where they lie (direct reads).",
     "fetch_failed": "Fetches that failed for good (the item is then encoded locally).",
     "local_encode_fallbacks": "Items encoded locally because their fetch failed.",
     "media_free_items": "Items that arrived as placeholder metadata only, without their media "

@@ -126,8 +126,11 @@ class SchedulerSide:
                 self._pushes = Pushes(self.producer, self._store, self._settings, self._tally)
             if consume:
                 self.consumer = start_consumer(self._node, fingerprint=self._fingerprint)
-                if config.push_name and self._settings.trusted_producers:
-                    # A producer pushes only over a session we hold: open them now.
+                if self._settings.trusted_producers:
+                    # Sessions opened now, not at the first fetch from each: a producer
+                    # pushes only over a session we hold, tells it where each entry it
+                    # commits from then on lies (direct reads), and its data plane is
+                    # wired up before the first request needs it.
                     self.consumer.connect(self._settings.trusted_producers)
         except BaseException:
             self.shutdown()

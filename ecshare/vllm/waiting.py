@@ -306,7 +306,14 @@ class WaitingRequests:
                 self._tally.add_all({"push_received": 1, "push_received_bytes": result.nbytes})
                 self._tally.sample("exposed_pushed_s", exposed_s)
             elif result.peer != LOCAL:
-                self._tally.add_all({"fetched_items": 1, "fetched_bytes": result.nbytes})
+                self._tally.add_all(
+                    {
+                        "fetched_items": 1,
+                        "fetched_bytes": result.nbytes,
+                        # No request was sent for it: read where its producer said.
+                        "fetched_direct_items": int(result.attempts == 0),
+                    }
+                )
                 self._tally.sample("fetch_latency_s", result.latency_s)
                 self._tally.sample("exposed_pulled_s", exposed_s)
             return

@@ -290,6 +290,27 @@ def test_prefill_decode_takes_every_item_from_the_encoder_and_answers_as_a_singl
     assert token_ids(answer) == single_instance_tokens(epd.prefill_decode, body)
 
 
+def test_prefill_decode_reads_what_the_encoder_said_where_it_lies(epd: EPD) -> None:
+    """Prefill/decode holds a session with the encoder from its start, so the encoder
+    tells it where each item it encodes lies, and the fetch is one READ with no
+    request (direct reads). The word travels beside the request's own way through
+    the proxy and normally wins; up to three requests allow for a loaded moment."""
+    direct = 0.0
+    for _ in range(3):
+        body = chat_request(fresh_images((112, 84)), text="Describe the image.")
+        pd_before = epd.prefill_decode.metrics()
+        answer = post_chat(epd.proxies["omit"], body)
+        pd = wait_metric(
+            epd.prefill_decode, "loaded_items_total", pd_before["loaded_items_total"] + 1
+        )
+        assert delta(pd, pd_before, "fetched_items_total") == 1
+        assert token_ids(answer) == single_instance_tokens(epd.prefill_decode, body)
+        direct = delta(pd, pd_before, "fetched_direct_items_total")
+        if direct:
+            break
+    assert direct == 1
+
+
 def test_text_only_request_never_reaches_the_encoder(epd: EPD) -> None:
     body = chat_request([], text="Tell me a story.")
     enc_before = read_metrics(epd.encoder.url, "vllm:request_success")
