@@ -85,23 +85,31 @@ class SaveBook:
         return SaveOp(grant, mm_hash, entry.extents, nbytes)
 
     def apply(self, report: StepReport) -> None:
-        """Commit the saves the workers finished, free the ones that failed."""
+        """Commit the saves the workers finished, free the ones that failed.
+
+        A save leaves the books only once its entry is READY, in one step under the
+        lock that `saving` and `await_reports` take: a request finishing meanwhile
+        (woken by that wait, on another thread) must find the entry either still
+        being saved or READY, never in between, or it would answer without
+        announcing the item.
+        """
         for grant, (dtype, shape) in report.saved.items():
-            save = self._pop(grant)
-            if save is None:
-                self._tally.add("stale_reports")
-                continue
-            entry = save.entry
-            if (dtype, tuple(shape)) != (entry.meta.dtype, tuple(entry.meta.shape)):
+            with self._lock:
+                save = self._pending.get(grant)
+                if save is None:
+                    self._tally.add("stale_reports")
+                    continue
+                entry = save.entry
+                if (dtype, tuple(shape)) == (entry.meta.dtype, tuple(entry.meta.shape)):
+                    checksum = (
+                        self._store.checksum(entry) if self._config.checksum != "none" else None
+                    )
+                    self._store.commit(entry, checksum=checksum)
+                    self._tally.add_all({"saved_items": 1, "saved_bytes": entry.nbytes})
+                    self._forget(grant, save)
+                    continue
+            if self._pop(grant) is not None:  # refused: freed as a failed save is
                 self._free(save, f"worker saved {dtype}{list(shape)}")
-                continue
-            checksum = self._store.checksum(entry) if self._config.checksum != "none" else None
-            # Counted first: the commit wakes the producer's thread (to tell direct
-            # readers where the entry lies), and a step's take of the counts that came
-            # while it ran would leave them to the next step, which an idle encoder
-            # may not take for long.
-            self._tally.add_all({"saved_items": 1, "saved_bytes": entry.nbytes})
-            self._store.commit(entry, checksum=checksum)
         for grant, why in report.save_failed.items():
             save = self._pop(grant)
             if save is None:
@@ -130,11 +138,17 @@ class SaveBook:
 
     def _pop(self, grant: str) -> _Save | None:
         with self._lock:
-            save = self._pending.pop(grant, None)
-            if save is not None and self._by_hash.get(save.mm_hash) == grant:
-                del self._by_hash[save.mm_hash]
-                self._applied.notify_all()
+            save = self._pending.get(grant)
+            if save is not None:
+                self._forget(grant, save)
             return save
+
+    def _forget(self, grant: str, save: _Save) -> None:
+        """The save leaves the books (the caller holds the lock)."""
+        del self._pending[grant]
+        if self._by_hash.get(save.mm_hash) == grant:
+            del self._by_hash[save.mm_hash]
+            self._applied.notify_all()
 
     def _free(self, save: _Save, why: str) -> None:
         log.warning("ecshare: encoder output %s not stored (%s)", save.mm_hash, why)

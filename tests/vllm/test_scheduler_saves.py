@@ -9,14 +9,20 @@ again when the region had lost it. Reports travel on the real side channel
 
 from __future__ import annotations
 
+import threading
 import time
+from typing import Any
 
+import pytest
 import torch
 from conftest import EC, embedding, wait_until
 
-from ecshare.store import Entry, EntryState, Store
+from ecshare.config import Config
+from ecshare.store import Entry, EntryMeta, EntryState, Region, Store
 from ecshare.vllm.ops import StepPlan, StepReport
 from ecshare.vllm.reports import ReportOutbox
+from ecshare.vllm.saves import SaveBook
+from ecshare.vllm.tally import Tally
 
 
 def as_bytes(tensor: torch.Tensor) -> bytes:
@@ -119,3 +125,39 @@ def test_item_the_engine_took_from_its_encoder_cache_is_stored_again(ec: EC) -> 
     entry = side.store.get("h-cached")
     assert entry is not None and entry.state is EntryState.READY
     assert stored(side.store, entry) == as_bytes(emb)
+
+
+def test_a_request_finishing_as_its_report_lands_sees_the_item_saving_or_ready(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A finishing request waits for its save's report (`await_reports`), on the
+    scheduler's thread, while the report listener applies it. Woken, it must find the
+    entry still being saved or READY, never between, or it answers without announcing
+    the item (a request whose item prefill/decode then encodes itself). The commit is
+    slowed here so that the window is wide."""
+    with Region.create(4 << 20, name="ecshare-test-saves") as region:
+        store = Store(region, 4096)
+        book = SaveBook(store, Config(), Tally())
+        op = book.plan("h", EntryMeta(dtype="uint8", shape=(5000,)), 5000)
+        assert op is not None
+        commit = store.commit
+
+        def slow_commit(entry: Entry, **kwargs: Any) -> Entry:
+            time.sleep(0.2)
+            return commit(entry, **kwargs)
+
+        monkeypatch.setattr(store, "commit", slow_commit)
+        seen: list[tuple[bool, EntryState | None, bool]] = []
+
+        def finish() -> None:
+            reported = book.await_reports(["h"], 5.0)
+            entry = store.get("h")
+            seen.append((reported, entry.state if entry else None, book.saving("h") is not None))
+
+        waiter = threading.Thread(target=finish)
+        waiter.start()
+        time.sleep(0.05)  # the request waits for its report
+        book.apply(StepReport(saved={op.grant: ("uint8", (5000,))}))
+        waiter.join(5.0)
+
+        assert seen == [(True, EntryState.READY, False)]
