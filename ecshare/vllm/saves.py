@@ -104,8 +104,12 @@ class SaveBook:
                     checksum = (
                         self._store.checksum(entry) if self._config.checksum != "none" else None
                     )
-                    self._store.commit(entry, checksum=checksum)
+                    # Counted before the commit, which wakes the producer's thread (to tell
+                    # direct readers where the entry lies): a step's take of the counts in
+                    # that moment would leave them to a next step an idle encoder may not
+                    # take for long.
                     self._tally.add_all({"saved_items": 1, "saved_bytes": entry.nbytes})
+                    self._store.commit(entry, checksum=checksum)
                     self._forget(grant, save)
                     continue
             if self._pop(grant) is not None:  # refused: freed as a failed save is
