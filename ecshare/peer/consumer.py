@@ -931,9 +931,9 @@ class Consumer(NetworkThread):
                 continue
             self._located[where.mm_hash] = _Located(link.endpoint, link.session_id, where)
             self._located.move_to_end(where.mm_hash)
+            self._count("locations_heard")
         while len(self._located) > _LOCATIONS_REMEMBERED:
             self._located.popitem(last=False)
-        self._count_add("locations_heard", len(msg.entries))
 
     def _any_located(self) -> bool:
         """A queued fetch's entry is located: the network thread is to read it directly

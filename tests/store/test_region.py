@@ -42,9 +42,11 @@ time.sleep(120)
 
 def shm_entries() -> set[str]:
     # POSIX semaphores ("sem.*") that other test processes' multiprocessing
-    # makes come and go here too. They are not shared-memory segments.
+    # makes come and go here too. They are not shared-memory segments; nor are
+    # torch's multiprocessing segments ("psm_*") of the vLLM instances that other
+    # tests run meanwhile.
     names = os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else []
-    return {n for n in names if not n.startswith("sem.")}
+    return {n for n in names if not n.startswith(("sem.", "psm_"))}
 
 
 @contextmanager
