@@ -290,7 +290,7 @@ COUNTED: Final[tuple[Counted, ...]] = (
     Counted(_CS, "lanes_lost.", EVENTS, by_reason=True),
     *_events(_CS, "lanes_opened", "lane_requests", "lane_resent", "requests_sent_by_caller"),
     *_events(_CS, "warm_ups", "warm_ups_skipped"),
-    # Direct reads: read where the producer said (`Located`), then checked by digest.
+    # Direct reads: read where the producer said (`Located`), then checked by digest or tag.
     *_events(
         _CS,
         "direct_reads",

@@ -49,7 +49,7 @@ CAP_PUSH: Final = "push.write"
 CAP_RELEASE_IN_REQUEST: Final = "release.in_request"
 # Direct reads: the producer tells the consumer where each entry it commits lies
 # (`Located`), and the consumer may READ it there with no request, keeping what it
-# read only if its checksum matches (ecshare/peer/consumer.py, "Direct reads";
+# read only if its digest or tag checks out (ecshare/peer/consumer.py, "Direct reads";
 # docs/SECURITY.md). A producer lists it only when its data plane serves reads
 # without its own loop.
 CAP_READ_DIRECT: Final = "read.direct"
@@ -237,8 +237,8 @@ class Location(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
 class Located(_Message, frozen=True, kw_only=True, tag="located"):
     """Producer -> consumer, unasked, with `CAP_READ_DIRECT` agreed: entries just
     committed and where they lie. Nothing holds them there: a consumer that reads
-    one directly keeps the bytes only if their checksum matches, and asks for a
-    grant otherwise. Not answered."""
+    one directly keeps the bytes only if their digest or tag checks out, and asks
+    for a grant otherwise. Not answered."""
 
     session_id: Token
     entries: Annotated[list[Location], msgspec.Meta(min_length=1, max_length=MAX_BATCH_ITEMS)]

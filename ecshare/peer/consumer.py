@@ -1003,34 +1003,18 @@ class Consumer(NetworkThread):
         one READ per producer, each into its destination's spare bytes (fenced with
         the destination as ever)."""
         due, self._tags_due = self._tags_due, []
-        by_link: dict[str, tuple[PeerLink, list[Transfer]]] = {}
+        by_link: dict[str, tuple[PeerLink, list[tuple[Transfer, list[Segment]]]]] = {}
+        block = self._store.block_size
         for link, t in due:
             if t.state is TransferState.READING and t.read_handle is None and t.dest is not None:
-                by_link.setdefault(link.endpoint, (link, []))[1].append(t)
-        block = self._store.block_size
-        for link, transfers in by_link.values():
-            segments = [
-                segment
-                for t in transfers
-                if t.dest is not None
-                for segment in pair_segments([(t.dest.spare_offset(block), 8)], [(t.tag_offset, 8)])
-            ]
-            try:
-                handle = self._transport.read(link.agent, segments)
-            except Exception as exc:  # nothing was posted: the blocks are ours again
-                log.debug("tag read from %s failed to start: %s", link.endpoint, exc)
-                for t in transfers:
-                    self._drop_dest(t)
-                    self._direct_missed(t, "direct_reads_failed")
-                continue
-            shared = handle if len(transfers) == 1 else _SharedRead(handle, len(transfers))
-            for t in transfers:
+                segments = pair_segments([(t.dest.spare_offset(block), 8)], [(t.tag_offset, 8)])
+                by_link.setdefault(link.endpoint, (link, []))[1].append((t, segments))
+        for link, reads in by_link.values():
+            shared = self._share_read(link, reads)
+            for t, _ in reads:
                 t.tag_read = True
-                t.read_handle = shared
             self._count("tag_reads")
-            for t in transfers:  # on one host it has ended already
-                if t.state is TransferState.READING and t.read_handle is shared:
-                    self._poll_read(t)
+            self._poll_shared(reads, shared)
 
     def _intact(self, t: Transfer) -> bool:
         """The bytes of a direct read are the entry's: its tag was still in place after
@@ -1268,22 +1252,32 @@ class Consumer(NetworkThread):
             start = time.monotonic()
             for t, _ in reads:
                 self.phases.mark(t.mm_hash, "read_start", start)
-        handle = self._transport.read(link.agent, [s for _, segs in reads for s in segs])
-        shared = handle if len(reads) == 1 else _SharedRead(handle, len(reads))
-        for t, _ in reads:
-            t.read_handle = shared
+        shared = self._share_read(link, reads)
         if self.phases is not None:
             back = time.monotonic()
             for t, _ in reads:
                 self.phases.mark(t.mm_hash, "read_return", back)
         self._count_add("reads_started", len(reads))
         self._count("read_posts")
-        for t, _ in reads:
-            # A failed READ that takes its peer down moves the others on with it.
-            if t.state is TransferState.READING and t.read_handle is shared:
-                self._poll_read(t)
+        self._poll_shared(reads, shared)
         if self._tags_due:
             self._read_tags()
+
+    def _share_read(self, link: PeerLink, reads: list[tuple[Transfer, list[Segment]]]) -> object:
+        """Post one READ of every segment of `reads` and give each transfer its share of
+        the handle (see `_SharedRead`)."""
+        handle = self._transport.read(link.agent, [s for _, segs in reads for s in segs])
+        shared = handle if len(reads) == 1 else _SharedRead(handle, len(reads))
+        for t, _ in reads:
+            t.read_handle = shared
+        return shared
+
+    def _poll_shared(self, reads: list[tuple[Transfer, list[Segment]]], shared: object) -> None:
+        """Look at a READ just posted for each of its transfers: on one host it has ended
+        already. A failed READ that takes its peer down moves the others on with it."""
+        for t, _ in reads:
+            if t.state is TransferState.READING and t.read_handle is shared:
+                self._poll_read(t)
 
     def _poll_handle(self, handle: object) -> ReadStatus:
         if isinstance(handle, _SharedRead):

@@ -490,7 +490,7 @@ class Producer(NetworkThread):
             existing.last_seen = time.monotonic()
         session = self._sessions[msg.session_id]
         session.direct = self._direct and p.CAP_READ_DIRECT in msg.capabilities
-        self._locator.listening = any(s.direct for s in self._sessions.values())
+        self._listen()
         push = self._push_target(session, msg)
         info: PeerInfo = self._transport.local_info()
         welcome = p.Welcome(
@@ -734,6 +734,10 @@ class Producer(NetworkThread):
         self._add("released", len(released))
         return released
 
+    def _listen(self) -> None:
+        """The locator queues what commits while any session reads directly."""
+        self._locator.listening = any(s.direct for s in self._sessions.values())
+
     def _wake_up(self) -> None:
         if self._waker is not None:
             self._waker.wake()
@@ -809,7 +813,7 @@ class Producer(NetworkThread):
             self._sessions.pop(session.session_id, None)
             session.grants.clear()
             session.pinned_bytes = 0
-        self._locator.listening = any(s.direct for s in self._sessions.values())
+        self._listen()
         self._count("sessions_closed")
         if grants:
             log.info(

@@ -153,8 +153,9 @@ class Transfer:
     holds_taken: int = 0  # of `holds`, those a push's commit took
     # A push of the item is expected or reserved: not requested before `not_before`.
     awaiting_push: bool = False
-    # The READ in flight is direct: no grant, no lease; kept only if the digest
-    # matches. `direct_tried`: one was tried from the current peer; ask it instead.
+    # The READ in flight is direct: no grant, no lease; kept only if the digest or
+    # the tag checks out. `direct_tried`: one was tried from the current peer; ask it
+    # instead.
     direct: bool = False
     direct_tried: bool = False
     # A direct read checked by tag: read the word at `tag_offset` back after the
