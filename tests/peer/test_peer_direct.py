@@ -19,6 +19,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -367,6 +368,64 @@ def test_direct_read_given_up_over_tcp_is_fenced_until_the_read_ends(
     assert cnode.store.stats().canary_violations == 0
     cnode.store.check_invariants()
     # The producer serves again: the same entry lands byte-exact.
+    assert wait_until(lambda: [x.up for x in consumer.peer_liveness()] == [True], 15.0)
+    result = consumer.fetch([h], [producer.address])[0].result(timeout=15)
+    assert result.nbytes == n
+    np.testing.assert_array_equal(stored_bytes(cnode, h), expected(h, n))
+
+
+def test_producer_frozen_during_the_tag_read_keeps_the_destination_fenced_over_tcp(
+    spawn_producer: SpawnProducer, make_consumer: MakeConsumer, keyring: Keyring
+) -> None:
+    """The bytes of a direct read of 8 MiB have landed, and the producer process
+    freezes just as the READ of the entry's tag goes out. That READ writes the
+    destination's spare bytes: the fetch gives up, the destination stays held (and
+    nothing is committed) until the producer thaws and the tag READ has ended.
+
+    The freeze is timed by wrapping the consumer's real transport: the test stops
+    the producer right before the tag READ (8 bytes at the tag's offset) is posted."""
+    producer = spawn_producer(synthetic="", config={**keyring.producer_config(), **TCP}, hooks=True)
+    cnode, consumer = make_consumer(
+        keyring.consumer_config(),
+        TCP,
+        {"fetch_deadline_base_s": 0.5, "fetch_deadline_max_s": 0.5},
+    )
+    _up(consumer, producer.address)
+    h, n = "frozen-at-tag", 8 * MiB
+    assert producer.command(f"put {h} {n}") == {"put": h}
+    assert _located(consumer, 1)
+    transport = consumer._transport
+    real_read = transport.read
+    frozen: list[int] = []
+
+    def read(peer: str, segments: Any, notify: bytes = b"") -> Any:
+        if not frozen and all(s.length == 8 for s in segments):  # the tag READ
+            os.kill(producer.process.pid, signal.SIGSTOP)
+            frozen.append(sum(s.length for s in segments))
+        return real_read(peer, segments, notify)
+
+    transport.read = read  # type: ignore[method-assign]
+    try:
+        with pytest.raises(FetchFailed):
+            consumer.fetch([h], [producer.address])[0].result(timeout=10)
+        assert frozen == [8]  # the bytes had landed; only the tag READ was to go
+        counters = consumer.counter_snapshot()
+        assert counters["direct_reads"] == 1 and counters["tag_reads"] == 1
+        assert counters["reads_fenced"] == 1
+        time.sleep(0.3)  # the tag READ is still in flight: the blocks stay held
+        assert consumer.fenced_reads()[0] == 1
+        assert cnode.store.stats().quarantined == 1
+        assert cnode.store.get(h) is None
+    finally:
+        transport.read = real_read  # type: ignore[method-assign]
+        if frozen:
+            os.kill(producer.process.pid, signal.SIGCONT)
+
+    assert wait_until(lambda: cnode.store.stats().quarantined == 0, 15.0)
+    counters = consumer.counter_snapshot()
+    assert counters["fenced_reads_ended"] == 1 and consumer.fenced_reads()[0] == 0
+    assert cnode.store.stats().canary_violations == 0
+    cnode.store.check_invariants()
     assert wait_until(lambda: [x.up for x in consumer.peer_liveness()] == [True], 15.0)
     result = consumer.fetch([h], [producer.address])[0].result(timeout=15)
     assert result.nbytes == n
