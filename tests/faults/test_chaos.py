@@ -59,11 +59,13 @@ def test_every_fault_kind_leaves_no_corruption_leak_hang_or_untyped_end() -> Non
     for kind in FAULT_KINDS:
         assert report.faults[kind] >= 1, (kind, report.faults, where)
     assert report.lost_with_consumer >= 1  # only busy consumers are killed
+    # A producer dead of the known UCX abort is restarted too (never over cma: 0 here).
     assert report.faults["restarts_same_key_and_port"] == (
         report.faults["kill_producer"]
         + report.faults["restart_producer"]
         + report.faults["shrink_lease"]
-    ), report.faults
+        + len(report.known_ucx_aborts)
+    ), (report.faults, report.known_ucx_aborts)
     assert report.faults["control_delayed_chunks"] >= 1, report.faults
     # Eviction pressure: producers evicted under load, and consumers asked for
     # entries that had been evicted.
@@ -155,6 +157,12 @@ def test_pushes_mixed_with_pulls_survive_deaths_freezes_cuts_late_deadlines_and_
     ended = sum(report.push_outcomes.values()) + report.pushes_lost_with_producer
     assert ended == report.pushes_attempted, where  # every push ended, or died with its producer
     assert report.delivered_pushed >= 1, where  # some fetches were served by a push
+    # Producers restart after kill_producer_mid_push, and after the known UCX abort (a
+    # producer frozen mid-push while a consumer is killed mid-push may die of it over
+    # TCP: docs/RELIABILITY.md); each of those is a restart under the same key and port.
+    assert report.faults["restarts_same_key_and_port"] == (
+        report.faults["kill_producer_mid_push"] + len(report.known_ucx_aborts)
+    ), (report.faults, report.known_ucx_aborts)
     # Every push a consumer fenced came to its end before the run was quiet (0 leaked
     # blocks says so); the counters (last seen per node) show which word ended each.
     counters = report.push_counters

@@ -122,6 +122,7 @@ class Fleet(PushFaults):
         child = self.producers[index]
         assert child is not None
         child.pause()
+        self._stopped(child, "pause_producer")
         # Longer than a lease: grants it made may expire while it sleeps.
         pause_s = self.lease_of(index) * self.rng.uniform(1.1, 1.6)
         self.log(f"pause_producer {child.name} for {pause_s:.2f} s")
@@ -136,6 +137,7 @@ class Fleet(PushFaults):
         if victim.answers():
             self._stats(victim)  # its last word on writes after free
         victim.kill()
+        self._consumer_killed(victim, "kill_consumer")
         self.log(f"kill_consumer {victim.name}")
         self.retired.append(victim)
         self._retire_consumer(victim)
@@ -220,9 +222,12 @@ class Fleet(PushFaults):
             child.struck_kill = True
             child.killed = True
             child.signal(signal.SIGKILL)
+            if child.role == "consumer":
+                self._consumer_killed(child, event.kind)
             return
         if event.frozen:
             child.paused = True
+            self._stopped(child, event.kind)
             self._resume_in(child, child.strike_s)
         if event.kind == "cut_control_mid_push":
             proxy = self.proxies[child.index]

@@ -33,6 +33,7 @@ import xxhash
 
 from ecshare.apps.bench.child import ChildGone, ChildPipe, ChildProcess, Failed, Ready
 from ecshare.apps.bench.synthetic import fill_synthetic, parse_spec, synthetic_bytes, synthetic_hash
+from ecshare.apps.chaos.crashes import StderrTap, Stop, child_stderr
 from ecshare.apps.chaos.hosts import become_host
 from ecshare.apps.chaos.messages import (
     Arm,
@@ -463,6 +464,7 @@ class Child(ChildProcess):
         *,
         start_timeout_s: float,
         verbose: bool = False,
+        stderr: StderrTap | None = None,
     ) -> None:
         self.role = role
         self.index = index
@@ -471,14 +473,25 @@ class Child(ChildProcess):
         self.push_name = ""  # a consumer's: the name producers push to it by
         self.push_shrunk = False  # a consumer under SHRUNK_PUSH_DEADLINE_S
         self.struck_kill = False  # SIGKILLed by a fault that waited for a push in flight
+        # The fault that stopped it and when, until SIGCONT; then the stop is in `stops`.
+        self.stopped_by: tuple[str, float] | None = None
+        self.stops: list[Stop] = []
+        self.stderr = stderr  # its stderr, when the harness reads it (`StderrTap`)
         self._on_event = on_event
-        super().__init__(
-            role,
-            _child_entry,
-            (target, spec, verbose),
-            process_name=f"ecshare-chaos-{role}-{index}",
-            start_timeout_s=start_timeout_s,
-        )
+        try:
+            super().__init__(
+                role,
+                _child_entry,
+                (target, spec, verbose, str(stderr.path) if stderr else ""),
+                process_name=f"ecshare-chaos-{role}-{index}",
+                start_timeout_s=start_timeout_s,
+            )
+        except BaseException:
+            if stderr is not None:
+                stderr.close()
+            raise
+        if stderr is not None:
+            stderr.start()
         self.ready: Ready
 
     @property
@@ -511,7 +524,10 @@ def _child_entry(
     target: Callable[[Connection, Any], None],
     spec: ProducerSpec | ConsumerSpec,
     verbose: bool,
+    stderr_path: str,
 ) -> None:
+    if stderr_path:
+        child_stderr(stderr_path)  # before anything can write there
     # The harness's terminal may send SIGINT to the whole group; the parent decides
     # when its children stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

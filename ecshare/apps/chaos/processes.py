@@ -2,9 +2,11 @@
 
 `Processes` keeps the producer and consumer children (`ecshare.apps.chaos.nodes`)
 and their books: a child that exits by itself is a crash, and the fetches and
-pushes it owed are lost with it. It also arms a child for a fault that waits
-for a read or push in flight (`Arm`); which faults there are, and what they
-do when they strike, is `Fleet`'s and `PushFaults`' business.
+pushes it owed are lost with it. A producer dead of the known UCX abort
+(`ecshare.apps.chaos.crashes`) is not a crash: it is counted apart and
+restarted, as its supervisor would. It also arms a child for a fault that
+waits for a read or push in flight (`Arm`); which faults there are, and what
+they do when they strike, is `Fleet`'s and `PushFaults`' business.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import time
 from collections.abc import Callable
 from functools import partial
 
+from ecshare.apps.chaos.crashes import Kill, StderrTap, Stop, ucx_abort_evidence
 from ecshare.apps.chaos.hosts import DEVICE
 from ecshare.apps.chaos.messages import (
     Arm,
@@ -79,6 +82,8 @@ class Processes(RunState):
             self._on_event,
             start_timeout_s=_START_TIMEOUT_S,
             verbose=self.o.verbose,
+            # What it writes there tells the known UCX abort from a crash.
+            stderr=StderrTap(self.workdir / f"producer-{index}-{self._seed_ids}.stderr"),
         )
         self.producers[index] = child
         self.ports[index] = child.ready.port
@@ -145,7 +150,11 @@ class Processes(RunState):
         """A child that exited by itself broke a promise: count it (and replace it)."""
         for index, child in enumerate(self.producers):
             if child is not None and child.crashed():
-                self._crashed(child)
+                evidence = self._ucx_abort_evidence(child)
+                if evidence is None:
+                    self._crashed(child)
+                else:
+                    self._known_ucx_abort(child, evidence)
                 self._lose_pushes(child)
                 self.producers[index] = None
                 if replace:
@@ -179,11 +188,40 @@ class Processes(RunState):
 
     def _crashed(self, child: Child) -> None:
         self.crashes += 1
-        self.log(f"{child.name} exited by itself (exit code {child.process.exitcode})")
+        what = f"{child.name} exited by itself (exit code {child.process.exitcode})"
+        last = _last_line(child.stderr.text(2.0)) if child.stderr is not None else ""
+        if last:
+            what += f", its stderr ending {last!r}"
+        self.log(what)
         self.retired.append(child)
-        self.tally.violations.append(
-            f"{child.name} exited by itself (exit code {child.process.exitcode})"
+        self.tally.violations.append(what)
+
+    def _ucx_abort_evidence(self, child: Child) -> str | None:
+        if child.stderr is None:
+            return None
+        return ucx_abort_evidence(
+            exitcode=child.process.exitcode,
+            stderr=child.stderr.text(2.0),
+            transport=self.o.ucx_tls,
+            stops=child.stops,
+            kills=self.consumer_kills,
         )
+
+    def _known_ucx_abort(self, child: Child, evidence: str) -> None:
+        """UCX 1.23's abort in a producer resumed after a consumer was killed while it was
+        stopped (docs/RELIABILITY.md): counted apart, not a crash, and restarted like one."""
+        what = f"{child.name} died of the known UCX abort: {evidence}"
+        self.log(what)
+        self.known_ucx_aborts.append(f"{self.clock():.3f} s: {what}")
+        self.retired.append(child)
+
+    def _stopped(self, child: Child, kind: str) -> None:
+        """`child` is stopped by the fault `kind` (until `_resume`)."""
+        child.stopped_by = (kind, self.clock())
+
+    def _consumer_killed(self, child: Child, kind: str) -> None:
+        """`child`, a consumer, was SIGKILLed by the fault `kind`."""
+        self.consumer_kills.append(Kill(kind, child.name, self.clock()))
 
     def _later(self, delay_s: float, label: str, action: Callable[[], None]) -> None:
         self.scheduled.append((time.monotonic() + delay_s, label, action))
@@ -263,7 +301,16 @@ class Processes(RunState):
     def _resume(self, child: Child) -> None:
         if child.alive():
             child.resume()
+            if child.stopped_by is not None:
+                kind, start_s = child.stopped_by
+                child.stops.append(Stop(kind, start_s, self.clock()))
+                child.stopped_by = None
             self.log(f"resumed {child.name}")
 
     def armed_children(self) -> list[Child]:
         return [c for c in [*filter(None, self.producers), *self.consumers] if c.armed]
+
+
+def _last_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    return lines[-1][-300:] if lines else ""

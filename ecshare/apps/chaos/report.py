@@ -105,6 +105,11 @@ class ChaosReport(msgspec.Struct, frozen=True):
     delivered_bytes: int = 0  # of verified deliveries
     frozen_at_end: int = 0  # producers still stopped when the run ended
     crashes: int = 0  # children that exited by themselves (neither killed nor told to stop)
+    # Producers that died of UCX 1.23's abort over TCP after a stop during which a
+    # consumer was SIGKILLed (docs/RELIABILITY.md, "Crashes seen"): not crashes, but
+    # restarted under the same key and port (counted in restarts_same_key_and_port).
+    # One line each: when, which producer, and the evidence (`crashes.ucx_abort_evidence`).
+    known_ucx_aborts: list[str] = msgspec.field(default_factory=list)
     fault_log: list[str] = msgspec.field(default_factory=list)  # seconds into the load, what
     # Push traffic (`--push SHARE`): pushes asked of producers, how each ended
     # ("pushed", or its state and reason), the ones lost with a SIGKILLed producer, and
@@ -183,6 +188,14 @@ def print_report(report: ChaosReport, out: TextIO = sys.stdout) -> None:
         ("unrecovered pairs", report.unrecovered_pairs),
     ):
         w(f"  {label:<21} {value}{'' if value == 0 else '   <-- must be 0'}\n")
+    aborts = len(report.known_ucx_aborts)
+    w(
+        f"  known UCX aborts      {aborts}"
+        + ("   (producers restarted: UCX 1.23 bug, docs/RELIABILITY.md)" if aborts else "")
+        + "\n"
+    )
+    for line in report.known_ucx_aborts:
+        w(f"    {line}\n")
     w(f"  recovered pairs       {report.recovered_pairs} (consumer, producer) fetch again\n")
     w(f"  worst overrun         {report.max_overrun_s:+.3f} s past the deadline\n")
     for r in report.regions:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ecshare.apps.chaos.crashes import Kill
 from ecshare.apps.chaos.faultproxy import FaultProxy
 from ecshare.apps.chaos.hosts import Host, Hosts
 from ecshare.apps.chaos.messages import Outcome, PushEnded, ReadInFlight
@@ -76,6 +77,7 @@ class RunState:
 
         self._psutil = psutil
         self.o = options
+        self.workdir = workdir
         self.seed = (
             options.seed if options.seed is not None else random.SystemRandom().randrange(2**31)
         )
@@ -116,6 +118,10 @@ class RunState:
         self.faults: Counter[str] = Counter()
         self.hangs = 0
         self.crashes = 0  # children that exited by themselves
+        # Producers that died of the known UCX abort (`crashes.ucx_abort_evidence`), one
+        # line each: when, which, and why it is that abort. Restarted, not crashes.
+        self.known_ucx_aborts: list[str] = []
+        self.consumer_kills: list[Kill] = []  # every SIGKILL of a consumer, for the above
         self.producers: list[Child | None] = [None] * options.producers
         self.ports: list[int] = [0] * options.producers
         self.proxies: list[FaultProxy] = []
@@ -146,7 +152,10 @@ class RunState:
         self.producer_hosts: list[Host] = []
         self.consumer_hosts: dict[int, Host] = {}  # consumer pid -> its host
 
+    def clock(self) -> float:
+        """Seconds since the load started: the fault log's clock."""
+        return time.monotonic() - self.load_started if self.load_started else 0.0
+
     def log(self, what: str) -> None:
         """One line of the fault log: seconds since the load started, then `what`."""
-        t = time.monotonic() - self.load_started if self.load_started else 0.0
-        self.fault_log.append(f"{t:8.3f} {what}")
+        self.fault_log.append(f"{self.clock():8.3f} {what}")

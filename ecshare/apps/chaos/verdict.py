@@ -36,13 +36,7 @@ class Verdict(Load, SoakSampling):
         # ...and the scheduled repairs (resumes, restarts) still happen, on time.
         for timer in self.resumes:
             timer.join()
-        self.reap_crashes()
-        while self.scheduled:
-            item = min(self.scheduled, key=_due)
-            self.collect(max(0.0, item[0] - time.monotonic()))
-            if item[0] <= time.monotonic():
-                self.scheduled.remove(item)
-                item[2]()
+        self._repair()
         for proxy in self.proxies:
             proxy.calm()
         frozen_at_end = sum(1 for c in self.producers if c is not None and c.paused)
@@ -55,6 +49,9 @@ class Verdict(Load, SoakSampling):
         hung_fetches = len(self.pending)
         self.pending.clear()
         hung_pushes = self._settle_pushes()
+        # A producer that died since (the known UCX abort strikes as a producer
+        # resumes) is counted and restarted before the checks, which need every one.
+        self._repair()
         # (b) Quiet: churn stops, sessions of dead consumers end, leases run out.
         live = [c for c in [*filter(None, self.producers), *self.consumers] if c.alive()]
         for c in live:
@@ -97,6 +94,17 @@ class Verdict(Load, SoakSampling):
         self.consumers = []
         self.retired = []
         return self._report(started, regions, hung_fetches, unrecovered, frozen_at_end, hung_pushes)
+
+    def _repair(self) -> None:
+        """Children that died by themselves are counted and replaced, and every restart
+        scheduled happens, on time."""
+        self.reap_crashes()
+        while self.scheduled:
+            item = min(self.scheduled, key=_due)
+            self.collect(max(0.0, item[0] - time.monotonic()))
+            if item[0] <= time.monotonic():
+                self.scheduled.remove(item)
+                item[2]()
 
     def _settle_pushes(self) -> int:
         """Every push ends once its write has: the producer's data plane says so, and
@@ -286,6 +294,7 @@ class Verdict(Load, SoakSampling):
             else 0,
             frozen_at_end=frozen_at_end,
             crashes=self.crashes,
+            known_ucx_aborts=list(self.known_ucx_aborts),
             fault_log=self.fault_log,
             delivered_bytes=t.delivered_bytes,
             push=self.o.push,
