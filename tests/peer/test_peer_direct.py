@@ -62,6 +62,15 @@ def _up(consumer: Consumer, address: str) -> None:
     assert wait_until(lambda: not consumer._warming, 5.0)
 
 
+def _stopped(pid: int) -> bool:
+    """Every thread of process `pid` is stopped (a SIGSTOP takes effect a moment later)."""
+    states = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/stat") as f:
+            states.append(f.read().rsplit(")", 1)[1].split()[0])
+    return all(state in "tT" for state in states)
+
+
 def _located(consumer: Consumer, n: int) -> bool:
     return wait_until(lambda: consumer.counter_snapshot().get("locations_heard", 0) >= n, 5.0)
 
@@ -401,15 +410,17 @@ def test_producer_frozen_during_the_tag_read_keeps_the_destination_fenced_over_t
     def read(peer: str, segments: Any, notify: bytes = b"") -> Any:
         if not frozen and all(s.length == 8 for s in segments):  # the tag READ
             os.kill(producer.process.pid, signal.SIGSTOP)
+            # Every thread of it stopped: one still sending the bytes would answer.
+            assert wait_until(lambda: _stopped(producer.process.pid), 5.0)
             frozen.append(sum(s.length for s in segments))
         return real_read(peer, segments, notify)
 
     transport.read = read  # type: ignore[method-assign]
     try:
-        with pytest.raises(FetchFailed):
-            consumer.fetch([h], [producer.address])[0].result(timeout=10)
-        assert frozen == [8]  # the bytes had landed; only the tag READ was to go
+        error = consumer.fetch([h], [producer.address])[0].exception(timeout=10)
         counters = consumer.counter_snapshot()
+        assert isinstance(error, FetchFailed), f"{frozen} {sorted(counters.items())}"
+        assert frozen == [8]  # the bytes had landed; only the tag READ was to go
         assert counters["direct_reads"] == 1 and counters["tag_reads"] == 1
         assert counters["reads_fenced"] == 1
         time.sleep(0.3)  # the tag READ is still in flight: the blocks stay held
