@@ -994,8 +994,8 @@ class Consumer(NetworkThread):
                 self._describe(t, where)
                 if where.tag and (by_tag or where.checksum is None):
                     t.tag, t.tag_offset = where.tag, where.tag_offset
-                self._count("direct_reads")
                 self._start_read(link, t, reads)
+            self._count_add("direct_reads", len(batch))
             self._post_reads(link, reads)
 
     def _read_tags(self) -> None:
@@ -1007,8 +1007,8 @@ class Consumer(NetworkThread):
         block = self._store.block_size
         for link, t in due:
             if t.state is TransferState.READING and t.read_handle is None and t.dest is not None:
-                segments = pair_segments([(t.dest.spare_offset(block), 8)], [(t.tag_offset, 8)])
-                by_link.setdefault(link.endpoint, (link, []))[1].append((t, segments))
+                segment = Segment(t.dest.spare_offset(block), t.tag_offset, 8)
+                by_link.setdefault(link.endpoint, (link, []))[1].append((t, [segment]))
         for link, reads in by_link.values():
             shared = self._share_read(link, reads)
             for t, _ in reads:
@@ -1315,7 +1315,8 @@ class Consumer(NetworkThread):
         self._release_handle(t.read_handle)
         t.read_handle = None
         link = self._links[t.candidates[t.peer_index]]
-        link.release([t.grant_id])
+        if t.grant_id:  # a direct read has none
+            link.release([t.grant_id])
         if status.state is ReadState.FAILED:
             self._drop_dest(t)
             if status.failure is FailureKind.PEER_DISCONNECTED:
@@ -1339,6 +1340,8 @@ class Consumer(NetworkThread):
                 self._drop_dest(t)
                 self._direct_missed(t, "direct_reads_stale")
                 return
+            if self.phases is not None:
+                self.phases.mark(t.mm_hash, "checked")
         if time.monotonic() > t.lease_end:
             # The producer may have reused its blocks before the read finished.
             self._drop_dest(t)
@@ -1355,8 +1358,9 @@ class Consumer(NetworkThread):
         if t.tag:
             self._store.drop_spare(t.dest)  # the tag's 8 bytes may have taken a block
         self._store.commit(t.dest, holds=holds)
-        self._count_add("fetched_bytes", t.nbytes)
-        self._succeed(t, link.endpoint)  # no caller joins the transfer after this
+        if self.phases is not None:
+            self.phases.mark(t.mm_hash, "committed")
+        self._succeed(t, link.endpoint, read=t.nbytes)  # no caller joins it after this
         for late in t.holds[len(holds) :]:  # joined between the commit and _succeed
             self._take_hold(t.mm_hash, late)
 
@@ -1378,14 +1382,20 @@ class Consumer(NetworkThread):
             return False
         return True
 
-    def _succeed(self, t: Transfer, peer: str, *, pushed: bool = False) -> None:
+    def _succeed(self, t: Transfer, peer: str, *, pushed: bool = False, read: int = 0) -> None:
+        """`t` is done; `read`: the bytes this side read for it (`fetched_bytes`)."""
         t.move(TransferState.DONE)
         latency = time.monotonic() - t.started
-        with self._counters_lock:
+        mode = "pushed" if pushed else "pulled"
+        bucket = bisect.bisect_left(LATENCY_BUCKETS_S, latency)
+        with self._counters_lock:  # once for all of them: every lock taken costs, cold
             self.counters["fetched_by_push" if pushed else "fetched"] += 1
-            self._latency_counts[bisect.bisect_left(LATENCY_BUCKETS_S, latency)] += 1
+            if read:
+                self.counters["fetched_bytes"] += read
+            self._latency_counts[bucket] += 1
             self._latency_sum_s += latency
-        self._record_exposed("pushed" if pushed else "pulled", latency)
+            self._exposed[mode][bucket] += 1
+            self._exposed_sum[mode] += latency
         self._finish(t)
         if pushed:
             entry = self._store.get(t.mm_hash)

@@ -129,6 +129,13 @@ def pair_segments(
     Each segment is contiguous on both sides, so the count is at most
     len(local) + len(remote) - 1, and 1 when both sides are contiguous.
     """
+    if len(local) == 1 and len(remote) == 1:  # the common case, without the loops
+        (l_off, l_len), (r_off, r_len) = local[0], remote[0]
+        if l_len < 0 or r_len < 0:
+            raise ValueError("negative extent length")
+        if l_len != r_len:
+            raise ValueError("local and remote extents differ in total length")
+        return [Segment(l_off, r_off, l_len)] if l_len else []
     # A negative length would shift every later segment outside its extent.
     if any(n < 0 for _, n in local) or any(n < 0 for _, n in remote):
         raise ValueError("negative extent length")

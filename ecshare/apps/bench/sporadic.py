@@ -87,7 +87,9 @@ DIRECT_STEPS = (
     ("read_start", "allocate destination"),
     ("read_return", "READ call"),
     ("done", "READ to DONE"),
-    ("result", "check, commit"),
+    ("checked", "check (digest, or tag READ)"),
+    ("committed", "commit"),
+    ("result", "resolve"),
     ("woken", "wake caller"),
 )
 RAW_STEPS = (("read_return", "READ call"), ("done", "READ to DONE"))
