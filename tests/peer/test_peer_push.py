@@ -467,7 +467,11 @@ def test_control_cut_with_both_alive_fences_the_push_until_its_write_ends(
     from the PushDone the producer kept and sends on the consumer's next session. Only
     then do the blocks come back; nothing was written into them after that."""
     h, n = "cut-1", 16 << 20
-    pnode, producer = make_producer(keyring.producer_config(), TCP, entries={"w": 4096, h: n})
+    # Its data plane moved by its own loop alone (no NIXL progress thread), so that
+    # `stall` holds the write: with the thread, the write could land before the cut.
+    pnode, producer = make_producer(
+        keyring.producer_config(), TCP, {"nixl_progress_thread": False}, entries={"w": 4096, h: n}
+    )
     proxy = FaultProxy("127.0.0.1", producer.port, faults=Faults(), seed=7)
     try:
         # A reservation deadline far off: only the lost session fences the push.
