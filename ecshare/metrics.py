@@ -300,6 +300,7 @@ COUNTED: Final[tuple[Counted, ...]] = (
         "locations_heard",
         "bad_locations",
         "locations_off_session",
+        "read_here",
     ),
     *_events(
         _CS,

@@ -294,9 +294,23 @@ class Consumer(NetworkThread):
     # -- engine-facing -----------------------------------------------------------------------
 
     def fetch(
-        self, items: Sequence[str | FetchItem], peers: Sequence[str] = ()
+        self,
+        items: Sequence[str | FetchItem],
+        peers: Sequence[str] = (),
+        *,
+        read_here: bool = False,
     ) -> list[Future[FetchResult]]:
-        """Start fetching `items` from `peers` (in preference order). Never blocks."""
+        """Start fetching `items` from `peers` (in preference order). Never blocks,
+        unless `read_here`.
+
+        `read_here`: for a caller that will wait for the results anyway, and whose
+        thread no engine step waits on. When the network thread is idle, the
+        fetches of entries whose places are known (direct reads) READ from this
+        thread; on one host the copy is made inside this call, and the futures of
+        those that landed are resolved before it returns. That saves the two
+        hand-overs between threads (about 0.2 ms after an idle gap here). The rest
+        goes to the network thread as ever.
+        """
         if self._thread is None:
             raise RuntimeError("consumer not started")
         now = time.monotonic()
@@ -306,6 +320,12 @@ class Consumer(NetworkThread):
                 item = FetchItem(raw) if isinstance(raw, str) else raw
                 futures.append(self._start_one(item, tuple(item.peers or peers), now))
             queued = bool(self._incoming)
+        if queued and read_here and self._waker is not None:
+            ended = self._read_here()
+            if ended is not None:
+                if not ended:
+                    self._waker.wake()  # what is left: a fallback, a READ still moving
+                return futures
         # Sent from here or not, the network thread wakes: to send it, or to wait for
         # its answer awake (`_spin_until`) while it is on the way.
         if (
@@ -315,6 +335,26 @@ class Consumer(NetworkThread):
         ):
             self._waker.wake()
         return futures
+
+    def _read_here(self) -> bool | None:
+        """`fetch(read_here=True)`: the direct reads of the new fetches, made on the
+        caller's thread while the network thread sleeps in poll (under `_net_lock`,
+        as `_send_now`). True: every new fetch has ended here; False: some are left
+        to the network thread (a fallback to a grant, a READ still moving); None:
+        nothing was done here (the network thread is busy, or no place is known)."""
+        if not self._net_lock.acquire(blocking=False):
+            return None
+        try:
+            if not self._serving or not self._any_located():
+                return None
+            taken = self._take_incoming()
+            self._dispatch_direct(time.monotonic())
+            ended = [t for t in taken if t.state in (TransferState.DONE, TransferState.FAILED)]
+            self._count_add("read_here", sum(t.state is TransferState.DONE for t in ended))
+            self._deliver()
+            return len(ended) == len(taken)
+        finally:
+            self._net_lock.release()
 
     def _send_now(self) -> bool:
         """Send the new fetches' requests from the caller's thread when the network

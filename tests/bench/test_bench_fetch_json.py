@@ -162,3 +162,31 @@ def test_producer_thread_cpu_is_measured(report: dict[str, Any]) -> None:
         # A share of one core: the thread's CPU clock over wall time.
         assert isinstance(cpu[key], float) and 0 <= cpu[key] <= 1.5, (key, cpu)
     assert _positive(cpu["sporadic_us_per_fetch"])
+
+
+def test_read_here_makes_the_sporadic_reads_on_the_calling_thread() -> None:
+    """`--read-here`: each sporadic fetch is `fetch(read_here=True)`; on one host its
+    READ is made and committed on the bench's own thread (counted `read_here`)."""
+    env = {**os.environ, "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo")}
+    args = ["bench", "fetch", "--quick", "--json", "--samples", str(SAMPLES)]
+    args += ["--mode", "sporadic", "--read-here", "--sizes", "64KiB,4505600"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "ecshare", *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    data = json.loads(proc.stdout)
+    assert data["parameters"]["read_here"] is True
+    rows = _sporadic(data)
+    assert [row["size_bytes"] for row in rows] == [64 << 10, 4_505_600]
+    fetches = sum(row["samples"] + SPORADIC_WARMUP for row in rows)
+    consumer = data["environment"]["consumer_counters"]
+    assert consumer["direct_reads"] == fetches
+    # The network thread sleeps nearly all the time, but a fetch that comes during
+    # one of its passes (a heartbeat) is its own.
+    assert 0 < consumer["read_here"] <= fetches
+    for row in rows:
+        assert list(row["ecshare_phases_ms"]) == SPORADIC_STEPS, row["ecshare_phases_ms"]

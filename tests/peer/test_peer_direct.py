@@ -111,14 +111,19 @@ def test_entry_committed_after_the_session_opened_is_read_with_no_request(
     cnode.store.check_invariants()
 
 
+@pytest.mark.parametrize("read_here", [False, True], ids=["network-thread", "read-here"])
 @pytest.mark.parametrize("n", [65_537, 3 * MiB + 5], ids=["by-digest", "by-tag"])
 def test_stale_location_is_never_committed_and_the_fetch_asks_the_producer(
-    make_producer: MakeProducer, make_consumer: MakeConsumer, keyring: Keyring, n: int
+    make_producer: MakeProducer,
+    make_consumer: MakeConsumer,
+    keyring: Keyring,
+    n: int,
+    read_here: bool,
 ) -> None:
     """The entry is evicted and its blocks hold another's bytes by the time it is
     fetched: the direct READ reads the other entry, its digest (up to DIGEST_MAX)
     or its tag (above) shows it, nothing is committed, and the producer is asked
-    (and says it is gone)."""
+    (and says it is gone). The same when the READ is made on the caller's thread."""
     pnode, producer = make_producer(keyring.producer_config(), CMA)
     cnode, consumer = make_consumer(keyring.consumer_config(), CMA)
     _up(consumer, producer.address)
@@ -130,7 +135,7 @@ def test_stale_location_is_never_committed_and_the_fetch_asks_the_producer(
     assert _located(consumer, 2)
 
     with pytest.raises(FetchFailed) as failed:
-        consumer.fetch(["old"], [producer.address])[0].result(timeout=10)
+        consumer.fetch(["old"], [producer.address], read_here=read_here)[0].result(timeout=10)
 
     assert failed.value.reason is FailureReason.MISSING, failed.value
     assert cnode.store.get("old") is None
@@ -143,6 +148,47 @@ def test_stale_location_is_never_committed_and_the_fetch_asks_the_producer(
     assert consumer.fetch(["new"], [producer.address])[0].result(timeout=10).attempts == 0
     np.testing.assert_array_equal(stored_bytes(cnode, "new"), expected("new", n))
     assert consumer.counter_snapshot()["direct_reads"] == 2
+    assert cnode.store.stats().canary_violations == 0
+    cnode.store.check_invariants()
+
+
+@pytest.mark.parametrize("data_plane", ["cma", "tcp"])
+def test_read_here_reads_located_entries_on_the_calling_thread(
+    make_producer: MakeProducer, make_consumer: MakeConsumer, keyring: Keyring, data_plane: str
+) -> None:
+    """`fetch(read_here=True)` while the network thread sleeps: on one host the READ
+    (and the tag READ) is made, checked and committed inside the call, and the future
+    is resolved when it returns. Over TCP the READ leaves the call still moving, and
+    the network thread ends it. An entry whose place is not known goes to the network
+    thread as ever."""
+    dp = TCP if data_plane == "tcp" else CMA
+    pnode, producer = make_producer(keyring.producer_config(), dp)
+    cnode, consumer = make_consumer(keyring.consumer_config(), dp)
+    _up(consumer, producer.address)
+    sizes = {"here-1": 65_537, "here-2": 3 * MiB + 5}  # by digest, by tag
+    for h, n in sizes.items():
+        pnode.store.put(h, expected(h, n))
+    assert _located(consumer, len(sizes))
+
+    done_on_return = []
+    for h, n in sizes.items():
+        future = consumer.fetch([h], [producer.address], read_here=True)[0]
+        done_on_return.append(future.done())
+        result = future.result(timeout=15)
+        assert (result.nbytes, result.attempts) == (n, 0)  # no request was sent
+        np.testing.assert_array_equal(stored_bytes(cnode, h), expected(h, n), err_msg=h)
+    counters = consumer.counter_snapshot()
+    assert counters["direct_reads"] == len(sizes), counters
+    assert "requests" not in counters and "direct_reads_stale" not in counters
+    if data_plane == "cma":
+        # The network thread may be in a pass of its own (a heartbeat) when a fetch
+        # comes; then that fetch is its. It sleeps nearly all the time.
+        assert counters["read_here"] >= 1, counters
+        assert sum(done_on_return) == counters["read_here"], (done_on_return, counters)
+    with pytest.raises(FetchFailed) as failed:  # never located: asked for, and missing
+        consumer.fetch(["nowhere"], [producer.address], read_here=True)[0].result(timeout=10)
+    assert failed.value.reason is FailureReason.MISSING
+    assert consumer.fenced_reads()[0] == 0
     assert cnode.store.stats().canary_violations == 0
     cnode.store.check_invariants()
 

@@ -120,6 +120,12 @@ def add_bench_arguments(bench: argparse.ArgumentParser) -> None:
         help="sporadic mode: idle milliseconds between writing an entry and fetching it "
         "(default 5)",
     )
+    fetch.add_argument(
+        "--read-here",
+        action="store_true",
+        help="sporadic mode: fetch with read_here=True, the direct READ made on the calling "
+        "thread while the consumer's network thread is idle (see Consumer.fetch)",
+    )
     pipeline = sub.add_parser("pipeline", help="exposed latency at the PD of push against pull")
     # It prints its table or JSON only: no files, no progress bar to quieten.
     _common(pipeline, True, "requests per size and mode", files=False)
@@ -192,6 +198,7 @@ def run_bench(args: argparse.Namespace) -> int:
             mode=args.mode,
             gap_s=args.gap_ms / 1000,
             samples=args.samples,
+            read_here=args.read_here,
         )
     if command == "pipeline":
         from ecshare.apps.bench.pipeline import run_pipeline_bench

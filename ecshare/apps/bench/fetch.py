@@ -157,6 +157,8 @@ class FetchParameters(msgspec.Struct, frozen=True):
     sporadic_sizes: list[int] = []
     sporadic_samples: list[int] = []  # per sporadic size
     gap_ms: float | None = None
+    # Sporadic fetches made with `Consumer.fetch(read_here=True)`.
+    read_here: bool = False
 
 
 class FetchBenchResult(ReportHeader, tag_field="bench", tag="fetch"):
@@ -493,8 +495,9 @@ def _print_sporadic(result: FetchBenchResult) -> None:
     rows = [r for r in result.rows if r.mode == "sporadic"]
     if not rows:
         return
+    here = ", read_here=True" if result.parameters.read_here else ""
     print(
-        f"sporadic: per sample a fresh entry, {rows[0].gap_ms:g} ms idle, one fetch "
+        f"sporadic: per sample a fresh entry, {rows[0].gap_ms:g} ms idle, one fetch{here} "
         "(and the same for one raw NIXL READ of the same extents); every byte checked"
     )
     heads = ("eco p50", "eco p99", "raw p50", "raw p99", "eco-raw", "eco/raw")
@@ -566,6 +569,7 @@ def _run_sporadic(
     gap_s: float,
     bar: BenchProgress,
     hold: Callable[[], float],
+    read_here: bool = False,
 ) -> tuple[list[Row], ProducerCpu]:
     rows = []
     fetches = 0
@@ -586,6 +590,7 @@ def _run_sporadic(
             raw_buf=b.raw_buf,
             memcpy_dst=memcpy_dst,
             advance=bar.advance,
+            read_here=read_here,
         )
         fetches += samples + SPORADIC_WARMUP
         rows.append(_sporadic_row(fig))
@@ -616,6 +621,7 @@ def run_fetch_bench(
     mode: str = "all",
     gap_s: float = DEFAULT_GAP_S,
     samples: int | None = None,
+    read_here: bool = False,
 ) -> int:
     """Run the bench over `sizes`; print it, and write files to `out_dir`.
 
@@ -623,7 +629,8 @@ def run_fetch_bench(
     default `SIZES`), "sporadic" (over `sizes`, default `SPORADIC_SIZES`, with
     `gap_s` idle before each fetch) or "all" (both). `samples`, when given, is the
     number of timed samples of every loop at every size instead of the defaults
-    (`SAMPLES`, `LATENCY_SAMPLES` and `sporadic.sporadic_samples`).
+    (`SAMPLES`, `LATENCY_SAMPLES` and `sporadic.sporadic_samples`). With
+    `read_here`, sporadic fetches are made with `Consumer.fetch(read_here=True)`.
     """
     from ecshare.apps.bench.report import emit
 
@@ -702,7 +709,7 @@ def run_fetch_bench(
                 if spor_sizes:
                     # First, while nothing else has run: as a new instance would see it.
                     spor_rows, producer_cpu = _run_sporadic(
-                        bench, spor_sizes, spor_counts, gap_s, bar, hold
+                        bench, spor_sizes, spor_counts, gap_s, bar, hold, read_here
                     )
                 for size in b2b_sizes:
                     batch = _batch_for(size, quick)
@@ -752,6 +759,7 @@ def run_fetch_bench(
             sporadic_sizes=spor_sizes,
             sporadic_samples=spor_counts,
             gap_ms=gap_s * 1000 if spor_sizes else None,
+            read_here=read_here and bool(spor_sizes),
         ),
         rows=rows,
         latency_64k_p50_ms=p50,

@@ -163,6 +163,7 @@ def measure_sporadic(
     raw_buf: Bytes,
     memcpy_dst: Bytes,
     advance: Callable[[], None],
+    read_here: bool = False,
 ) -> SporadicFigures:
     """`samples` sporadic fetches of `size` bytes and as many raw reads, after a warm-up."""
     consumer.phases = PhaseLog()
@@ -181,7 +182,7 @@ def measure_sporadic(
             produced += fresh.marks
             time.sleep(gap_s)
             t0 = time.monotonic()
-            futures = consumer.fetch([h], peers)
+            futures = consumer.fetch([h], peers, read_here=read_here)
             wait(futures, timeout=_FETCH_TIMEOUT_S)
             t1 = time.monotonic()
             futures[0].result(timeout=0)
