@@ -123,8 +123,8 @@ def add_bench_arguments(bench: argparse.ArgumentParser) -> None:
     fetch.add_argument(
         "--read-here",
         action="store_true",
-        help="sporadic mode: fetch with read_here=True, the direct READ made on the calling "
-        "thread while the consumer's network thread is idle (see Consumer.fetch)",
+        help="fetch with read_here=True: the direct READs made on the calling thread while "
+        "the consumer's network thread is idle (see Consumer.fetch)",
     )
     pipeline = sub.add_parser("pipeline", help="exposed latency at the PD of push against pull")
     # It prints its table or JSON only: no files, no progress bar to quieten.

@@ -157,7 +157,7 @@ class FetchParameters(msgspec.Struct, frozen=True):
     sporadic_sizes: list[int] = []
     sporadic_samples: list[int] = []  # per sporadic size
     gap_ms: float | None = None
-    # Sporadic fetches made with `Consumer.fetch(read_here=True)`.
+    # Every fetch made with `Consumer.fetch(read_here=True)`.
     read_here: bool = False
 
 
@@ -197,12 +197,13 @@ class _Bench:
         self.raw_peer = raw_peer
         self.raw_buf = raw_buf
         self.peers = [producer.address]
+        self.read_here = False  # `Consumer.fetch(read_here=...)` for every fetch
 
     # each returns the seconds it took
 
     def fetch(self, hashes: Sequence[str]) -> float:
         t0 = time.perf_counter()
-        futures = self.consumer.fetch(hashes, self.peers)
+        futures = self.consumer.fetch(hashes, self.peers, read_here=self.read_here)
         # One wake-up when the last future is done, as an engine would see the batch.
         wait(futures, timeout=FETCH_TIMEOUT_S)
         elapsed = time.perf_counter() - t0
@@ -630,7 +631,7 @@ def run_fetch_bench(
     `gap_s` idle before each fetch) or "all" (both). `samples`, when given, is the
     number of timed samples of every loop at every size instead of the defaults
     (`SAMPLES`, `LATENCY_SAMPLES` and `sporadic.sporadic_samples`). With
-    `read_here`, sporadic fetches are made with `Consumer.fetch(read_here=True)`.
+    `read_here`, every fetch is made with `Consumer.fetch(read_here=True)`.
     """
     from ecshare.apps.bench.report import emit
 
@@ -688,6 +689,7 @@ def run_fetch_bench(
             raw.register(raw_region.address, raw_region.size)
             raw_peer = raw.add_peer(producer.info)
             bench = _Bench(node, consumer, producer, raw, raw_peer, raw_region.array)
+            bench.read_here = read_here
             rows: list[Row] = []
             latencies: list[float] = []
             raw_latencies: list[float] = []
@@ -759,7 +761,7 @@ def run_fetch_bench(
             sporadic_sizes=spor_sizes,
             sporadic_samples=spor_counts,
             gap_ms=gap_s * 1000 if spor_sizes else None,
-            read_here=read_here and bool(spor_sizes),
+            read_here=read_here,
         ),
         rows=rows,
         latency_64k_p50_ms=p50,
