@@ -184,9 +184,10 @@ def test_read_here_makes_the_sporadic_reads_on_the_calling_thread() -> None:
     assert [row["size_bytes"] for row in rows] == [64 << 10, 4_505_600]
     fetches = sum(row["samples"] + SPORADIC_WARMUP for row in rows)
     consumer = data["environment"]["consumer_counters"]
-    assert consumer["direct_reads"] == fetches
+    assert consumer["fetched"] == fetches, consumer
     # The network thread sleeps nearly all the time, but a fetch that comes during
-    # one of its passes (a heartbeat) is its own.
-    assert 0 < consumer["read_here"] <= fetches
+    # one of its passes (a heartbeat) is its own, and under load a place may come
+    # after its fetch (which is then granted).
+    assert 0 < consumer["read_here"] <= consumer["direct_reads"] <= fetches, consumer
     for row in rows:
         assert list(row["ecshare_phases_ms"]) == SPORADIC_STEPS, row["ecshare_phases_ms"]
