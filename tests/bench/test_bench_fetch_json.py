@@ -44,10 +44,10 @@ def _positive(value: Any) -> bool:
     )
 
 
-@pytest.fixture(scope="module")
-def report() -> dict[str, Any]:
+def _bench(*extra: str) -> dict[str, Any]:
+    """`ecshare bench fetch --quick --json --samples SAMPLES EXTRA...`, its one object."""
     env = {**os.environ, "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo")}
-    args = ["bench", "fetch", "--quick", "--json", "--samples", str(SAMPLES)]
+    args = ["bench", "fetch", "--quick", "--json", "--samples", str(SAMPLES), *extra]
     proc = subprocess.run(
         [sys.executable, "-m", "ecshare", *args],
         capture_output=True,
@@ -61,6 +61,11 @@ def report() -> dict[str, Any]:
     data = json.loads(lines[0])
     assert isinstance(data, dict)
     return data
+
+
+@pytest.fixture(scope="module")
+def report() -> dict[str, Any]:
+    return _bench()
 
 
 def test_rows_cover_every_size_and_mode(report: dict[str, Any]) -> None:
@@ -167,18 +172,7 @@ def test_producer_thread_cpu_is_measured(report: dict[str, Any]) -> None:
 def test_read_here_makes_the_sporadic_reads_on_the_calling_thread() -> None:
     """`--read-here`: each sporadic fetch is `fetch(read_here=True)`; on one host its
     READ is made and committed on the bench's own thread (counted `read_here`)."""
-    env = {**os.environ, "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo")}
-    args = ["bench", "fetch", "--quick", "--json", "--samples", str(SAMPLES)]
-    args += ["--mode", "sporadic", "--read-here", "--sizes", "64KiB,4505600"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "ecshare", *args],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    data = json.loads(proc.stdout)
+    data = _bench("--mode", "sporadic", "--read-here", "--sizes", "64KiB,4505600")
     assert data["parameters"]["read_here"] is True
     rows = _sporadic(data)
     assert [row["size_bytes"] for row in rows] == [64 << 10, 4_505_600]

@@ -33,6 +33,7 @@ from peer_testing import (
     Keyring,
     MakeConsumer,
     MakeProducer,
+    ProducerProcess,
     SpawnProducer,
     expected,
     stored_bytes,
@@ -40,7 +41,7 @@ from peer_testing import (
 )
 
 from ecshare import protocol as p
-from ecshare.peer import Consumer, FailureReason, FetchFailed, Producer
+from ecshare.peer import Consumer, FailureReason, FetchFailed, Node, Producer
 from ecshare.peer.locator import DIGEST_MAX, Locator
 from ecshare.store import EntryMeta, Store
 from ecshare.store.region import Region
@@ -387,12 +388,11 @@ def _missing(mm_hash: str) -> p.ItemReply:
 # -- lifetimes over TCP ----------------------------------------------------------------------
 
 
-def test_direct_read_given_up_over_tcp_is_fenced_until_the_read_ends(
-    spawn_producer: SpawnProducer, make_consumer: MakeConsumer, keyring: Keyring
-) -> None:
-    """The producer process freezes with a direct READ of 8 MiB in flight: the fetch
-    gives up, its destination stays held while the READ may still write it, and
-    comes back only once the producer thaws and the READ has ended."""
+def _located_in_a_process(
+    spawn_producer: SpawnProducer, make_consumer: MakeConsumer, keyring: Keyring, h: str, n: int
+) -> tuple[ProducerProcess, Node, Consumer]:
+    """A producer process over UCX TCP that a test may freeze, holding `h` (`n` bytes),
+    and a consumer that gives a fetch up after 0.5 s and has heard where `h` lies."""
     producer = spawn_producer(synthetic="", config={**keyring.producer_config(), **TCP}, hooks=True)
     cnode, consumer = make_consumer(
         keyring.consumer_config(),
@@ -400,9 +400,35 @@ def test_direct_read_given_up_over_tcp_is_fenced_until_the_read_ends(
         {"fetch_deadline_base_s": 0.5, "fetch_deadline_max_s": 0.5},
     )
     _up(consumer, producer.address)
-    h, n = "frozen", 8 * MiB
     assert producer.command(f"put {h} {n}") == {"put": h}
     assert _located(consumer, 1)
+    return producer, cnode, consumer
+
+
+def _thawed_and_whole(
+    producer: ProducerProcess, cnode: Node, consumer: Consumer, h: str, n: int
+) -> None:
+    """After the thaw: the READ given up has ended and its blocks are back, nothing was
+    written into freed blocks, and the producer serves `h` again, byte-exact."""
+    assert wait_until(lambda: cnode.store.stats().quarantined == 0, 15.0)
+    counters = consumer.counter_snapshot()
+    assert counters["fenced_reads_ended"] == 1 and consumer.fenced_reads()[0] == 0
+    assert cnode.store.stats().canary_violations == 0
+    cnode.store.check_invariants()
+    assert wait_until(lambda: [x.up for x in consumer.peer_liveness()] == [True], 15.0)
+    result = consumer.fetch([h], [producer.address])[0].result(timeout=15)
+    assert result.nbytes == n
+    np.testing.assert_array_equal(stored_bytes(cnode, h), expected(h, n))
+
+
+def test_direct_read_given_up_over_tcp_is_fenced_until_the_read_ends(
+    spawn_producer: SpawnProducer, make_consumer: MakeConsumer, keyring: Keyring
+) -> None:
+    """The producer process freezes with a direct READ of 8 MiB in flight: the fetch
+    gives up, its destination stays held while the READ may still write it, and
+    comes back only once the producer thaws and the READ has ended."""
+    h, n = "frozen", 8 * MiB
+    producer, cnode, consumer = _located_in_a_process(spawn_producer, make_consumer, keyring, h, n)
 
     os.kill(producer.process.pid, signal.SIGSTOP)
     try:
@@ -417,16 +443,7 @@ def test_direct_read_given_up_over_tcp_is_fenced_until_the_read_ends(
     finally:
         os.kill(producer.process.pid, signal.SIGCONT)
 
-    assert wait_until(lambda: cnode.store.stats().quarantined == 0, 15.0)
-    counters = consumer.counter_snapshot()
-    assert counters["fenced_reads_ended"] == 1 and consumer.fenced_reads()[0] == 0
-    assert cnode.store.stats().canary_violations == 0
-    cnode.store.check_invariants()
-    # The producer serves again: the same entry lands byte-exact.
-    assert wait_until(lambda: [x.up for x in consumer.peer_liveness()] == [True], 15.0)
-    result = consumer.fetch([h], [producer.address])[0].result(timeout=15)
-    assert result.nbytes == n
-    np.testing.assert_array_equal(stored_bytes(cnode, h), expected(h, n))
+    _thawed_and_whole(producer, cnode, consumer, h, n)
 
 
 def test_producer_frozen_during_the_tag_read_keeps_the_destination_fenced_over_tcp(
@@ -439,16 +456,8 @@ def test_producer_frozen_during_the_tag_read_keeps_the_destination_fenced_over_t
 
     The freeze is timed by wrapping the consumer's real transport: the test stops
     the producer right before the tag READ (8 bytes at the tag's offset) is posted."""
-    producer = spawn_producer(synthetic="", config={**keyring.producer_config(), **TCP}, hooks=True)
-    cnode, consumer = make_consumer(
-        keyring.consumer_config(),
-        TCP,
-        {"fetch_deadline_base_s": 0.5, "fetch_deadline_max_s": 0.5},
-    )
-    _up(consumer, producer.address)
     h, n = "frozen-at-tag", 8 * MiB
-    assert producer.command(f"put {h} {n}") == {"put": h}
-    assert _located(consumer, 1)
+    producer, cnode, consumer = _located_in_a_process(spawn_producer, make_consumer, keyring, h, n)
     transport = consumer._transport
     real_read = transport.read
     frozen: list[int] = []
@@ -478,15 +487,7 @@ def test_producer_frozen_during_the_tag_read_keeps_the_destination_fenced_over_t
         if frozen:
             os.kill(producer.process.pid, signal.SIGCONT)
 
-    assert wait_until(lambda: cnode.store.stats().quarantined == 0, 15.0)
-    counters = consumer.counter_snapshot()
-    assert counters["fenced_reads_ended"] == 1 and consumer.fenced_reads()[0] == 0
-    assert cnode.store.stats().canary_violations == 0
-    cnode.store.check_invariants()
-    assert wait_until(lambda: [x.up for x in consumer.peer_liveness()] == [True], 15.0)
-    result = consumer.fetch([h], [producer.address])[0].result(timeout=15)
-    assert result.nbytes == n
-    np.testing.assert_array_equal(stored_bytes(cnode, h), expected(h, n))
+    _thawed_and_whole(producer, cnode, consumer, h, n)
 
 
 # -- the producer's side ---------------------------------------------------------------------
