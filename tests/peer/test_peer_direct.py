@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -190,6 +191,55 @@ def test_read_here_reads_located_entries_on_the_calling_thread(
         consumer.fetch(["nowhere"], [producer.address], read_here=True)[0].result(timeout=10)
     assert failed.value.reason is FailureReason.MISSING
     assert consumer.fenced_reads()[0] == 0
+    assert cnode.store.stats().canary_violations == 0
+    cnode.store.check_invariants()
+
+
+def test_read_here_from_many_threads_at_once_delivers_every_fetch_whole(
+    make_producer: MakeProducer, make_consumer: MakeConsumer, keyring: Keyring
+) -> None:
+    """Four callers fetch with `read_here` at once, with the network thread busy
+    with some of the same fetches: one caller at a time reads on its thread (and may
+    read others' items), the rest go to the network thread; every fetch ends once,
+    with its own bytes."""
+    pnode, producer = make_producer(keyring.producer_config(), CMA)
+    cnode, consumer = make_consumer(keyring.consumer_config(), CMA)
+    _up(consumer, producer.address)
+    sizes = {f"many-{i}": 4096 + 997 * i for i in range(48)}
+    for h, n in sizes.items():
+        pnode.store.put(h, expected(h, n))
+    assert _located(consumer, len(sizes))
+    names = list(sizes)
+    results: dict[str, int] = {}
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def caller(part: list[str]) -> None:
+        try:
+            for h in part:
+                futures = consumer.fetch([h, "missing"], [producer.address], read_here=True)
+                got = futures[0].result(timeout=15)
+                with pytest.raises(FetchFailed):
+                    futures[1].result(timeout=15)
+                with lock:
+                    results[h] = got.nbytes
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=caller, args=(names[i::4],)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert results == sizes
+    for h, n in sizes.items():
+        np.testing.assert_array_equal(stored_bytes(cnode, h), expected(h, n), err_msg=h)
+    counters = consumer.counter_snapshot()
+    assert counters["direct_reads"] == len(sizes) and "direct_reads_stale" not in counters
+    assert counters["fetched"] == len(sizes)
+    assert 0 < counters["read_here"] <= len(sizes), counters  # some on the callers' threads
+    assert consumer.pending() == 0 and consumer.fenced_reads()[0] == 0
     assert cnode.store.stats().canary_violations == 0
     cnode.store.check_invariants()
 
