@@ -258,6 +258,10 @@ class Consumer(NetworkThread):
         self._located: collections.OrderedDict[str, _Located] = collections.OrderedDict()
         # Direct reads whose bytes have landed and whose tags are to be read back.
         self._tags_due: list[tuple[PeerLink, Transfer]] = []
+        # A caller reads on its thread (`_read_here`), under `_net_lock`; peers whose
+        # data plane it found gone meanwhile, for the network thread to end.
+        self._callers_turn = False
+        self._peers_lost: list[tuple[str, str]] = []
         self._request_ids = itertools.count(1)
         self._pool: ClientPool | None = None
         self.counters: Counter[str] = Counter()
@@ -348,9 +352,15 @@ class Consumer(NetworkThread):
             if not self._serving or not self._any_located():
                 return None
             taken = self._take_incoming()
-            self._dispatch_direct(time.monotonic())
+            self._callers_turn = True
+            try:
+                self._dispatch_direct(time.monotonic())
+            finally:
+                self._callers_turn = False
             ended = [t for t in taken if t.state in (TransferState.DONE, TransferState.FAILED)]
-            self._count_add("read_here", sum(t.state is TransferState.DONE for t in ended))
+            here = sum(t.state is TransferState.DONE for t in ended)
+            if here:
+                self._count_add("read_here", here)
             self._deliver()
             return len(ended) == len(taken)
         finally:
@@ -713,6 +723,15 @@ class Consumer(NetworkThread):
 
     def _step(self, events: dict[object, int]) -> None:
         now = time.monotonic()
+        lost, self._peers_lost = self._peers_lost, []
+        for endpoint, detail in lost:
+            link = self._links.get(endpoint)
+            if link is not None and link.state is PeerLinkState.READY:
+                self._peer_failed(link, FailureReason.PEER_UNREACHABLE, detail, now)
+                continue
+            for t in list(self._transfers):  # the session is gone already: on with them
+                if t.peer == endpoint and t.state is TransferState.READING and t.dest is None:
+                    self._move_on(t, FailureReason.PEER_UNREACHABLE, detail)
         taken = self._take_incoming()
         if taken and self._located:
             # New fetches of located entries are read before anything else here: the
@@ -1360,6 +1379,12 @@ class Consumer(NetworkThread):
         if status.state is ReadState.FAILED:
             self._drop_dest(t)
             if status.failure is FailureKind.PEER_DISCONNECTED:
+                if self._callers_turn:
+                    # Ending the session closes its ZMQ sockets, which only the network
+                    # thread may touch: it does so first thing in its next pass (`t`
+                    # waits, READING with nothing in flight, until then).
+                    self._peers_lost.append((link.endpoint, status.detail))
+                    return
                 # This moves every transfer of the peer on, `t` included; moving
                 # `t` again would skip its next candidate.
                 self._peer_failed(

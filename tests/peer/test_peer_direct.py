@@ -244,6 +244,35 @@ def test_read_here_from_many_threads_at_once_delivers_every_fetch_whole(
     cnode.store.check_invariants()
 
 
+def test_read_here_from_a_producer_killed_meanwhile_ends_typed_on_the_network_thread(
+    spawn_producer: SpawnProducer, make_consumer: MakeConsumer, keyring: Keyring
+) -> None:
+    """The producer process is SIGKILLed after it told where an entry lies: the READ
+    made on the caller's thread fails, the caller's thread leaves the lost session
+    to the network thread (which alone may close its sockets), and the fetch ends
+    typed; the consumer serves on."""
+    producer = spawn_producer(synthetic="", config={**keyring.producer_config(), **CMA}, hooks=True)
+    cnode, consumer = make_consumer(keyring.consumer_config(), CMA)
+    _up(consumer, producer.address)
+    h, n = "killed", 2 * MiB
+    assert producer.command(f"put {h} {n}") == {"put": h}
+    assert _located(consumer, 1)
+    os.kill(producer.process.pid, signal.SIGKILL)
+    producer.process.wait(10)
+
+    error = consumer.fetch([h], [producer.address], read_here=True)[0].exception(timeout=15)
+
+    assert isinstance(error, FetchFailed), error
+    assert consumer.failure is None  # the network thread lives on
+    counters = consumer.counter_snapshot()
+    assert counters["direct_reads"] == 1, counters
+    assert "read_here" not in counters
+    assert counters["peer_failures.peer_unreachable"] == 1, counters
+    assert cnode.store.get(h) is None and cnode.store.stats().quarantined == 0
+    assert consumer.fenced_reads()[0] == 0
+    cnode.store.check_invariants()
+
+
 def test_relocated_entry_is_read_where_it_lies_now(
     make_producer: MakeProducer, make_consumer: MakeConsumer, keyring: Keyring
 ) -> None:
