@@ -153,6 +153,8 @@ def test_producer_survives_a_reset_of_a_superseded_connection(
     )
     client.send(HELLO)
     assert isinstance(client.recv(10_000), p.Welcome)
+    # The state comes from a monitor thread, which may lag the first reply.
+    assert client.wait_ready(5_000)
     assert client.state is LinkState.READY
 
 

@@ -228,6 +228,7 @@ def test_client_reconnects_after_server_restart(
     )
     client.send(HELLO)
     assert isinstance(client.recv(10_000), p.Welcome)
+    assert client.wait_ready(5_000)  # the state comes from a monitor thread, which may lag
     assert client.state is LinkState.READY
 
     producer.kill()
@@ -241,6 +242,7 @@ def test_client_reconnects_after_server_restart(
     spawn_server(*args, "--port", str(producer.port))
     welcome = client.recv(10_000)
     assert isinstance(welcome, p.Welcome) and welcome.session_id == "s-2"
+    assert client.wait_ready(5_000)  # the state comes from a monitor thread, which may lag
     assert client.state is LinkState.READY
     assert client.stats["handshake_succeeded"] == 2
 
