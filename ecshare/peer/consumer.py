@@ -1476,7 +1476,8 @@ class Consumer(NetworkThread):
 
         Done last, just before the thread blocks: a caller woken by its future needs
         the GIL, which this thread holds until it blocks, and a caller that wakes to
-        find it held sleeps again and needs a second wake-up.
+        find it held sleeps again and needs a second wake-up. (A caller that read on
+        its own thread, `_read_here`, resolves its own at the end of its turn.)
         """
         results, self._results = self._results, []
         for future, result in results:
