@@ -258,9 +258,8 @@ class Consumer(NetworkThread):
         self._located: collections.OrderedDict[str, _Located] = collections.OrderedDict()
         # Direct reads whose bytes have landed and whose tags are to be read back.
         self._tags_due: list[tuple[PeerLink, Transfer]] = []
-        # A caller reads on its thread (`_read_here`), under `_net_lock`; peers whose
-        # data plane it found gone meanwhile, for the network thread to end.
-        self._callers_turn = False
+        # Peers whose data plane a caller reading on its own thread (`_read_here`)
+        # found gone, for the network thread to end.
         self._peers_lost: list[tuple[str, str]] = []
         self._request_ids = itertools.count(1)
         self._pool: ClientPool | None = None
@@ -352,11 +351,7 @@ class Consumer(NetworkThread):
             if not self._serving or not self._any_located():
                 return None
             taken = self._take_incoming()
-            self._callers_turn = True
-            try:
-                self._dispatch_direct(time.monotonic())
-            finally:
-                self._callers_turn = False
+            self._dispatch_direct(time.monotonic())
             ended = [t for t in taken if t.state in (TransferState.DONE, TransferState.FAILED)]
             here = sum(t.state is TransferState.DONE for t in ended)
             if here:
@@ -1379,7 +1374,7 @@ class Consumer(NetworkThread):
         if status.state is ReadState.FAILED:
             self._drop_dest(t)
             if status.failure is FailureKind.PEER_DISCONNECTED:
-                if self._callers_turn:
+                if threading.current_thread() is not self._thread:  # `_read_here`
                     # Ending the session closes its ZMQ sockets, which only the network
                     # thread may touch: it does so first thing in its next pass (`t`
                     # waits, READING with nothing in flight, until then).
