@@ -189,6 +189,7 @@ class _Bench:
         raw: NixlTransport,
         raw_peer: str,
         raw_buf: Bytes,
+        read_here: bool = False,
     ) -> None:
         self.node = node
         self.consumer = consumer
@@ -197,7 +198,7 @@ class _Bench:
         self.raw_peer = raw_peer
         self.raw_buf = raw_buf
         self.peers = [producer.address]
-        self.read_here = False  # `Consumer.fetch(read_here=...)` for every fetch
+        self.read_here = read_here  # `Consumer.fetch(read_here=...)` for every fetch
 
     # each returns the seconds it took
 
@@ -570,7 +571,6 @@ def _run_sporadic(
     gap_s: float,
     bar: BenchProgress,
     hold: Callable[[], float],
-    read_here: bool = False,
 ) -> tuple[list[Row], ProducerCpu]:
     rows = []
     fetches = 0
@@ -591,7 +591,7 @@ def _run_sporadic(
             raw_buf=b.raw_buf,
             memcpy_dst=memcpy_dst,
             advance=bar.advance,
-            read_here=read_here,
+            read_here=b.read_here,
         )
         fetches += samples + SPORADIC_WARMUP
         rows.append(_sporadic_row(fig))
@@ -688,8 +688,7 @@ def run_fetch_bench(
             raw = NixlTransport(f"ecshare-bench-raw-{os.getpid()}")
             raw.register(raw_region.address, raw_region.size)
             raw_peer = raw.add_peer(producer.info)
-            bench = _Bench(node, consumer, producer, raw, raw_peer, raw_region.array)
-            bench.read_here = read_here
+            bench = _Bench(node, consumer, producer, raw, raw_peer, raw_region.array, read_here)
             rows: list[Row] = []
             latencies: list[float] = []
             raw_latencies: list[float] = []
@@ -711,7 +710,7 @@ def run_fetch_bench(
                 if spor_sizes:
                     # First, while nothing else has run: as a new instance would see it.
                     spor_rows, producer_cpu = _run_sporadic(
-                        bench, spor_sizes, spor_counts, gap_s, bar, hold, read_here
+                        bench, spor_sizes, spor_counts, gap_s, bar, hold
                     )
                 for size in b2b_sizes:
                     batch = _batch_for(size, quick)
