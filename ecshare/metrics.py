@@ -297,6 +297,8 @@ COUNTED: Final[tuple[Counted, ...]] = (
         "direct_reads_stale",
         "direct_reads_failed",
         "tag_reads",
+        "tag_reads_fenced",
+        "tag_landing_full",
         "locations_heard",
         "bad_locations",
         "locations_off_session",

@@ -35,13 +35,14 @@ shown to be the entry's: up to `DIGEST_MAX` bytes by their xxh3-64 against the
 digest told (whatever `checksum` says); larger ones by the entry's tag, a word
 the producer's store holds for the entry while its blocks are its own and never
 again once they are freed (`ecshare.store.entries`, "Tags"), read back with a
-second READ once the bytes have landed, into the destination's spare bytes. A
-tag found there means the blocks had not been freed when it was read, so the
+second READ once the bytes have landed, into this side's landing (one READ for
+the tags of a pass, one descriptor where they lie close: `ecshare.peer.landing`).
+A tag found there means the blocks had not been freed when it was read, so the
 bytes read before it were the entry's; this needs no pass over the bytes. A
 mismatch (the entry was evicted and its blocks reused) or a failed READ falls
 back to a granted read from the same producer. The destination follows the
 same rule as any read's: fenced if given up, back only once the READs have
-ended. This bends the lease rule above on purpose: a direct read may run
+ended; so do the landing's slots. This bends the lease rule above on purpose: a direct read may run
 outside any lease, and it is the digest or the tag, not the lease, that decides
 what is committed.
 
@@ -74,6 +75,7 @@ from ecshare.config import Config
 from ecshare.control import AuthenticationFailed, ClientPool, KeyPair, LinkSettings, Waker
 from ecshare.peer.dataplane import announced
 from ecshare.peer.inbox import Inbox, PushLink, Reservation
+from ecshare.peer.landing import TagLanding, TagRead
 from ecshare.peer.link import PeerLink, PeerLinkState
 from ecshare.peer.locator import DIGEST_MAX
 from ecshare.peer.notices import Notices
@@ -149,14 +151,15 @@ class _SharedRead:
     the backend has ended the whole READ. One READ instead of one per item saves
     the backend's per-transfer work and merges items that lie end to end."""
 
-    __slots__ = ("ended", "handle", "users")
+    __slots__ = ("ended", "handle", "landing", "users")
 
-    def __init__(self, handle: object, users: int) -> None:
+    def __init__(self, handle: object, users: int, landing: TagRead | None = None) -> None:
         self.handle = handle
         self.users = users
         # The transport's word that the READ has ended, kept: its users see it in one
         # pass, and asking the backend again for each of them costs it each time.
         self.ended: ReadStatus | None = None
+        self.landing = landing  # a READ of tags: the slots it writes
 
 
 @dataclass(frozen=True)
@@ -256,8 +259,12 @@ class Consumer(NetworkThread):
         self._warming: list[tuple[object, Entry]] = []  # warm-up reads, until they end
         # mm_hash -> where its producer said it lies (see "Direct reads" above).
         self._located: collections.OrderedDict[str, _Located] = collections.OrderedDict()
-        # Direct reads whose bytes have landed and whose tags are to be read back.
+        # Direct reads whose bytes have landed and whose tags are to be read back, and
+        # where those land (none in a store without tags: only digests are checked).
         self._tags_due: list[tuple[PeerLink, Transfer]] = []
+        self._landing = TagLanding(store) if store.landing is not None else None
+        # READs of tags given up while they may still write their slots, until they end.
+        self._landings_fenced: list[tuple[object, TagRead]] = []
         # Peers whose data plane a caller reading on its own thread (`_read_here`)
         # found gone, for the network thread to end.
         self._peers_lost: list[tuple[str, str]] = []
@@ -513,6 +520,10 @@ class Consumer(NetworkThread):
         if not fenced:
             return 0, 0.0
         return len(fenced), time.monotonic() - min(f.since for f in fenced)
+
+    def tag_slots_held(self) -> int:
+        """Slots of the landing held by READs of tags not yet ended (`ecshare.peer.landing`)."""
+        return self._landing.held if self._landing is not None else 0
 
     def latency_histogram(self) -> LatencyHistogram:
         with self._counters_lock:
@@ -975,11 +986,12 @@ class Consumer(NetworkThread):
         region_size = link.region_size
         for where in msg.entries:
             tag_ok = where.tag_offset % 8 == 0 and where.tag_offset + 8 <= region_size
+            by_tag = where.tag and self._landing is not None
             if (
                 sum(e.length for e in where.extents) != where.nbytes
                 or any(e.length <= 0 or e.offset + e.length > region_size for e in where.extents)
                 or (where.tag and not tag_ok)
-                or (not where.tag and where.checksum is None)  # nothing to check it by
+                or (not by_tag and where.checksum is None)  # nothing to check it by
             ):
                 self._count("bad_locations")
                 continue
@@ -1046,7 +1058,7 @@ class Consumer(NetworkThread):
                 if self.phases is not None:
                     self.phases.mark(t.mm_hash, "granted")
                 self._describe(t, where)
-                if where.tag and (by_tag or where.checksum is None):
+                if where.tag and self._landing and (by_tag or where.checksum is None):
                     t.tag, t.tag_offset = where.tag, where.tag_offset
                 self._start_read(link, t, reads)
             self._count_add("direct_reads", len(batch))
@@ -1054,28 +1066,34 @@ class Consumer(NetworkThread):
 
     def _read_tags(self) -> None:
         """The bytes of these direct reads have landed: READ their entries' tags back,
-        one READ per producer, each into its destination's spare bytes (fenced with
-        the destination as ever)."""
+        one READ per producer, into the landing's slots (`ecshare.peer.landing`)."""
         due, self._tags_due = self._tags_due, []
-        by_link: dict[str, tuple[PeerLink, list[tuple[Transfer, list[Segment]]]]] = {}
-        block = self._store.block_size
+        assert self._landing is not None  # no tag is asked for without one
+        by_link: dict[str, tuple[PeerLink, list[Transfer]]] = {}
         for link, t in due:
             if t.state is TransferState.READING and t.read_handle is None and t.dest is not None:
-                segment = Segment(t.dest.spare_offset(block), t.tag_offset, 8)
-                by_link.setdefault(link.endpoint, (link, []))[1].append((t, [segment]))
-        for link, reads in by_link.values():
-            shared = self._share_read(link, reads)
-            for t, _ in reads:
+                by_link.setdefault(link.endpoint, (link, []))[1].append(t)
+        for link, batch in by_link.values():
+            landing = self._landing.take([t.tag_offset for t in batch])
+            if landing is None:  # every slot is held by READs still moving
+                for t in batch:
+                    self._drop_dest(t)
+                    self._direct_missed(t, "tag_landing_full")
+                continue
+            for t, slot in zip(batch, landing.slots, strict=True):
+                t.tag_slot = slot
                 t.tag_read = True
+            reads = [(batch[0], landing.segments)] + [(t, []) for t in batch[1:]]
+            shared = self._share_read(link, reads, landing)
             self._count("tag_reads")
             self._poll_shared(reads, shared)
 
-    def _intact(self, t: Transfer) -> bool:
+    def _intact(self, t: Transfer, landed: int) -> bool:
         """The bytes of a direct read are the entry's: its tag was still in place after
-        them, or they have its digest."""
+        them (`landed`: the word its tag READ brought back), or they have its digest."""
         assert t.dest is not None
         if t.tag:
-            return self._store.word(t.dest.spare_offset(self._store.block_size)) == t.tag
+            return landed == t.tag
         return self._store.checksum(t.dest) == t.checksum
 
     def _direct_missed(self, t: Transfer, counter: str) -> None:
@@ -1264,8 +1282,7 @@ class Consumer(NetworkThread):
             return
         meta = EntryMeta(dtype=t.dtype or "uint8", shape=t.shape, checksum=t.checksum)
         try:
-            # A tag is read back into the destination's own spare bytes: fenced with it.
-            dest = self._store.allocate(t.mm_hash, t.nbytes, meta, spare=8 if t.tag else 0)
+            dest = self._store.allocate(t.mm_hash, t.nbytes, meta)
         except EntryExists:
             link.release([t.grant_id])
             existing = self._store.get(t.mm_hash)
@@ -1317,11 +1334,19 @@ class Consumer(NetworkThread):
         if self._tags_due:
             self._read_tags()
 
-    def _share_read(self, link: PeerLink, reads: list[tuple[Transfer, list[Segment]]]) -> object:
+    def _share_read(
+        self,
+        link: PeerLink,
+        reads: list[tuple[Transfer, list[Segment]]],
+        landing: TagRead | None = None,
+    ) -> object:
         """Post one READ of every segment of `reads` and give each transfer its share of
-        the handle (see `_SharedRead`)."""
+        the handle (see `_SharedRead`); `landing`: the slots a READ of tags writes."""
         handle = self._transport.read(link.agent, [s for _, segs in reads for s in segs])
-        shared = handle if len(reads) == 1 else _SharedRead(handle, len(reads))
+        if len(reads) == 1 and landing is None:
+            shared = handle
+        else:
+            shared = _SharedRead(handle, len(reads), landing)
         for t, _ in reads:
             t.read_handle = shared
         return shared
@@ -1345,11 +1370,19 @@ class Consumer(NetworkThread):
 
     def _release_handle(self, handle: object) -> None:
         """A transfer is done with its READ: the transport's handle goes (a PENDING one
-        abandoned, as `DataTransport.release` says) once no transfer holds it."""
+        abandoned, as `DataTransport.release` says) once no transfer holds it, and
+        so do the slots of a READ of tags, or they wait for it to end."""
         if isinstance(handle, _SharedRead):
             handle.users -= 1
             if handle.users:
                 return
+            if handle.landing is not None:
+                assert self._landing is not None
+                if handle.ended is not None:
+                    self._landing.give_back(handle.landing)
+                else:  # given up while it may still write them
+                    self._landings_fenced.append((handle.handle, handle.landing))
+                    self._count("tag_reads_fenced")
             handle = handle.handle
         self._transport.release(handle)
 
@@ -1366,6 +1399,12 @@ class Consumer(NetworkThread):
             return
         if self.phases is not None:
             self.phases.mark(t.mm_hash, "done")
+        landed = 0  # read while the slot is held: the last user gives the slots back
+        if t.tag_slot:
+            assert self._landing is not None
+            if status.state is ReadState.DONE:
+                landed = self._landing.word(t.tag_slot)
+            t.tag_slot = 0
         self._release_handle(t.read_handle)
         t.read_handle = None
         link = self._links[t.candidates[t.peer_index]]
@@ -1395,7 +1434,7 @@ class Consumer(NetworkThread):
             if t.tag and not t.tag_read:
                 self._tags_due.append((link, t))  # `_read_tags`, with the others of this pass
                 return
-            if not self._intact(t):
+            if not self._intact(t, landed):
                 # Evicted and its blocks reused since it was located: not this entry.
                 self._drop_dest(t)
                 self._direct_missed(t, "direct_reads_stale")
@@ -1415,8 +1454,6 @@ class Consumer(NetworkThread):
             return
         holds = list(t.holds)
         assert t.dest is not None  # a READ is posted only for a transfer with its destination
-        if t.tag:
-            self._store.drop_spare(t.dest)  # the tag's 8 bytes may have taken a block
         self._store.commit(t.dest, holds=holds)
         if self.phases is not None:
             self.phases.mark(t.mm_hash, "committed")
@@ -1513,6 +1550,7 @@ class Consumer(NetworkThread):
         handle, dest = t.read_handle, t.dest
         t.read_handle = None
         t.dest = None
+        t.tag_slot = 0
         if dest is None:
             return
         if handle is None:
@@ -1578,6 +1616,8 @@ class Consumer(NetworkThread):
     def _poll_fenced(self) -> None:
         if self._warming:
             self._poll_warming()
+        if self._landings_fenced:
+            self._poll_landings()
         if not self._fenced:
             return
         keep = []
@@ -1591,6 +1631,16 @@ class Consumer(NetworkThread):
             if link is not None and link.session_id == f.session_id:
                 link.release([f.grant_id])  # its pin can go before the lease ends
         self._fenced = keep
+
+    def _poll_landings(self) -> None:
+        assert self._landing is not None
+        keep = []
+        for handle, landing in self._landings_fenced:
+            if self._transport.poll(handle).state is ReadState.PENDING:
+                keep.append((handle, landing))
+            else:
+                self._landing.give_back(landing)
+        self._landings_fenced = keep
 
     # -- dispatch and expiry -----------------------------------------------------------------
 
@@ -1722,7 +1772,9 @@ class Consumer(NetworkThread):
             self._end_quietly(t, why, detail)
         self._inbox.stop()
         deadline = time.monotonic() + self._config.shutdown_timeout_s
-        while (self._fenced or self._warming or self._inbox.busy) and time.monotonic() < deadline:
+        while (
+            self._fenced or self._warming or self._landings_fenced or self._inbox.busy
+        ) and time.monotonic() < deadline:
             self._poll_fenced()
             if self._inbox.busy:
                 for agent, note in self._notices.take("push"):

@@ -15,7 +15,7 @@ from ecshare.control import KeyPair, load_authorized_keys, load_keypair, load_pu
 from ecshare.control.errors import ControlConfigError
 from ecshare.peer.consumer import Consumer
 from ecshare.peer.producer import Producer
-from ecshare.store import Region, Store, tag_bytes
+from ecshare.store import Region, Store, tail_bytes
 from ecshare.transport.base import DataTransport
 
 
@@ -126,10 +126,11 @@ class Node:
         plane (a `LoopbackTransport` in tests) must all be of that kind: a link refuses
         a peer whose data plane differs."""
         # Past the blocks, a word per block for the entries' tags (direct reads check
-        # them): 0.012% of the region with 64 KiB blocks.
-        tags = tag_bytes(config.region_bytes // config.block_bytes)
+        # them): 0.012% of the region with 64 KiB blocks; then the landing for the
+        # tags this node reads back from producers (16 KiB).
+        tail = tail_bytes(config.region_bytes // config.block_bytes)
         region = Region.create(
-            config.region_bytes + tags, name=f"ecshare-{role}", prefault=config.prefault
+            config.region_bytes + tail, name=f"ecshare-{role}", prefault=config.prefault
         )
         try:
             store = Store(region, config.block_bytes, canary=config.store_canary, tags=True)

@@ -159,10 +159,12 @@ class Transfer:
     direct: bool = False
     direct_tried: bool = False
     # A direct read checked by tag: read the word at `tag_offset` back after the
-    # bytes (`tag_read` once that READ is posted) and find `tag` there.
+    # bytes (`tag_read` once that READ is posted, into the landing's `tag_slot`,
+    # a byte offset in our region; 0 once it is read or given up) and find `tag`.
     tag: int = 0
     tag_offset: int = 0
     tag_read: bool = False
+    tag_slot: int = 0
 
     @property
     def peer(self) -> str | None:
@@ -177,7 +179,7 @@ class Transfer:
 
     def clear_grant(self) -> None:
         self.direct = False
-        self.tag = self.tag_offset = 0
+        self.tag = self.tag_offset = self.tag_slot = 0
         self.tag_read = False
         self.request_id = ""
         self.grant_id = ""

@@ -29,9 +29,10 @@ from ecshare.store.entries import (
     StoreStats,
 )
 from ecshare.store.region import Region, RegionError, RegionHandle
-from ecshare.store.store import Store, tag_bytes
+from ecshare.store.store import LANDING_BYTES, Store, tail_bytes
 
 __all__ = [
+    "LANDING_BYTES",
     "AllocatorError",
     "BlockAllocator",
     "Entry",
@@ -54,5 +55,5 @@ __all__ = [
     "StoreError",
     "StoreFull",
     "StoreStats",
-    "tag_bytes",
+    "tail_bytes",
 ]

@@ -171,13 +171,6 @@ class Entry:
     pins: int = 0
     last_used: float = 0.0
     tag: int = 0  # this allocation's, unique in its table (see "Tags" above)
-    spare: int = 0  # bytes the blocks hold for the writer past `nbytes` (`allocate`)
-
-    def spare_offset(self, block_size: int) -> int:
-        """Byte offset in the region of the last 8 bytes of the entry's blocks: past
-        its `nbytes` when it was allocated with `spare` of 8 or more."""
-        last = self.runs[-1]
-        return (last.start + last.count) * block_size - 8
 
     def byte_extents(self, block_size: int) -> list[tuple[int, int]]:
         """(byte offset in the region, byte length) per run; the lengths sum to ``nbytes``."""
@@ -185,8 +178,7 @@ class Entry:
 
 
 def _byte_extents(runs: Sequence[Run], block_size: int, nbytes: int) -> list[tuple[int, int]]:
-    # The first `nbytes` of the runs, in order: blocks past them (an entry's spare
-    # bytes) are no extent of it.
+    # The first `nbytes` of the runs, in order.
     extents = []
     left = nbytes
     for r in runs:
@@ -311,14 +303,11 @@ class EntryTable:
 
     # -- entries -------------------------------------------------------------
 
-    def allocate(
-        self, mm_hash: str, nbytes: int, meta: EntryMeta | None = None, *, spare: int = 0
-    ) -> Entry:
-        """Reserve blocks for ``nbytes`` (and ``spare`` bytes more after them, which the
-        entry does not count), evicting LRU unpinned READY entries if needed."""
+    def allocate(self, mm_hash: str, nbytes: int, meta: EntryMeta | None = None) -> Entry:
+        """Reserve blocks for ``nbytes``, evicting LRU unpinned READY entries if needed."""
         if nbytes <= 0:
             raise InvalidMeta(f"{mm_hash}: entries must hold at least one byte, got {nbytes}")
-        nblocks = -(-(nbytes + max(0, spare)) // self._block_size)
+        nblocks = -(-nbytes // self._block_size)
         if nblocks > self._alloc.total_blocks:
             raise EntryTooLarge(
                 f"{mm_hash}: {nbytes} bytes need {nblocks} blocks, "
@@ -356,7 +345,6 @@ class EntryTable:
                 extents,
                 last_used=self._clock(),
                 tag=next(self._tag_ids),
-                spare=max(0, spare),
             )
             if self._tags is not None:
                 self._tags[runs[0].start] = entry.tag
@@ -392,37 +380,6 @@ class EntryTable:
             for hold in holds:
                 self._pin(mm_hash, hold.owner, hold.grant_id, hold.lease_s)
             return entry
-
-    def drop_spare(self, mm_hash: str, *, expect: Entry | None = None) -> int:
-        """An ALLOCATED entry's writer is done with its spare bytes: blocks that hold
-        nothing of its ``nbytes`` go back now. Returns how many."""
-        with self._lock:
-            entry = self._live(mm_hash, expect)
-            if entry.state is not EntryState.ALLOCATED:
-                raise IllegalTransition(f"{mm_hash}: spare bytes of a {entry.state.name} entry")
-            keep = -(-entry.nbytes // self._block_size)
-            extra = entry.nblocks - keep
-            entry.spare = 0
-            if extra <= 0:
-                return 0
-            runs = list(entry.runs)
-            freed: list[Run] = []
-            left = extra
-            while left:
-                last = runs.pop()
-                if last.count <= left:
-                    freed.append(last)
-                    left -= last.count
-                else:
-                    runs.append(Run(last.start, last.count - left))
-                    freed.append(Run(last.end - left, left))
-                    left = 0
-            entry.runs = tuple(runs)
-            entry.nblocks = keep
-            if self._on_free is not None:
-                self._on_free(freed)
-            self._alloc.free(freed)
-            return extra
 
     def abort(self, mm_hash: str, *, expect: Entry | None = None) -> None:
         """ALLOCATED -> FREED: the writer gives up; the blocks go back at once."""
@@ -640,7 +597,7 @@ class EntryTable:
             for entry in live:
                 if entry.state is EntryState.FREED:
                     raise AssertionError(f"{entry.mm_hash}: FREED entry still indexed")
-                wanted = -(-(entry.nbytes + entry.spare) // self._block_size)
+                wanted = -(-entry.nbytes // self._block_size)
                 if entry.nblocks != wanted or entry.nblocks != sum(r.count for r in entry.runs):
                     raise AssertionError(f"{entry.mm_hash}: {entry.nblocks} blocks for {entry}")
                 if list(entry.extents) != entry.byte_extents(self._block_size):

@@ -66,9 +66,20 @@ _PLAIN_KINDS = frozenset("biufc")
 Bytes = npt.NDArray[np.uint8]
 
 
+# Past the tags of a store with tags: 8-byte slots where a consumer's direct reads
+# land the tags they read back from producers (`ecshare.peer.landing`).
+LANDING_BYTES = 16 * 1024
+
+
 def tag_bytes(capacity_blocks: int) -> int:
     """Room for the tags of `capacity_blocks` blocks, whole pages."""
     return -(-8 * capacity_blocks // 4096) * 4096
+
+
+def tail_bytes(capacity_blocks: int) -> int:
+    """What a store with tags keeps past `capacity_blocks` blocks: their tags, and
+    the landing (`LANDING_BYTES`)."""
+    return tag_bytes(capacity_blocks) + LANDING_BYTES
 
 
 class Store:
@@ -84,13 +95,15 @@ class Store:
         tags: bool = False,
     ) -> None:
         """With `tags`, the region's tail past the blocks holds one word per block for
-        the entry table's tags (see `entries`, "Tags"; `tag_bytes` says how much)."""
+        the entry table's tags (see `entries`, "Tags"), and then the landing: the
+        slots where tags read from other stores land (`landing`; `tail_bytes` says
+        how much the two take)."""
         capacity = region.size // block_size
-        if tags:  # the most blocks that fit beside their tags; a few steps from the estimate
-            capacity = region.size // (block_size + 8)
-            while (capacity + 1) * block_size + tag_bytes(capacity + 1) <= region.size:
+        if tags:  # the most blocks that fit beside their tail; a few steps from the estimate
+            capacity = max(0, region.size - LANDING_BYTES) // (block_size + 8)
+            while (capacity + 1) * block_size + tail_bytes(capacity + 1) <= region.size:
                 capacity += 1
-            while capacity and capacity * block_size + tag_bytes(capacity) > region.size:
+            while capacity and capacity * block_size + tail_bytes(capacity) > region.size:
                 capacity -= 1
         if capacity < 1:
             raise ValueError(f"region of {region.size} bytes holds no block of {block_size}")
@@ -102,9 +115,11 @@ class Store:
             self._canary_words = region.array[: capacity * block_size].view(np.uint64)
             self._canary_words.fill(_CANARY_WORD)
         self._tag_base: int | None = None
+        self._landing: tuple[int, int] | None = None
         tag_words = None
         if tags:
             self._tag_base = capacity * block_size
+            self._landing = (self._tag_base + tag_bytes(capacity), LANDING_BYTES)
             tag_words = region.array[self._tag_base : self._tag_base + 8 * capacity].view(np.uint64)
             tag_words.fill(0)
         self._table = EntryTable(
@@ -125,6 +140,12 @@ class Store:
     @property
     def block_size(self) -> int:
         return self._block_size
+
+    @property
+    def landing(self) -> tuple[int, int] | None:
+        """(byte offset, bytes) in the region of the landing, in a store with tags:
+        bytes no entry ever takes, where a consumer lands the tags it reads back."""
+        return self._landing
 
     def get(self, mm_hash: str) -> Entry | None:
         return self._table.get(mm_hash)
@@ -166,20 +187,12 @@ class Store:
             raise
         return self._committed(self._table.commit(mm_hash, expect=entry))
 
-    def allocate(
-        self, mm_hash: str, nbytes: int, meta: EntryMeta | None = None, *, spare: int = 0
-    ) -> Entry:
+    def allocate(self, mm_hash: str, nbytes: int, meta: EntryMeta | None = None) -> Entry:
         """Reserve an entry to fill with ``write`` (or straight through ``views``), then
-        commit. ``spare``: room for that many bytes more past ``nbytes``, for the
-        writer's own use (8 at most are addressable: `Entry.spare_offset`)."""
+        commit."""
         if meta is not None:
             _check_meta(meta, nbytes, mm_hash)
-        return self._table.allocate(mm_hash, nbytes, meta, spare=spare)
-
-    def drop_spare(self, entry: Entry) -> int:
-        """Before the commit: the blocks ``allocate(spare=...)`` added for the writer's
-        own use go back (the entry keeps only what holds its bytes)."""
-        return self._table.drop_spare(entry.mm_hash, expect=entry)
+        return self._table.allocate(mm_hash, nbytes, meta)
 
     def tag_offset(self, entry: Entry) -> int | None:
         """Byte offset in the region of the word holding `entry`'s tag while its blocks

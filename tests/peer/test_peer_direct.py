@@ -525,12 +525,12 @@ def test_direct_read_given_up_over_tcp_is_fenced_until_the_read_ends(
     _thawed_and_whole(producer, cnode, consumer, h, n)
 
 
-def test_producer_frozen_during_the_tag_read_keeps_the_destination_fenced_over_tcp(
+def test_producer_frozen_during_the_tag_read_keeps_its_slot_and_destination_over_tcp(
     spawn_producer: SpawnProducer, make_consumer: MakeConsumer, keyring: Keyring
 ) -> None:
     """The bytes of a direct read of 8 MiB have landed, and the producer process
-    freezes just as the READ of the entry's tag goes out. That READ writes the
-    destination's spare bytes: the fetch gives up, the destination stays held (and
+    freezes just as the READ of the entry's tag goes out. That READ writes a slot of
+    the landing: the fetch gives up, and the slot and the destination stay held (and
     nothing is committed) until the producer thaws and the tag READ has ended.
 
     The freeze is timed by wrapping the consumer's real transport: the test stops
@@ -556,8 +556,9 @@ def test_producer_frozen_during_the_tag_read_keeps_the_destination_fenced_over_t
         assert isinstance(error, FetchFailed), f"{frozen} {sorted(counters.items())}"
         assert frozen == [8]  # the bytes had landed; only the tag READ was to go
         assert counters["direct_reads"] == 1 and counters["tag_reads"] == 1
-        assert counters["reads_fenced"] == 1
-        time.sleep(0.3)  # the tag READ is still in flight: the blocks stay held
+        assert counters["reads_fenced"] == 1 and counters["tag_reads_fenced"] == 1
+        time.sleep(0.3)  # the tag READ is still in flight: the slot and the blocks stay held
+        assert consumer.tag_slots_held() == 1
         assert consumer.fenced_reads()[0] == 1
         assert cnode.store.stats().quarantined == 1
         assert cnode.store.get(h) is None
@@ -567,6 +568,91 @@ def test_producer_frozen_during_the_tag_read_keeps_the_destination_fenced_over_t
             os.kill(producer.process.pid, signal.SIGCONT)
 
     _thawed_and_whole(producer, cnode, consumer, h, n)
+    assert consumer.tag_slots_held() == 0  # the READ ended: its slot is back
+
+
+def test_a_batchs_tags_come_back_in_one_descriptor_and_a_stale_one_is_caught(
+    make_producer: MakeProducer, make_consumer: MakeConsumer, keyring: Keyring
+) -> None:
+    """Entries written one after another have their tags side by side: one fetch of
+    them READs all their tags with one descriptor over the span. Each is checked
+    against its own word of it: the one whose blocks went to another entry falls
+    back to the producer, the others are kept."""
+    pnode, producer = make_producer(keyring.producer_config(), CMA)
+    cnode, consumer = make_consumer(keyring.consumer_config(), CMA)
+    _up(consumer, producer.address)
+    names, n = ["a", "b", "c", "d"], 2 * MiB
+    entries = {h: pnode.store.put(h, expected(h, n)) for h in names}
+    assert _located(consumer, 4)
+    pnode.store.remove("b")
+    assert pnode.store.put("b2", expected("b2", n)).extents == entries["b"].extents  # reused
+    assert _located(consumer, 5)
+    transport = consumer._transport
+    real_read = transport.read
+    posted: list[list[Any]] = []
+
+    def read(peer: str, segments: Any, notify: bytes = b"") -> Any:
+        posted.append(list(segments))
+        return real_read(peer, segments, notify)
+
+    transport.read = read  # type: ignore[method-assign]
+    try:
+        futures = consumer.fetch(names, [producer.address])
+        outcomes = [f.exception(timeout=10) or f.result() for f in futures]
+    finally:
+        transport.read = real_read  # type: ignore[method-assign]
+
+    assert isinstance(outcomes[1], FetchFailed) and outcomes[1].reason is FailureReason.MISSING
+    for h, outcome in zip(names, outcomes, strict=True):
+        if h != "b":
+            assert outcome.attempts == 0, h  # type: ignore[union-attr]
+            np.testing.assert_array_equal(stored_bytes(cnode, h), expected(h, n), err_msg=h)
+    assert cnode.store.get("b") is None
+    # The bytes in one READ, then the four tags in one more, one descriptor long.
+    tag_reads = [segs for segs in posted if sum(s.length for s in segs) < 4096]
+    assert len(tag_reads) == 1 and len(tag_reads[0]) == 1, posted
+    blocks = n // pnode.store.block_size
+    assert tag_reads[0][0].length == 8 * (3 * blocks + 1)  # a's tag to d's
+    counters = consumer.counter_snapshot()
+    assert counters["direct_reads"] == 4 and counters["tag_reads"] == 1
+    assert counters["direct_reads_stale"] == 1 and counters["requests"] == 1
+    assert consumer.tag_slots_held() == 0
+    assert cnode.store.stats().canary_violations == 0
+    cnode.store.check_invariants()
+
+
+def test_a_full_landing_sends_direct_reads_to_the_producer_for_a_grant(
+    make_producer: MakeProducer, make_consumer: MakeConsumer, keyring: Keyring
+) -> None:
+    """Every slot of the landing is held (as by READs of tags that never end): a
+    direct read's bytes land, its tag cannot be read back, and the fetch asks the
+    producer instead; once slots are free again, tags are read as ever."""
+    pnode, producer = make_producer(keyring.producer_config(), CMA)
+    cnode, consumer = make_consumer(keyring.consumer_config(), CMA)
+    _up(consumer, producer.address)
+    n = 2 * MiB
+    pnode.store.put("h", expected("h", n))
+    pnode.store.put("g", expected("g", n))
+    assert _located(consumer, 2)
+    landing = consumer._landing
+    assert landing is not None
+    slots = landing._slots
+    held = slots.allocate(slots.free_blocks)  # the landing's own allocator, emptied
+    assert held is not None
+
+    result = consumer.fetch(["h"], [producer.address])[0].result(timeout=10)
+
+    assert result.attempts == 1  # granted
+    np.testing.assert_array_equal(stored_bytes(cnode, "h"), expected("h", n))
+    counters = consumer.counter_snapshot()
+    assert counters["direct_reads"] == 1 and counters["tag_landing_full"] == 1
+    assert "tag_reads" not in counters
+    slots.free(held)
+    assert consumer.fetch(["g"], [producer.address])[0].result(timeout=10).attempts == 0
+    np.testing.assert_array_equal(stored_bytes(cnode, "g"), expected("g", n))
+    assert consumer.counter_snapshot()["tag_reads"] == 1
+    assert cnode.store.stats().canary_violations == 0
+    cnode.store.check_invariants()
 
 
 # -- the producer's side ---------------------------------------------------------------------

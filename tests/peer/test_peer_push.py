@@ -224,9 +224,9 @@ def test_refused_push_a_fetch_waits_for_makes_it_pull_at_once(
     blocker = [cnode.store.allocate("blocker", 2 << 20)]  # being written: not evictable
     allocate = cnode.store.allocate
 
-    def allocate_then_free_room(mm_hash: str, nbytes: int, meta: Any = None, spare: int = 0) -> Any:
+    def allocate_then_free_room(mm_hash: str, nbytes: int, meta: Any = None) -> Any:
         try:
-            return allocate(mm_hash, nbytes, meta, spare=spare)
+            return allocate(mm_hash, nbytes, meta)
         except StoreFull:
             if mm_hash == h and blocker:  # the offer is refused; the pull will find room
                 cnode.store.abort(blocker.pop())

@@ -441,39 +441,3 @@ def test_tags_mark_an_entrys_blocks_while_they_are_its_own(region: Region) -> No
     assert store.word(offset) == again.tag != first.tag  # ...under a tag never seen before
     # A store without tags has none to tell.
     assert Store(region, BLOCK).tag_offset(again) is None
-
-
-@pytest.mark.parametrize("nbytes", [1, BLOCK - 8, BLOCK - 7, BLOCK, 3 * BLOCK])
-def test_spare_bytes_lie_in_the_entrys_blocks_past_its_bytes(store: Store, nbytes: int) -> None:
-    entry = store.allocate("spare", nbytes, spare=8)
-    assert entry.nblocks == -(-(nbytes + 8) // BLOCK)
-    assert sum(n for _, n in entry.extents) == nbytes  # the spare is no extent of it
-    spare = entry.spare_offset(BLOCK)
-    last = entry.runs[-1]
-    assert last.start * BLOCK <= spare and spare + 8 == last.end * BLOCK
-    assert all(not (o <= spare < o + n) for o, n in entry.extents)
-    data = payload(nbytes, seed=nbytes)
-    store.write(entry, data)
-    store.region.array[spare : spare + 8] = 0xAB  # the writer's own use
-    store.commit(entry)
-    assert np.array_equal(store.read("spare"), data)
-    store.check_invariants()
-
-
-@pytest.mark.parametrize("nbytes", [BLOCK - 8, BLOCK - 7, BLOCK, 3 * BLOCK])
-def test_spare_blocks_go_back_before_the_commit(store: Store, nbytes: int) -> None:
-    free = store.stats().free_blocks
-    entry = store.allocate("spare", nbytes, spare=8)
-    data = payload(nbytes, seed=nbytes)
-    store.write(entry, data)
-    extra = store.drop_spare(entry)
-    store.commit(entry)
-
-    needed = -(-nbytes // BLOCK)
-    assert extra == -(-(nbytes + 8) // BLOCK) - needed  # a block only where it took one
-    assert entry.nblocks == needed and entry.spare == 0
-    assert store.stats().free_blocks == free - needed
-    assert np.array_equal(store.read("spare"), data)
-    store.check_invariants()
-    with pytest.raises(IllegalTransition):
-        store.drop_spare(entry)  # READY: too late
