@@ -107,7 +107,9 @@ def test_pushed_item_is_local_before_the_fetch_and_counts_as_pushed(
     result = consumer.fetch([FetchItem(h, pushed=True)], [producer.address])[0].result(timeout=5)
     assert result.pushed and result.peer == "local" and result.nbytes == n
     np.testing.assert_array_equal(stored_bytes(cnode, h), expected(h, n))
-    assert consumer.exposed_histograms()["pushed"].counts[0] >= 1  # under 0.1 ms
+    # Counted as pushed. It was local already, so it exposed only the call itself;
+    # no bound is asserted on that here (timing targets belong in benchmarks).
+    assert sum(consumer.exposed_histograms()["pushed"].counts) == 1
     assert sum(consumer.exposed_histograms()["pulled"].counts) == 0
     assert consumer.counters["requests"] == 0  # nothing was pulled
     # The source went back once the write had ended; nothing is left pinned anywhere.
