@@ -42,9 +42,9 @@ bytes read before it were the entry's; this needs no pass over the bytes. A
 mismatch (the entry was evicted and its blocks reused) or a failed READ falls
 back to a granted read from the same producer. The destination follows the
 same rule as any read's: fenced if given up, back only once the READs have
-ended; so do the landing's slots. This bends the lease rule above on purpose: a direct read may run
-outside any lease, and it is the digest or the tag, not the lease, that decides
-what is committed.
+ended; so do the landing's slots. This bends the lease rule above on purpose: a
+direct read may run outside any lease, and it is the digest or the tag, not the
+lease, that decides what is committed.
 
 Push (with `push_name` set, docs/PUSH.md): producers this consumer allows may
 offer entries on their sessions; the `Inbox` reserves blocks and commits what
