@@ -75,7 +75,7 @@ from ecshare.config import Config
 from ecshare.control import AuthenticationFailed, ClientPool, KeyPair, LinkSettings, Waker
 from ecshare.peer.dataplane import announced
 from ecshare.peer.inbox import Inbox, PushLink, Reservation
-from ecshare.peer.landing import TagLanding, TagRead
+from ecshare.peer.landing import TAGS_PER_READ, TagLanding, TagRead
 from ecshare.peer.link import PeerLink, PeerLinkState
 from ecshare.peer.locator import DIGEST_MAX
 from ecshare.peer.notices import Notices
@@ -1066,27 +1066,34 @@ class Consumer(NetworkThread):
 
     def _read_tags(self) -> None:
         """The bytes of these direct reads have landed: READ their entries' tags back,
-        one READ per producer, into the landing's slots (`ecshare.peer.landing`)."""
+        one READ per producer (per `TAGS_PER_READ` of them), into the landing's slots
+        (`ecshare.peer.landing`)."""
         due, self._tags_due = self._tags_due, []
         assert self._landing is not None  # no tag is asked for without one
         by_link: dict[str, tuple[PeerLink, list[Transfer]]] = {}
         for link, t in due:
             if t.state is TransferState.READING and t.read_handle is None and t.dest is not None:
                 by_link.setdefault(link.endpoint, (link, []))[1].append(t)
-        for link, batch in by_link.values():
-            landing = self._landing.take([t.tag_offset for t in batch])
-            if landing is None:  # every slot is held by READs still moving
-                for t in batch:
-                    self._drop_dest(t)
-                    self._direct_missed(t, "tag_landing_full")
-                continue
-            for t, slot in zip(batch, landing.slots, strict=True):
-                t.tag_slot = slot
-                t.tag_read = True
-            reads = [(batch[0], landing.segments)] + [(t, []) for t in batch[1:]]
-            shared = self._share_read(link, reads, landing)
-            self._count("tag_reads")
-            self._poll_shared(reads, shared)
+        for link, all_due in by_link.values():
+            for i in range(0, len(all_due), TAGS_PER_READ):
+                self._read_tags_of(link, all_due[i : i + TAGS_PER_READ])
+
+    def _read_tags_of(self, link: PeerLink, batch: list[Transfer]) -> None:
+        """One READ of the tags of `batch` (at most `TAGS_PER_READ`) from `link`."""
+        assert self._landing is not None
+        landing = self._landing.take([t.tag_offset for t in batch])
+        if landing is None:  # every slot is held by READs still moving
+            for t in batch:
+                self._drop_dest(t)
+                self._direct_missed(t, "tag_landing_full")
+            return
+        for t, slot in zip(batch, landing.slots, strict=True):
+            t.tag_slot = slot
+            t.tag_read = True
+        reads = [(batch[0], landing.segments)] + [(t, []) for t in batch[1:]]
+        shared = self._share_read(link, reads, landing)
+        self._count("tag_reads")
+        self._poll_shared(reads, shared)
 
     def _intact(self, t: Transfer, landed: int) -> bool:
         """The bytes of a direct read are the entry's: its tag was still in place after

@@ -6,12 +6,14 @@ slots in its own region, past its store's tags (`Store.landing`), which no
 entry ever takes. A destination thus needs no room past its bytes, and an entry
 of whole blocks takes no extra block (nor gives one back before its commit).
 
-One READ brings back the tags of all the direct reads of a pass from one
-producer. Entries written one after another lie one after another, and so do
-their tags in the producer's tag array: where the tags lie close together, the
-READ is a single descriptor over their span, into as many consecutive slots;
-otherwise it is one descriptor per tag. A few words of other entries' tags read
-along with them are never looked at.
+One READ brings back the tags of the direct reads of a pass from one producer,
+up to `TAGS_PER_READ` of them (a pass with more makes more READs, so that no
+one READ needs more of the landing than a share of it). Entries written one
+after another lie one after another, and so do their tags in the producer's tag
+array: where the tags lie close together, the READ is a single descriptor over
+their span, into as many consecutive slots; otherwise it is one descriptor per
+tag. A few words of other entries' tags read along with them are never looked
+at.
 
 Slots are taken when the READ is posted and go back once the transport says it
 has ended. A READ given up while it may still write (a producer frozen over TCP)
@@ -30,12 +32,15 @@ from dataclasses import dataclass
 from ecshare.store import BlockAllocator, Run, Store
 from ecshare.transport.base import Segment
 
-__all__ = ["SPAN_MAX_BYTES", "SPAN_WORDS_PER_TAG", "TagLanding", "TagRead"]
+__all__ = ["SPAN_MAX_BYTES", "SPAN_WORDS_PER_TAG", "TAGS_PER_READ", "TagLanding", "TagRead"]
 
 # A batch's tags are read as one span when it is at most a page, or at most this
-# many words per tag (the rest of it: tags of entries between theirs).
+# many words per tag (the rest of it: tags of entries between theirs) and at most
+# a quarter of the landing.
 SPAN_MAX_BYTES = 4096
 SPAN_WORDS_PER_TAG = 8
+# The most tags one READ brings back (`take` is asked for at most this many).
+TAGS_PER_READ = 256
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,7 @@ class TagLanding:
         self._store = store
         self._base, nbytes = landing
         self._slots = BlockAllocator(nbytes // 8)
+        self._span_max = nbytes // 4
 
     @property
     def held(self) -> int:
@@ -67,11 +73,13 @@ class TagLanding:
         """Slots for the tag words at `offsets` (byte offsets in the producer's region,
         multiples of 8) and the segments that READ them there; None while too few
         slots are free."""
-        if not offsets:
-            raise ValueError("no tags to read")
+        if not 0 < len(offsets) <= TAGS_PER_READ:
+            raise ValueError(f"{len(offsets)} tags to read: 1 to {TAGS_PER_READ} at a time")
         lo = min(offsets)
         span = max(offsets) + 8 - lo
-        if span <= SPAN_MAX_BYTES or span <= SPAN_WORDS_PER_TAG * 8 * len(offsets):
+        if span <= SPAN_MAX_BYTES or (
+            span <= SPAN_WORDS_PER_TAG * 8 * len(offsets) and span <= self._span_max
+        ):
             runs = self._slots.allocate(span // 8)
             if runs is not None and len(runs) == 1:
                 at = self._base + 8 * runs[0].start

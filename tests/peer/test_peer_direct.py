@@ -621,6 +621,35 @@ def test_a_batchs_tags_come_back_in_one_descriptor_and_a_stale_one_is_caught(
     cnode.store.check_invariants()
 
 
+def test_more_tags_in_a_pass_than_one_read_takes_come_back_in_several_reads(
+    make_producer: MakeProducer,
+    make_consumer: MakeConsumer,
+    keyring: Keyring,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """More located entries in one fetch than one READ of tags takes (here 2, for
+    the test): their tags come back in as many READs as it takes, each checked
+    against its own entry's, and every entry lands whole."""
+    monkeypatch.setattr("ecshare.peer.consumer.TAGS_PER_READ", 2)
+    pnode, producer = make_producer(keyring.producer_config(), CMA)
+    cnode, consumer = make_consumer(keyring.consumer_config(), CMA)
+    _up(consumer, producer.address)
+    names, n = [f"t{i}" for i in range(5)], MiB + 8
+    for h in names:
+        pnode.store.put(h, expected(h, n))
+    assert _located(consumer, len(names))
+
+    results = [f.result(timeout=10) for f in consumer.fetch(names, [producer.address])]
+
+    assert [r.attempts for r in results] == [0] * len(names)
+    for h in names:
+        np.testing.assert_array_equal(stored_bytes(cnode, h), expected(h, n), err_msg=h)
+    counters = consumer.counter_snapshot()
+    assert counters["direct_reads"] == len(names) and counters["tag_reads"] == 3
+    assert "direct_reads_stale" not in counters and consumer.tag_slots_held() == 0
+    cnode.store.check_invariants()
+
+
 def test_a_full_landing_sends_direct_reads_to_the_producer_for_a_grant(
     make_producer: MakeProducer, make_consumer: MakeConsumer, keyring: Keyring
 ) -> None:

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from ecshare.peer.landing import SPAN_MAX_BYTES, TagLanding
+from ecshare.peer.landing import SPAN_MAX_BYTES, TAGS_PER_READ, TagLanding
 from ecshare.store import LANDING_BYTES, Store
 from ecshare.store.region import Region
 
@@ -111,6 +111,18 @@ def test_a_span_with_no_free_stretch_that_long_falls_back_to_a_slot_per_tag(stor
     assert SLOTS - landing.held == free_before - 3  # the span's failed try gave its slots back
 
 
-def test_no_tags_is_a_caller_error(store: Store) -> None:
-    with pytest.raises(ValueError, match="no tags"):
-        TagLanding(store).take([])
+def test_a_span_never_takes_more_than_a_quarter_of_the_landing(store: Store) -> None:
+    landing = TagLanding(store)
+    # 8 words a tag at most, but 256 tags so spread would take the whole landing.
+    offsets = [8 * 8 * i for i in range(TAGS_PER_READ)]
+
+    read = landing.take(offsets)
+
+    assert read is not None and len(read.segments) == TAGS_PER_READ  # a slot each
+    assert landing.held == TAGS_PER_READ
+
+
+@pytest.mark.parametrize("count", [0, TAGS_PER_READ + 1])
+def test_no_tags_or_too_many_for_one_read_is_a_caller_error(store: Store, count: int) -> None:
+    with pytest.raises(ValueError, match=f"1 to {TAGS_PER_READ}"):
+        TagLanding(store).take([8 * i for i in range(count)])
