@@ -137,3 +137,28 @@ def test_a_taken_port_is_a_clear_error(rig: Rig, workers: str) -> None:
     assert done.returncode == 1
     assert f"cannot listen on 127.0.0.1:{port}" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_values_file_another_worker_has_not_yet_sized_is_left_out(tmp_path: Path) -> None:
+    """A worker reads the shared metrics directory (its registry does, as it starts;
+    `/metrics` does) while another has just created its values file, still 0 bytes:
+    that file holds no sample yet and is left out. prometheus_client's own collector
+    fails on it, which made a worker exit at its start in a clean-clone run."""
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.mmap_dict import MmapedDict, mmap_key
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    from ecshare.apps.proxy.metrics import _SharedCollector
+
+    written = MmapedDict(str(tmp_path / "counter_101.db"))
+    key = mmap_key("ecshare_proxy_requests", "ecshare_proxy_requests_total", [], [], "h")
+    written.write_value(key, 3.0, 0.0)
+    written.close()
+    (tmp_path / "counter_102.db").touch()  # being created by another worker
+
+    with pytest.raises(Exception, match="unpack"):
+        MultiProcessCollector(CollectorRegistry(auto_describe=True), path=str(tmp_path))
+    registry = CollectorRegistry(auto_describe=True)
+    _SharedCollector(registry, path=str(tmp_path))  # reads the directory to register
+
+    assert registry.get_sample_value("ecshare_proxy_requests_total") == 3.0

@@ -9,11 +9,18 @@ directory), and a worker's `/metrics` reads the files of all of them: the totals
 whole proxy, whichever worker the scrape reaches. Gauges say how they combine: requests in
 flight are summed over the live workers; a backend is up only while every live worker has
 it in rotation; `worker_up` has one sample per live worker, labelled with its pid.
+
+A worker reads the directory while others write it, and one of them may just have
+created a file and not yet sized it: `_SharedCollector` leaves such a file out (it holds
+no sample yet), where prometheus_client's own collector fails on it (a worker whose
+registry first read the directory then exited at its start).
 """
 
 from __future__ import annotations
 
+import glob
 import os
+from collections.abc import Iterable
 from typing import Any
 
 from prometheus_client import (
@@ -28,6 +35,9 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
+# A values file's first 8 bytes say how much of it is used: one shorter holds nothing yet.
+_HEADER_BYTES = 8
+
 PREFIX = "ecshare_proxy_"
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
@@ -38,6 +48,21 @@ UPSTREAM_REASONS = ("unreachable", "timeout", "error", "status", "no_backend", "
 # What prefill/decode got of a request's media: none of it, the media as sent, or the media
 # after the media-free attempt failed.
 PD_MEDIA_OUTCOMES = ("omitted", "kept", "retried")
+
+
+class _SharedCollector(MultiProcessCollector):
+    """Every worker's values files, as prometheus_client reads them, less those not yet
+    sized by the worker that is creating them, and those gone since the listing."""
+
+    def collect(self) -> Iterable[Any]:
+        files = []
+        for path in glob.glob(os.path.join(self._path, "*.db")):
+            try:
+                if os.path.getsize(path) >= _HEADER_BYTES:
+                    files.append(path)
+            except FileNotFoundError:
+                continue  # a dead worker's live gauges, removed (mark_process_dead)
+        return self.merge(files, accumulate=True)
 
 
 class ProxyMetrics:
@@ -52,7 +77,7 @@ class ProxyMetrics:
         # Shared: the metrics write their files and the registry reads every worker's.
         r = None if self.multiprocess else self.registry
         if shared_dir:
-            MultiProcessCollector(self.registry, path=shared_dir)
+            _SharedCollector(self.registry, path=shared_dir)
         self.requests = Counter(
             PREFIX + "requests",
             "Requests answered, by endpoint and status code.",
