@@ -42,9 +42,10 @@ bytes read before it were the entry's; this needs no pass over the bytes. A
 mismatch (the entry was evicted and its blocks reused) or a failed READ falls
 back to a granted read from the same producer. The destination follows the
 same rule as any read's: fenced if given up, back only once the READs have
-ended; so do the landing's slots. This bends the lease rule above on purpose: a
-direct read may run outside any lease, and it is the digest or the tag, not the
-lease, that decides what is committed.
+ended; so do the landing's slots (a destination whose bytes have landed goes
+back at once, while only its tag's READ moves). This bends the lease rule above
+on purpose: a direct read may run outside any lease, and it is the digest or the
+tag, not the lease, that decides what is committed.
 
 Push (with `push_name` set, docs/PUSH.md): producers this consumer allows may
 offer entries on their sessions; the `Inbox` reserves blocks and commits what
@@ -1561,6 +1562,12 @@ class Consumer(NetworkThread):
         if dest is None:
             return
         if handle is None:
+            self._store.abort(dest)
+            return
+        if t.tag_read:
+            # Only the READ of its tag moves, and it writes the landing, whose slots
+            # wait for it (`_release_handle`); the bytes' READ has ended: the blocks go.
+            self._release_handle(handle)
             self._store.abort(dest)
             return
         link = self._links.get(t.peer or "")
