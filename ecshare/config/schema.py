@@ -45,7 +45,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
             le=TiB,
             description="Size of this instance's shared-memory region, which caches encoder "
             "outputs. The region also holds one 8-byte tag per block past that (0.012% more "
-            "with 64 KiB blocks), which direct reads check, and 16 KiB where the tags this "
+            "with 64 KiB blocks), which direct reads check, and 64 KiB where the tags this "
             "instance reads back from producers land.",
         ),
     ] = GiB

@@ -522,8 +522,9 @@ class Consumer(NetworkThread):
             return 0, 0.0
         return len(fenced), time.monotonic() - min(f.since for f in fenced)
 
-    def tag_slots_held(self) -> int:
-        """Slots of the landing held by READs of tags not yet ended (`ecshare.peer.landing`)."""
+    def tag_reads_held(self) -> int:
+        """READs of tags holding a chunk of the landing: not yet ended, or not yet seen
+        to (`ecshare.peer.landing`)."""
         return self._landing.held if self._landing is not None else 0
 
     def latency_histogram(self) -> LatencyHistogram:
@@ -1083,7 +1084,7 @@ class Consumer(NetworkThread):
         """One READ of the tags of `batch` (at most `TAGS_PER_READ`) from `link`."""
         assert self._landing is not None
         landing = self._landing.take([t.tag_offset for t in batch])
-        if landing is None:  # every slot is held by READs still moving
+        if landing is None:  # every chunk is held by READs still moving
             for t in batch:
                 self._drop_dest(t)
                 self._direct_missed(t, "tag_landing_full")

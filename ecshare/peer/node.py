@@ -127,7 +127,7 @@ class Node:
         a peer whose data plane differs."""
         # Past the blocks, a word per block for the entries' tags (direct reads check
         # them): 0.012% of the region with 64 KiB blocks; then the landing for the
-        # tags this node reads back from producers (16 KiB).
+        # tags this node reads back from producers (64 KiB).
         tail = tail_bytes(config.region_bytes // config.block_bytes)
         region = Region.create(
             config.region_bytes + tail, name=f"ecshare-{role}", prefault=config.prefault

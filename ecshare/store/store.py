@@ -68,7 +68,7 @@ Bytes = npt.NDArray[np.uint8]
 
 # Past the tags of a store with tags: 8-byte slots where a consumer's direct reads
 # land the tags they read back from producers (`ecshare.peer.landing`).
-LANDING_BYTES = 16 * 1024
+LANDING_BYTES = 64 * 1024
 
 
 def tag_bytes(capacity_blocks: int) -> int:

@@ -491,7 +491,7 @@ def _thawed_and_whole(
     worth) and slots are back, nothing was written into freed blocks, and the
     producer serves `h` again, byte-exact."""
     assert wait_until(lambda: cnode.store.stats().quarantined == 0, 15.0)
-    assert wait_until(lambda: consumer.tag_slots_held() == 0, 15.0)
+    assert wait_until(lambda: consumer.tag_reads_held() == 0, 15.0)
     counters = consumer.counter_snapshot()
     assert counters.get("fenced_reads_ended", 0) == fenced and consumer.fenced_reads()[0] == 0
     assert cnode.store.stats().canary_violations == 0
@@ -562,7 +562,7 @@ def test_producer_frozen_during_the_tag_read_keeps_its_slot_held_over_tcp(
         assert counters["direct_reads"] == 1 and counters["tag_reads"] == 1
         assert "reads_fenced" not in counters and counters["tag_reads_fenced"] == 1
         time.sleep(0.3)  # the tag READ is still in flight: its slot stays held
-        assert consumer.tag_slots_held() == 1
+        assert consumer.tag_reads_held() == 1
         assert consumer.fenced_reads()[0] == 0
         assert cnode.store.stats().quarantined == 0  # the blocks are back already
         assert cnode.store.get(h) is None
@@ -619,7 +619,7 @@ def test_a_batchs_tags_come_back_in_one_descriptor_and_a_stale_one_is_caught(
     counters = consumer.counter_snapshot()
     assert counters["direct_reads"] == 4 and counters["tag_reads"] == 1
     assert counters["direct_reads_stale"] == 1 and counters["requests"] == 1
-    assert consumer.tag_slots_held() == 0
+    assert consumer.tag_reads_held() == 0
     assert cnode.store.stats().canary_violations == 0
     cnode.store.check_invariants()
 
@@ -649,16 +649,16 @@ def test_more_tags_in_a_pass_than_one_read_takes_come_back_in_several_reads(
         np.testing.assert_array_equal(stored_bytes(cnode, h), expected(h, n), err_msg=h)
     counters = consumer.counter_snapshot()
     assert counters["direct_reads"] == len(names) and counters["tag_reads"] == 3
-    assert "direct_reads_stale" not in counters and consumer.tag_slots_held() == 0
+    assert "direct_reads_stale" not in counters and consumer.tag_reads_held() == 0
     cnode.store.check_invariants()
 
 
 def test_a_full_landing_sends_direct_reads_to_the_producer_for_a_grant(
     make_producer: MakeProducer, make_consumer: MakeConsumer, keyring: Keyring
 ) -> None:
-    """Every slot of the landing is held (as by READs of tags that never end): a
+    """Every chunk of the landing is held (as by READs of tags that never end): a
     direct read's bytes land, its tag cannot be read back, and the fetch asks the
-    producer instead; once slots are free again, tags are read as ever."""
+    producer instead; once chunks are free again, tags are read as ever."""
     pnode, producer = make_producer(keyring.producer_config(), CMA)
     cnode, consumer = make_consumer(keyring.consumer_config(), CMA)
     _up(consumer, producer.address)
@@ -668,9 +668,10 @@ def test_a_full_landing_sends_direct_reads_to_the_producer_for_a_grant(
     assert _located(consumer, 2)
     landing = consumer._landing
     assert landing is not None
-    slots = landing._slots
-    held = slots.allocate(slots.free_blocks)  # the landing's own allocator, emptied
-    assert held is not None
+    # Every chunk taken, as by READs of tags that never end (the consumer's thread
+    # sleeps meanwhile: nothing else takes or gives back).
+    held = [landing.take([0]) for _ in range(landing.chunks)]
+    assert landing.take([0]) is None and consumer.tag_reads_held() == landing.chunks
 
     result = consumer.fetch(["h"], [producer.address])[0].result(timeout=10)
 
@@ -679,7 +680,9 @@ def test_a_full_landing_sends_direct_reads_to_the_producer_for_a_grant(
     counters = consumer.counter_snapshot()
     assert counters["direct_reads"] == 1 and counters["tag_landing_full"] == 1
     assert "tag_reads" not in counters
-    slots.free(held)
+    for read in held:
+        assert read is not None
+        landing.give_back(read)
     assert consumer.fetch(["g"], [producer.address])[0].result(timeout=10).attempts == 0
     np.testing.assert_array_equal(stored_bytes(cnode, "g"), expected("g", n))
     assert consumer.counter_snapshot()["tag_reads"] == 1

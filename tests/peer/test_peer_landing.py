@@ -10,12 +10,12 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from ecshare.peer.landing import SPAN_MAX_BYTES, TAGS_PER_READ, TagLanding
+from ecshare.peer.landing import CHUNK_BYTES, TAGS_PER_READ, TagLanding
 from ecshare.store import LANDING_BYTES, Store
 from ecshare.store.region import Region
 
 BLOCK = 64 << 10
-SLOTS = LANDING_BYTES // 8
+CHUNKS = LANDING_BYTES // CHUNK_BYTES
 
 
 @pytest.fixture
@@ -24,10 +24,14 @@ def store() -> Iterator[Store]:
         yield Store(region, BLOCK, tags=True)
 
 
-def _inside_landing(store: Store, offset: int, length: int) -> bool:
+def _chunk_of(store: Store, offset: int, length: int) -> int:
+    """Which chunk of the landing `offset`..`offset + length` lies in (all of it)."""
     assert store.landing is not None
     base, nbytes = store.landing
-    return base <= offset and offset + length <= base + nbytes
+    assert base <= offset and offset + length <= base + nbytes
+    chunk = (offset - base) // CHUNK_BYTES
+    assert (offset + length - 1 - base) // CHUNK_BYTES == chunk
+    return chunk
 
 
 def test_the_landing_lies_past_the_blocks_and_tags_and_no_entry_takes_it(store: Store) -> None:
@@ -49,26 +53,28 @@ def test_the_landing_lies_past_the_blocks_and_tags_and_no_entry_takes_it(store: 
         TagLanding(bare)
 
 
-def test_tags_that_lie_close_are_read_as_one_span_into_consecutive_slots(store: Store) -> None:
+def test_tags_within_a_page_are_read_as_one_span_into_one_chunk(store: Store) -> None:
     landing = TagLanding(store)
-    offsets = [4096 + 8 * 32, 4096, 4096 + 8 * 16]  # three entries of 32 blocks... in any order
+    offsets = [4096 + 8 * 32, 4096, 4096 + 8 * 16]  # three entries of 32 blocks, any order
 
     read = landing.take(offsets)
 
     assert read is not None
     [segment] = read.segments
     assert (segment.remote_offset, segment.length) == (4096, 8 * 33)
-    assert _inside_landing(store, segment.local_offset, segment.length)
+    chunk = _chunk_of(store, segment.local_offset, segment.length)
     # Each tag lands where its word lies in the span, in the order asked.
     assert [s - segment.local_offset for s in read.slots] == [8 * 32, 0, 8 * 16]
-    assert landing.held == 33
+    assert landing.held == 1
     landing.give_back(read)
     assert landing.held == 0
+    again = landing.take([0])
+    assert again is not None and _chunk_of(store, again.slots[0], 8) == chunk  # reused
 
 
 def test_tags_far_apart_get_a_descriptor_and_a_slot_each(store: Store) -> None:
     landing = TagLanding(store)
-    offsets = [0, 10 * SPAN_MAX_BYTES, 20 * SPAN_MAX_BYTES]
+    offsets = [0, 10 * CHUNK_BYTES, 20 * CHUNK_BYTES]
 
     read = landing.take(offsets)
 
@@ -76,16 +82,28 @@ def test_tags_far_apart_get_a_descriptor_and_a_slot_each(store: Store) -> None:
     assert [(s.remote_offset, s.length) for s in read.segments] == [(o, 8) for o in offsets]
     assert [s.local_offset for s in read.segments] == read.slots
     assert len(set(read.slots)) == 3
-    assert all(_inside_landing(store, s, 8) for s in read.slots)
-    assert landing.held == 3
+    assert len({_chunk_of(store, s, 8) for s in read.slots}) == 1
+    assert landing.held == 1
 
 
-def test_a_full_landing_answers_none_until_slots_come_back(store: Store) -> None:
+def test_the_most_tags_one_read_takes_fit_its_chunk_either_way(store: Store) -> None:
     landing = TagLanding(store)
-    reads = [landing.take([8 * i]) for i in range(SLOTS)]
-    assert all(r is not None for r in reads) and landing.held == SLOTS
-    # Every slot is written by some READ: a new one must not share any.
-    assert len({r.slots[0] for r in reads if r is not None}) == SLOTS
+    close = landing.take([8 * i for i in range(TAGS_PER_READ)])
+    spread = landing.take([CHUNK_BYTES * i for i in range(TAGS_PER_READ)])
+
+    assert close is not None and spread is not None
+    assert len(close.segments) == 1 and len(spread.segments) == TAGS_PER_READ
+    chunks = {_chunk_of(store, s.local_offset, s.length) for s in close.segments}
+    chunks |= {_chunk_of(store, s.local_offset, s.length) for s in spread.segments}
+    assert len(chunks) == 2  # one each, apart
+
+
+def test_a_full_landing_answers_none_until_a_chunk_comes_back(store: Store) -> None:
+    landing = TagLanding(store)
+    reads = [landing.take([8 * i]) for i in range(CHUNKS)]
+    assert all(r is not None for r in reads) and landing.held == CHUNKS
+    # Every chunk is written by some READ: a new one must not share any.
+    assert len({_chunk_of(store, r.slots[0], 8) for r in reads if r is not None}) == CHUNKS
 
     assert landing.take([0]) is None
 
@@ -93,33 +111,9 @@ def test_a_full_landing_answers_none_until_slots_come_back(store: Store) -> None
     assert first is not None
     landing.give_back(first)
     again = landing.take([64])
-    assert again is not None and again.slots == first.slots
-
-
-def test_a_span_with_no_free_stretch_that_long_falls_back_to_a_slot_per_tag(store: Store) -> None:
-    landing = TagLanding(store)
-    held = [landing.take([8 * i]) for i in range(SLOTS)]
-    for r in held[::2]:  # every other slot free: no two in a row
-        assert r is not None
-        landing.give_back(r)
-    free_before = SLOTS - landing.held
-
-    read = landing.take([0, 8, 16])
-
-    assert read is not None
-    assert [(s.remote_offset, s.length) for s in read.segments] == [(0, 8), (8, 8), (16, 8)]
-    assert SLOTS - landing.held == free_before - 3  # the span's failed try gave its slots back
-
-
-def test_a_span_never_takes_more_than_a_quarter_of_the_landing(store: Store) -> None:
-    landing = TagLanding(store)
-    # 8 words a tag at most, but 256 tags so spread would take the whole landing.
-    offsets = [8 * 8 * i for i in range(TAGS_PER_READ)]
-
-    read = landing.take(offsets)
-
-    assert read is not None and len(read.segments) == TAGS_PER_READ  # a slot each
-    assert landing.held == TAGS_PER_READ
+    assert again is not None and again.chunk == first.chunk
+    with pytest.raises(ValueError, match="twice"):
+        landing.give_back(first)  # its chunk is another READ's now
 
 
 @pytest.mark.parametrize("count", [0, TAGS_PER_READ + 1])
