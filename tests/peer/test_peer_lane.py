@@ -43,7 +43,11 @@ def cut_lanes(port: int) -> int:
         except OSError:
             continue
         try:
-            if sock.type == socket.SOCK_STREAM and sock.getsockname()[1] == port:
+            if (
+                sock.family in (socket.AF_INET, socket.AF_INET6)  # not a Unix socket: no port
+                and sock.type == socket.SOCK_STREAM
+                and sock.getsockname()[1] == port
+            ):
                 sock.getpeername()  # the listener has none: skipped
                 sock.shutdown(socket.SHUT_RDWR)
                 cut += 1

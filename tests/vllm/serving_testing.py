@@ -44,6 +44,36 @@ def wait_metric(
         time.sleep(0.1)
 
 
+def wait_metrics(
+    server: VllmServer, at_least: dict[str, float], timeout_s: float = 15.0
+) -> dict[str, float]:
+    """As `wait_metric`, until every key of `at_least` has reached its value. vLLM's
+    frontend moves one counter after another, and a scrape may fall between them
+    (items counted, their bytes not yet): wait for each counter a check reads."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        metrics = server.metrics()
+        reached = all(metrics.get(k, 0.0) >= v for k, v in at_least.items())
+        if reached or time.monotonic() > deadline:
+            return metrics
+        time.sleep(0.1)
+
+
+def settled_metrics(
+    server: VllmServer, quiet_s: float = 0.3, timeout_s: float = 10.0
+) -> dict[str, float]:
+    """The server's metrics once two scrapes `quiet_s` apart agree: what an earlier
+    request left moving (a save reported a step later, say) is counted by then."""
+    deadline = time.monotonic() + timeout_s
+    metrics = server.metrics()
+    while True:
+        time.sleep(quiet_s)
+        again = server.metrics()
+        if again == metrics or time.monotonic() > deadline:
+            return again
+        metrics = again
+
+
 def delta(after: dict[str, float], before: dict[str, float], key: str) -> float:
     return after.get(key, 0.0) - before.get(key, 0.0)
 

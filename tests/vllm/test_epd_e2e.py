@@ -59,11 +59,13 @@ from early_start import EarlyStart, Starting
 from serving_testing import (
     delta,
     fresh_images,
+    settled_metrics,
     single_instance_tokens,
     start_proxy,
     token_ids,
     wait_all_ready,
     wait_metric,
+    wait_metrics,
 )
 
 from ecshare.apps.proxy.fanout import encoder_request, media_parts
@@ -260,19 +262,29 @@ def test_prefill_decode_takes_every_item_from_the_encoder_and_answers_as_a_singl
 ) -> None:
     body = chat_request(fresh_images(*sizes), text="Compare the images.")
     items = len(sizes)
-    pd_before = epd.prefill_decode.metrics()
-    enc_before = epd.encoder.metrics()
+    nbytes = sum(ITEM_BYTES * w * h // (112 * 84) for w, h in sizes)  # tokens go by area
+    pd_before = settled_metrics(epd.prefill_decode)
+    enc_before = settled_metrics(epd.encoder)
     proxy_before = proxy_counts(epd.proxies[media])
 
     answer = post_chat(epd.proxies[media], body)
 
-    pd = wait_metric(
-        epd.prefill_decode, "loaded_items_total", pd_before["loaded_items_total"] + items
+    pd = wait_metrics(
+        epd.prefill_decode,
+        {
+            "loaded_items_total": pd_before["loaded_items_total"] + items,
+            "fetched_bytes_total": pd_before["fetched_bytes_total"] + nbytes,
+        },
     )
-    enc = wait_metric(epd.encoder, "saved_items_total", enc_before["saved_items_total"] + items)
+    enc = wait_metrics(
+        epd.encoder,
+        {
+            "saved_items_total": enc_before["saved_items_total"] + items,
+            "saved_bytes_total": enc_before["saved_bytes_total"] + nbytes,
+        },
+    )
     stored = delta(enc, enc_before, "saved_bytes_total")
-    if items == 1:
-        assert stored == ITEM_BYTES
+    assert stored == nbytes
     # The bytes the encoder stored are the bytes read over NIXL, and the engine took each
     # item from the region: nothing was encoded on this side.
     assert delta(pd, pd_before, "fetched_bytes_total") == stored
