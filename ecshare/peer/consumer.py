@@ -65,9 +65,10 @@ import math
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import TypeVar
 
 import zmq
 
@@ -115,6 +116,8 @@ from ecshare.transport.base import (
 )
 
 log = logging.getLogger(__name__)
+
+_Held = TypeVar("_Held")  # what a READ still moving keeps from reuse
 
 # The loop never sleeps longer than this, so stop() and new work are prompt
 # even if a wake-up were lost.
@@ -1619,20 +1622,27 @@ class Consumer(NetworkThread):
         self._warming.append((handle, dest))
         self._count("warm_ups")
 
-    def _poll_warming(self) -> None:
+    def _still_moving(
+        self, held: list[tuple[object, _Held]], on_end: Callable[[_Held], None]
+    ) -> list[tuple[object, _Held]]:
+        """Those of `held` whose READ the transport has not ended; `on_end` for each of
+        the others (what it held may be used again)."""
         keep = []
-        for handle, dest in self._warming:
+        for handle, thing in held:
             if self._transport.poll(handle).state is ReadState.PENDING:
-                keep.append((handle, dest))
+                keep.append((handle, thing))
             else:
-                self._store.release_quarantined(dest)
-        self._warming = keep
+                on_end(thing)
+        return keep
 
     def _poll_fenced(self) -> None:
         if self._warming:
-            self._poll_warming()
+            self._warming = self._still_moving(self._warming, self._store.release_quarantined)
         if self._landings_fenced:
-            self._poll_landings()
+            assert self._landing is not None
+            self._landings_fenced = self._still_moving(
+                self._landings_fenced, self._landing.give_back
+            )
         if not self._fenced:
             return
         keep = []
@@ -1646,16 +1656,6 @@ class Consumer(NetworkThread):
             if link is not None and link.session_id == f.session_id:
                 link.release([f.grant_id])  # its pin can go before the lease ends
         self._fenced = keep
-
-    def _poll_landings(self) -> None:
-        assert self._landing is not None
-        keep = []
-        for handle, landing in self._landings_fenced:
-            if self._transport.poll(handle).state is ReadState.PENDING:
-                keep.append((handle, landing))
-            else:
-                self._landing.give_back(landing)
-        self._landings_fenced = keep
 
     # -- dispatch and expiry -----------------------------------------------------------------
 
