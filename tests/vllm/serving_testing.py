@@ -36,12 +36,7 @@ def wait_metric(
     vLLM's frontend records a step's stats while it streams the step's
     outputs, so a response can arrive a moment before its counters move.
     """
-    deadline = time.monotonic() + timeout_s
-    while True:
-        metrics = server.metrics()
-        if metrics.get(key, 0.0) >= at_least or time.monotonic() > deadline:
-            return metrics
-        time.sleep(0.1)
+    return wait_metrics(server, {key: at_least}, timeout_s)
 
 
 def wait_metrics(
