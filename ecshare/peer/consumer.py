@@ -991,12 +991,12 @@ class Consumer(NetworkThread):
         region_size = link.region_size
         for where in msg.entries:
             tag_ok = where.tag_offset % 8 == 0 and where.tag_offset + 8 <= region_size
-            by_tag = where.tag and self._landing is not None
+            tag_checkable = where.tag and self._landing is not None
             if (
                 sum(e.length for e in where.extents) != where.nbytes
                 or any(e.length <= 0 or e.offset + e.length > region_size for e in where.extents)
                 or (where.tag and not tag_ok)
-                or (not by_tag and where.checksum is None)  # nothing to check it by
+                or (not tag_checkable and where.checksum is None)  # nothing to check it by
             ):
                 self._count("bad_locations")
                 continue
@@ -1063,7 +1063,7 @@ class Consumer(NetworkThread):
                 if self.phases is not None:
                     self.phases.mark(t.mm_hash, "granted")
                 self._describe(t, where)
-                if where.tag and self._landing and (by_tag or where.checksum is None):
+                if where.tag and self._landing is not None and (by_tag or where.checksum is None):
                     t.tag, t.tag_offset = where.tag, where.tag_offset
                 self._start_read(link, t, reads)
             self._count_add("direct_reads", len(batch))
