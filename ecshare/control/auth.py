@@ -16,6 +16,7 @@ own allow-list. The protocol is small enough to answer directly.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -209,6 +210,11 @@ class _ZapService(threading.Thread):
             # Closing the endpoint below makes handshakes fail closed (ZAP_ENFORCE_DOMAIN).
             log.exception("ZAP handler failed; CURVE clients can no longer be admitted")
         finally:
+            # Unbound first: closing alone frees the endpoint later, when libzmq reaps the
+            # socket, and a handler registered for this context meanwhile would find it
+            # taken (once in 500 back-to-back registrations here).
+            with contextlib.suppress(zmq.ZMQError):
+                self._socket.unbind(ZAP_ENDPOINT)
             self._socket.close(0)
 
     def _answer(self, request: list[bytes]) -> list[bytes]:

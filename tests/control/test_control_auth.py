@@ -222,3 +222,20 @@ def test_two_servers_in_one_context_keep_their_own_allow_lists(
     assert refused.state is LinkState.AUTH_FAILED
     assert for_client.stats["auth_accepted"] == 1 and for_client.stats["auth_rejected"] == 0
     assert for_stranger.stats["auth_accepted"] == 0 and for_stranger.stats["auth_rejected"] == 1
+
+
+def test_a_handler_registered_right_after_the_last_one_went_finds_the_endpoint_free() -> None:
+    """The ZAP handler of a context goes with its last registration, and the next one
+    starts a new handler at once (a producer restarted in the same process). The old
+    handler's endpoint must be free by then: closed alone, libzmq freed it only when it
+    reaped the socket, and this loop failed as "already served" in 3 runs of 3."""
+    import zmq
+
+    from ecshare.control.auth import AllowList, register_allow_list
+
+    context = zmq.Context()
+    try:
+        for _ in range(1000):
+            register_allow_list(context, AllowList(frozenset(), server="s")).close()
+    finally:
+        context.term()
