@@ -106,6 +106,9 @@ def call(args: argparse.Namespace) -> None:
         except AuthenticationFailed as exc:
             error = str(exc)
             break
+    if reply is not None:
+        # The state comes from the client's monitor thread, which may lag the first reply.
+        client.wait_ready(5_000)
     _emit(
         {
             "state": client.state.value,
