@@ -303,6 +303,7 @@ COUNTED: Final[tuple[Counted, ...]] = (
         "bad_locations",
         "locations_off_session",
         "read_here",
+        "read_lent",
     ),
     *_events(
         _CS,

@@ -11,6 +11,11 @@ between peers, quarantine of failing peers, heartbeats and lease renewal. One
 exception saves a hand-off: when that thread sleeps in poll and the peer's
 fetch lane is up, `fetch()` sends the request itself, on the lane, without
 waiting for anything (`_send_now`); the answer wakes the thread as ever.
+And a caller that blocks on a fetch's future while its direct read (below) is
+still queued lends its thread to it (`_Fetching`, `_lend`): it waits anyway,
+and a READ made there saves handing the fetch to the network thread and its
+result back. fetch() itself never does that unless asked (`read_here`): an
+engine's scheduler, which never blocks on a future, must never make a copy.
 
 Two promises bind the reads (DESIGN.md, invariants 2 and 4):
 - A read's destination blocks are handed to nobody else while the read may
@@ -64,6 +69,7 @@ import logging
 import math
 import threading
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -135,6 +141,10 @@ _WARM_UP_KEY = "ecshare-warm-up:"
 # oldest go first): a fetch of one reads it directly.
 _LOCATIONS_REMEMBERED = 16384
 EXPOSED_MODES = ("pushed", "pulled")
+# A caller that blocks on a fetch's future for at least this long (or with no
+# timeout) lends its thread to the fetch's direct read (`_Fetching`): a READ made
+# there cannot be cut short, so a shorter wait is left to the network thread.
+LEND_MIN_WAIT_S = 1.0
 
 
 def _died(exc: BaseException) -> str:
@@ -164,6 +174,34 @@ class _SharedRead:
         # pass, and asking the backend again for each of them costs it each time.
         self.ended: ReadStatus | None = None
         self.landing = landing  # a READ of tags: the slots it writes
+
+
+class _Fetching(Future[FetchResult]):
+    """A fetch's future. A caller that blocks on it (`result` or `exception`) while
+    its direct read is still queued lends its thread to the fetch: the READ, the
+    check and the commit are made there (`Consumer._lend`), rather than handed to
+    the network thread and the result handed back. A caller that polls `done()`, or
+    waits with `concurrent.futures.wait` (as an engine's scheduler, which must not
+    make copies, would), or waits less than `LEND_MIN_WAIT_S` (a READ made on its
+    thread cannot be cut short), is never lent."""
+
+    def __init__(self, lend: weakref.WeakMethod[Callable[[], None]]) -> None:
+        super().__init__()
+        self._lend = lend  # weak: a future kept after its consumer is gone lends nothing
+
+    def result(self, timeout: float | None = None) -> FetchResult:
+        self._lent(timeout)
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._lent(timeout)
+        return super().exception(timeout)
+
+    def _lent(self, timeout: float | None) -> None:
+        if (timeout is None or timeout >= LEND_MIN_WAIT_S) and not self.done():
+            lend = self._lend()
+            if lend is not None:
+                lend()
 
 
 @dataclass(frozen=True)
@@ -253,6 +291,7 @@ class Consumer(NetworkThread):
         # Held by the network thread for everything but its wait in poll, so that a
         # caller who finds it free may send its own requests (`_send_now`).
         self._net_lock = threading.Lock()
+        self._lend_ref = weakref.WeakMethod(self._lend)  # for each fetch's `_Fetching`
         self._serving = False  # under _net_lock: the network thread's loop runs
         self._incoming: collections.deque[Transfer] = collections.deque()
         self._connects: list[str] = []  # endpoints `connect` asked for, not yet seen to
@@ -317,6 +356,14 @@ class Consumer(NetworkThread):
         """Start fetching `items` from `peers` (in preference order). Never blocks,
         unless `read_here`.
 
+        The futures lend: a caller that blocks on one (`result()` or `exception()`,
+        with no timeout or one of at least `LEND_MIN_WAIT_S`) while the fetches'
+        direct reads are still queued makes them on its own thread, as `read_here`
+        does, instead of waiting for the network thread to make them and hand the
+        results back; it was going to wait anyway. A caller that never blocks on a
+        future (an engine's scheduler, polling `done()` or waiting with
+        `concurrent.futures.wait`) leaves every READ to the network thread.
+
         `read_here`: for a caller that will wait for the results anyway, and whose
         thread no engine step waits on. When the network thread is idle, the
         fetches of entries whose places are known (direct reads) READ from this
@@ -350,7 +397,7 @@ class Consumer(NetworkThread):
             self._waker.wake()
         return futures
 
-    def _read_here(self) -> bool | None:
+    def _read_here(self, counter: str = "read_here") -> bool | None:
         """`fetch(read_here=True)`: the direct reads of the new fetches, made on the
         caller's thread while the network thread sleeps in poll (under `_net_lock`,
         as `_send_now`). True: every new fetch has ended here; False: some are left
@@ -366,11 +413,19 @@ class Consumer(NetworkThread):
             ended = [t for t in taken if t.state in (TransferState.DONE, TransferState.FAILED)]
             here = sum(t.state is TransferState.DONE for t in ended)
             if here:
-                self._count_add("read_here", here)
+                self._count_add(counter, here)
             self._deliver()
             return len(ended) == len(taken)
         finally:
             self._net_lock.release()
+
+    def _lend(self) -> None:
+        """A caller blocks on an unfinished fetch's future (`_Fetching`): the direct
+        reads queued now are made on its thread, as `fetch(read_here=True)` makes
+        them, unless the network thread is at them already. fetch() has woken that
+        thread; it waits for `_net_lock` meanwhile, and then finds them done."""
+        if self._waker is not None and self._read_here("read_lent") is False:
+            self._waker.wake()  # what is left: a fallback, a READ still moving
 
     def _send_now(self) -> bool:
         """Send the new fetches' requests from the caller's thread when the network
@@ -448,7 +503,7 @@ class Consumer(NetworkThread):
             if item.hold is not None:
                 running.holds.append(item.hold)  # the network thread reads it at commit
             return running.future
-        future: Future[FetchResult] = Future()
+        future: Future[FetchResult] = _Fetching(self._lend_ref)
         future.set_running_or_notify_cancel()
         entry = self._store.get(item.mm_hash)
         if entry is not None and entry.state is EntryState.READY and self._held(item):

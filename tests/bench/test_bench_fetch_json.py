@@ -158,6 +158,24 @@ def test_sporadic_fetches_were_real_transfers(report: dict[str, Any]) -> None:
     assert consumer["direct_reads"] >= fetches
     assert consumer.get("direct_reads_stale", 0) == 0
     assert consumer.get("local_hits", 0) == 0  # each sample's entry was fresh
+    # The bench blocks on its results, which lends its thread to their direct reads;
+    # the network thread, woken by fetch() too, gets to some first.
+    assert report["parameters"]["hand_off"] is False
+    assert 0 < consumer["read_lent"] <= consumer["direct_reads"], consumer
+
+
+def test_hand_off_leaves_every_read_to_the_network_thread() -> None:
+    """`--hand-off`: fetches are waited for as an engine's scheduler waits, never on a
+    future, so no caller's thread is lent to them; they are read as ever."""
+    data = _bench("--hand-off", "--sizes", "64KiB")
+    assert data["parameters"]["hand_off"] is True
+    assert {(row["size_bytes"], row["mode"]) for row in data["rows"]} == {
+        (64 << 10, mode) for mode in ("single", "batch", "sporadic")
+    }
+    consumer = data["environment"]["consumer_counters"]
+    fetches = sum(row["samples"] + SPORADIC_WARMUP for row in _sporadic(data))
+    assert consumer["direct_reads"] >= fetches, consumer
+    assert "read_lent" not in consumer and "read_here" not in consumer, consumer
 
 
 def test_producer_thread_cpu_is_measured(report: dict[str, Any]) -> None:

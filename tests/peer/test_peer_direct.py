@@ -15,11 +15,14 @@ a real NIXL data plane) where the producer must lie.
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import threading
 import time
+import weakref
 from collections.abc import Iterator
+from concurrent.futures import Future, wait
 from typing import Any
 
 import msgspec
@@ -42,7 +45,9 @@ from peer_testing import (
 )
 
 from ecshare import protocol as p
-from ecshare.peer import Consumer, FailureReason, FetchFailed, Node, Producer
+from ecshare.peer import Consumer, FailureReason, FetchFailed, FetchResult, Node, Producer
+from ecshare.peer import consumer as consumer_module
+from ecshare.peer.consumer import LEND_MIN_WAIT_S
 from ecshare.peer.locator import DIGEST_MAX, Locator
 from ecshare.store import EntryMeta, Store
 from ecshare.store.region import Region
@@ -113,19 +118,31 @@ def test_entry_committed_after_the_session_opened_is_read_with_no_request(
     cnode.store.check_invariants()
 
 
-@pytest.mark.parametrize("read_here", [False, True], ids=["network-thread", "read-here"])
+def _result(future: Future[FetchResult], how: str) -> FetchResult:
+    """`future`'s result, waited for as `how` says: "network-thread" as an engine's
+    scheduler waits (never blocking on the future: the network thread makes the
+    READ), anything else by blocking on it (which lends this thread to a direct read
+    still queued)."""
+    if how == "network-thread":
+        wait([future], timeout=10)
+        return future.result(timeout=0)
+    return future.result(timeout=10)
+
+
+@pytest.mark.parametrize("how", ["network-thread", "lent", "read-here"])
 @pytest.mark.parametrize("n", [65_537, 3 * MiB + 5], ids=["by-digest", "by-tag"])
 def test_stale_location_is_never_committed_and_the_fetch_asks_the_producer(
     make_producer: MakeProducer,
     make_consumer: MakeConsumer,
     keyring: Keyring,
     n: int,
-    read_here: bool,
+    how: str,
 ) -> None:
     """The entry is evicted and its blocks hold another's bytes by the time it is
     fetched: the direct READ reads the other entry, its digest (up to DIGEST_MAX)
     or its tag (above) shows it, nothing is committed, and the producer is asked
-    (and says it is gone). The same when the READ is made on the caller's thread."""
+    (and says it is gone). The same when the READ is made on the caller's thread,
+    asked for (`read_here`) or lent to the fetch by blocking on its result."""
     pnode, producer = make_producer(keyring.producer_config(), CMA)
     cnode, consumer = make_consumer(keyring.consumer_config(), CMA)
     _up(consumer, producer.address)
@@ -136,12 +153,14 @@ def test_stale_location_is_never_committed_and_the_fetch_asks_the_producer(
     assert new.extents == old.extents  # the same blocks, now another entry's
     assert _located(consumer, 2)
 
+    future = consumer.fetch(["old"], [producer.address], read_here=how == "read-here")[0]
     with pytest.raises(FetchFailed) as failed:
-        consumer.fetch(["old"], [producer.address], read_here=read_here)[0].result(timeout=10)
+        _result(future, how)
 
     assert failed.value.reason is FailureReason.MISSING, failed.value
     assert cnode.store.get("old") is None
     counters = consumer.counter_snapshot()
+    assert "read_lent" not in counters  # the stale read committed nothing, wherever made
     assert counters["direct_reads"] == 1 and counters["direct_reads_stale"] == 1
     assert counters.get("tag_reads", 0) == (1 if n > DIGEST_MAX else 0)
     assert counters["requests"] == 1  # the fallback asked the producer
@@ -244,13 +263,114 @@ def test_read_here_from_many_threads_at_once_delivers_every_fetch_whole(
     cnode.store.check_invariants()
 
 
+@pytest.mark.parametrize("data_plane", ["cma", "tcp"])
+def test_a_caller_blocking_on_the_result_lends_its_thread_to_the_direct_read(
+    make_producer: MakeProducer,
+    make_consumer: MakeConsumer,
+    keyring: Keyring,
+    data_plane: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A plain fetch() hands its fetches to the network thread and returns. A caller
+    that then blocks on a result while the direct read is still queued makes the READ
+    on its own thread: on one host the bytes are read, checked and committed there,
+    and the future is resolved by that thread. Over TCP the READ leaves the call
+    still moving, and the network thread ends it. A wait shorter than LEND_MIN_WAIT_S
+    lends nothing (a READ on the caller's thread cannot be cut short)."""
+    dp = TCP if data_plane == "tcp" else CMA
+    pnode, producer = make_producer(keyring.producer_config(), dp)
+    cnode, consumer = make_consumer(keyring.consumer_config(), dp)
+    _up(consumer, producer.address)
+    sizes = {f"lent-{i}": n for i, n in enumerate([65_537, 3 * MiB + 5] * 4)}  # digest, tag
+    for h, n in sizes.items():
+        pnode.store.put(h, expected(h, n))
+    assert _located(consumer, len(sizes))
+    if data_plane == "cma":
+        # fetch() wakes the network thread as well, and which of the two threads takes
+        # the lock first is a race that the other core's load decides. Unwoken, that
+        # thread sleeps nearly all the time (it may wake for a timer of its own), so
+        # the caller is first: what is checked is what happens when it is.
+        assert consumer._waker is not None
+        monkeypatch.setattr(consumer._waker, "wake", lambda: None)
+
+    resolved_here = []
+    for h, n in sizes.items():
+        future = consumer.fetch([h], [producer.address])[0]
+        resolvers: list[threading.Thread] = []
+        done_at_once = future.done()  # then the callback runs at once, on this thread
+        future.add_done_callback(lambda _, r=resolvers: r.append(threading.current_thread()))
+        result = future.result(timeout=15)
+        assert (result.nbytes, result.attempts) == (n, 0)  # read directly, no request
+        np.testing.assert_array_equal(stored_bytes(cnode, h), expected(h, n), err_msg=h)
+        resolved_here.append(not done_at_once and resolvers == [threading.current_thread()])
+    counters = consumer.counter_snapshot()
+    assert counters["direct_reads"] == len(sizes), counters
+    assert "requests" not in counters and "read_here" not in counters
+    if data_plane == "cma":
+        assert counters["read_lent"] >= len(sizes) - 1, counters
+        assert sum(resolved_here) == counters["read_lent"], (resolved_here, counters)
+    else:
+        assert counters.get("read_lent", 0) <= sum(resolved_here), (resolved_here, counters)
+
+    lent = counters.get("read_lent", 0)
+    monkeypatch.undo()
+    for i in range(3):
+        h = f"short-{i}"
+        pnode.store.put(h, expected(h, 4096))
+        assert _located(consumer, len(sizes) + i + 1)
+        consumer.fetch([h], [producer.address])[0].result(timeout=LEND_MIN_WAIT_S / 2)
+        np.testing.assert_array_equal(stored_bytes(cnode, h), expected(h, 4096), err_msg=h)
+    assert consumer.counter_snapshot().get("read_lent", 0) == lent  # none lent
+    assert consumer.fenced_reads()[0] == 0
+    assert cnode.store.stats().canary_violations == 0
+    cnode.store.check_invariants()
+
+
+def test_a_fetch_future_lends_only_while_its_consumer_lives(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The future holds its consumer's lending weakly: it lends on a blocking wait
+    of at least LEND_MIN_WAIT_S while unfinished, never once done, never on a shorter
+    wait, and never once the consumer is gone."""
+    monkeypatch.setattr(consumer_module, "LEND_MIN_WAIT_S", 0.05)
+    lent: list[int] = []
+
+    class Owner:
+        def lend(self) -> None:
+            lent.append(1)
+
+    owner = Owner()
+    future = consumer_module._Fetching(weakref.WeakMethod(owner.lend))
+    future.set_running_or_notify_cancel()
+    with pytest.raises(TimeoutError):
+        future.result(timeout=0.05)
+    assert lent == [1]
+    with pytest.raises(TimeoutError):
+        future.exception(timeout=0.06)
+    assert lent == [1, 1]
+    with pytest.raises(TimeoutError):
+        future.result(timeout=0.01)  # too short to lend
+    assert lent == [1, 1]
+    del owner
+    gc.collect()
+    with pytest.raises(TimeoutError):
+        future.result(timeout=0.05)
+    assert lent == [1, 1]  # its consumer is gone
+    done = consumer_module._Fetching(weakref.WeakMethod(Owner().lend))
+    done.set_running_or_notify_cancel()
+    done.set_exception(FetchFailed("x", FailureReason.MISSING))
+    assert isinstance(done.exception(), FetchFailed)
+    assert lent == [1, 1]
+
+
+@pytest.mark.parametrize("how", ["read-here", "lent"])
 def test_read_here_from_a_producer_killed_meanwhile_ends_typed_on_the_network_thread(
-    spawn_producer: SpawnProducer, make_consumer: MakeConsumer, keyring: Keyring
+    spawn_producer: SpawnProducer, make_consumer: MakeConsumer, keyring: Keyring, how: str
 ) -> None:
     """The producer process is SIGKILLed after it told where an entry lies: the READ
-    made on the caller's thread fails, the caller's thread leaves the lost session
-    to the network thread (which alone may close its sockets), and the fetch ends
-    typed; the consumer serves on."""
+    made on the caller's thread (asked for, or lent by blocking on the result) fails,
+    the caller's thread leaves the lost session to the network thread (which alone
+    may close its sockets), and the fetch ends typed; the consumer serves on."""
     producer = spawn_producer(synthetic="", config={**keyring.producer_config(), **CMA}, hooks=True)
     cnode, consumer = make_consumer(keyring.consumer_config(), CMA)
     _up(consumer, producer.address)
@@ -260,13 +380,14 @@ def test_read_here_from_a_producer_killed_meanwhile_ends_typed_on_the_network_th
     os.kill(producer.process.pid, signal.SIGKILL)
     producer.process.wait(10)
 
-    error = consumer.fetch([h], [producer.address], read_here=True)[0].exception(timeout=15)
+    future = consumer.fetch([h], [producer.address], read_here=how == "read-here")[0]
+    error = future.exception(timeout=15)
 
     assert isinstance(error, FetchFailed), error
     assert consumer.failure is None  # the network thread lives on
     counters = consumer.counter_snapshot()
     assert counters["direct_reads"] == 1, counters
-    assert "read_here" not in counters
+    assert "read_here" not in counters and "read_lent" not in counters
     assert counters["peer_failures.peer_unreachable"] == 1, counters
     assert cnode.store.get(h) is None and cnode.store.stats().quarantined == 0
     assert consumer.fenced_reads()[0] == 0

@@ -126,6 +126,13 @@ def add_bench_arguments(bench: argparse.ArgumentParser) -> None:
         help="fetch with read_here=True: the direct READs made on the calling thread while "
         "the consumer's network thread is idle (see Consumer.fetch)",
     )
+    fetch.add_argument(
+        "--hand-off",
+        action="store_true",
+        help="wait for each fetch as an engine's scheduler does, never blocking on its "
+        "future, so that the consumer's network thread makes every READ; by default the "
+        "bench blocks on the results, which lends its thread to their direct reads",
+    )
     pipeline = sub.add_parser("pipeline", help="exposed latency at the PD of push against pull")
     # It prints its table or JSON only: no files, no progress bar to quieten.
     _common(pipeline, True, "requests per size and mode", files=False)
@@ -199,6 +206,7 @@ def run_bench(args: argparse.Namespace) -> int:
             gap_s=args.gap_ms / 1000,
             samples=args.samples,
             read_here=args.read_here,
+            hand_off=args.hand_off,
         )
     if command == "pipeline":
         from ecshare.apps.bench.pipeline import run_pipeline_bench

@@ -13,9 +13,12 @@ control plane.
 Per item size, three ways of moving the same bytes run back to back in every
 sample, so that background load hits them alike:
 
-* ``ecshare``: ``Consumer.fetch`` until the futures are done; the consumer's
-  copies are removed after each sample, so every sample is a real fetch
-  (request, grant, READ, commit, release);
+* ``ecshare``: ``Consumer.fetch`` until its results are in hand (the harness
+  blocks on them, as a caller that waits for its fetches does, and so lends its
+  thread to their direct reads; with ``--hand-off`` it waits as an engine's
+  scheduler would, and the consumer's network thread makes every READ); the
+  consumer's copies are removed after each sample, so every sample is a real
+  fetch;
 * ``raw NIXL``: ``NixlTransport.read`` of the granted extents, polled to DONE;
 * ``memcpy``: ``np.copyto`` of the same sizes inside this process.
 
@@ -52,7 +55,6 @@ import platform
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import wait
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +71,7 @@ from ecshare.apps.bench.sporadic import (
     SPORADIC_WARMUP,
     ProducerCpu,
     SporadicFigures,
+    await_fetches,
     hold_grant_cpu,
     measure_sporadic,
     sporadic_samples,
@@ -159,6 +162,9 @@ class FetchParameters(msgspec.Struct, frozen=True):
     gap_ms: float | None = None
     # Every fetch made with `Consumer.fetch(read_here=True)`.
     read_here: bool = False
+    # Fetches waited for with `concurrent.futures.wait`, never on a future, as an
+    # engine's scheduler does: the network thread makes every READ (`await_fetches`).
+    hand_off: bool = False
 
 
 class FetchBenchResult(ReportHeader, tag_field="bench", tag="fetch"):
@@ -190,6 +196,7 @@ class _Bench:
         raw_peer: str,
         raw_buf: Bytes,
         read_here: bool = False,
+        hand_off: bool = False,
     ) -> None:
         self.node = node
         self.consumer = consumer
@@ -199,17 +206,14 @@ class _Bench:
         self.raw_buf = raw_buf
         self.peers = [producer.address]
         self.read_here = read_here  # `Consumer.fetch(read_here=...)` for every fetch
+        self.hand_off = hand_off  # how every fetch is waited for (`await_fetches`)
 
     # each returns the seconds it took
 
     def fetch(self, hashes: Sequence[str]) -> float:
-        t0 = time.perf_counter()
+        t0 = time.monotonic()
         futures = self.consumer.fetch(hashes, self.peers, read_here=self.read_here)
-        # One wake-up when the last future is done, as an engine would see the batch.
-        wait(futures, timeout=FETCH_TIMEOUT_S)
-        elapsed = time.perf_counter() - t0
-        for f in futures:
-            f.result(timeout=0)  # raises a failed fetch
+        elapsed = await_fetches(futures, self.hand_off) - t0
         for h in hashes:
             self.node.store.remove(h)
         return elapsed
@@ -498,6 +502,7 @@ def _print_sporadic(result: FetchBenchResult) -> None:
     if not rows:
         return
     here = ", read_here=True" if result.parameters.read_here else ""
+    here += ", waited for as a scheduler does" if result.parameters.hand_off else ""
     print(
         f"sporadic: per sample a fresh entry, {rows[0].gap_ms:g} ms idle, one fetch{here} "
         "(and the same for one raw NIXL READ of the same extents); every byte checked"
@@ -592,6 +597,7 @@ def _run_sporadic(
             memcpy_dst=memcpy_dst,
             advance=bar.advance,
             read_here=b.read_here,
+            hand_off=b.hand_off,
         )
         fetches += samples + SPORADIC_WARMUP
         rows.append(_sporadic_row(fig))
@@ -623,6 +629,7 @@ def run_fetch_bench(
     gap_s: float = DEFAULT_GAP_S,
     samples: int | None = None,
     read_here: bool = False,
+    hand_off: bool = False,
 ) -> int:
     """Run the bench over `sizes`; print it, and write files to `out_dir`.
 
@@ -631,7 +638,9 @@ def run_fetch_bench(
     `gap_s` idle before each fetch) or "all" (both). `samples`, when given, is the
     number of timed samples of every loop at every size instead of the defaults
     (`SAMPLES`, `LATENCY_SAMPLES` and `sporadic.sporadic_samples`). With
-    `read_here`, every fetch is made with `Consumer.fetch(read_here=True)`.
+    `read_here`, every fetch is made with `Consumer.fetch(read_here=True)`. Each
+    fetch's results are waited for by blocking on them, or with `hand_off` as a
+    scheduler waits (`sporadic.await_fetches`).
     """
     from ecshare.apps.bench.report import emit
 
@@ -688,7 +697,9 @@ def run_fetch_bench(
             raw = NixlTransport(f"ecshare-bench-raw-{os.getpid()}")
             raw.register(raw_region.address, raw_region.size)
             raw_peer = raw.add_peer(producer.info)
-            bench = _Bench(node, consumer, producer, raw, raw_peer, raw_region.array, read_here)
+            bench = _Bench(
+                node, consumer, producer, raw, raw_peer, raw_region.array, read_here, hand_off
+            )
             rows: list[Row] = []
             latencies: list[float] = []
             raw_latencies: list[float] = []
@@ -761,6 +772,7 @@ def run_fetch_bench(
             sporadic_samples=spor_counts,
             gap_ms=gap_s * 1000 if spor_sizes else None,
             read_here=read_here,
+            hand_off=hand_off,
         ),
         rows=rows,
         latency_64k_p50_ms=p50,

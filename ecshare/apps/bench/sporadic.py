@@ -5,7 +5,11 @@ instance fetches it, while the threads on both sides have gone idle. Per sample:
 
 * ``ecshare``: the producer process writes a fresh entry (new bytes into newly
   allocated blocks), the harness sleeps the gap, then one ``Consumer.fetch`` is
-  timed until its future is done, and every byte is checked;
+  timed until its result is in hand, and every byte is checked. The harness
+  blocks on the result, as a caller that waits for its fetch does, and so lends
+  its thread to the fetch's direct read; with ``hand_off`` it waits as an
+  engine's scheduler would, never on the future, and the consumer's network
+  thread makes the READ (`await_fetches`);
 * ``raw NIXL``: the producer process writes fresh bytes over the same extents,
   the harness sleeps the same gap, then one ``NixlTransport.read`` of those
   extents is timed until ``poll`` says DONE, and every byte is checked.
@@ -26,7 +30,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from concurrent.futures import wait
+from concurrent.futures import Future, wait
 
 import msgspec
 import numpy as np
@@ -35,7 +39,7 @@ import numpy.typing as npt
 from ecshare import protocol as p
 from ecshare.apps.bench.fetch_producer import FetchProducer, fill_value
 from ecshare.control import ControlClient, KeyPair
-from ecshare.peer import Consumer
+from ecshare.peer import Consumer, FetchResult
 from ecshare.peer.phases import PhaseLog
 from ecshare.store import Store
 from ecshare.transport.base import ReadState, pair_segments
@@ -47,6 +51,7 @@ __all__ = [
     "SPORADIC_WARMUP",
     "ProducerCpu",
     "SporadicFigures",
+    "await_fetches",
     "hold_grant_cpu",
     "measure_sporadic",
     "sporadic_samples",
@@ -149,6 +154,24 @@ def _by_key(records: Sequence[tuple[str, str, float]]) -> dict[str, dict[str, fl
     return out
 
 
+def await_fetches(futures: Sequence[Future[FetchResult]], hand_off: bool) -> float:
+    """Wait for `futures` as the bench's caller: blocking on each result in turn, as a
+    caller that waits for its fetches does (the first lends this thread to their
+    direct reads: `Consumer.fetch`), or with `hand_off`, with `concurrent.futures.wait`,
+    as an engine's scheduler that never blocks on a future: the network thread makes
+    every READ. Returns when (`time.monotonic`) the last was done; raises a failed
+    fetch's error."""
+    if hand_off:
+        wait(futures, timeout=_FETCH_TIMEOUT_S)
+        done = time.monotonic()
+        for f in futures:
+            f.result(timeout=0)
+        return done
+    for f in futures:
+        f.result(timeout=_FETCH_TIMEOUT_S)
+    return time.monotonic()
+
+
 def measure_sporadic(
     *,
     size: int,
@@ -164,6 +187,7 @@ def measure_sporadic(
     memcpy_dst: Bytes,
     advance: Callable[[], None],
     read_here: bool = False,
+    hand_off: bool = False,
 ) -> SporadicFigures:
     """`samples` sporadic fetches of `size` bytes and as many raw reads, after a warm-up."""
     consumer.phases = PhaseLog()
@@ -183,9 +207,7 @@ def measure_sporadic(
             time.sleep(gap_s)
             t0 = time.monotonic()
             futures = consumer.fetch([h], peers, read_here=read_here)
-            wait(futures, timeout=_FETCH_TIMEOUT_S)
-            t1 = time.monotonic()
-            futures[0].result(timeout=0)
+            t1 = await_fetches(futures, hand_off)
             _check(store.read(h).reshape(-1).view(np.uint8), fill_value(seq), h)
             store.remove(h)
             marks = _by_key(consumer.phases.take()).get(h, {})
