@@ -145,6 +145,12 @@ EXPOSED_MODES = ("pushed", "pulled")
 # timeout) lends its thread to the fetch's direct read (`_Fetching`): a READ made
 # there cannot be cut short, so a shorter wait is left to the network thread.
 LEND_MIN_WAIT_S = 1.0
+# ...and only to reads from a producer whose last READ of at least this much ended
+# inside the read call (`PeerLink.copies_in_call`): on one host (cross-memory
+# attach) they all do; over TCP or RDMA none does, the network thread would end the
+# READ anyway, and over UCX TCP posting from a second thread was measured to slow
+# the producer's other READs (a raw READ of 64 KiB: 0.4-0.6 ms to 1.4-3.6 ms).
+_COPY_PROBE_BYTES = 1 << 20
 
 
 def _died(exc: BaseException) -> str:
@@ -180,10 +186,12 @@ class _Fetching(Future[FetchResult]):
     """A fetch's future. A caller that blocks on it (`result` or `exception`) while
     its direct read is still queued lends its thread to the fetch: the READ, the
     check and the commit are made there (`Consumer._lend`), rather than handed to
-    the network thread and the result handed back. A caller that polls `done()`, or
-    waits with `concurrent.futures.wait` (as an engine's scheduler, which must not
-    make copies, would), or waits less than `LEND_MIN_WAIT_S` (a READ made on its
-    thread cannot be cut short), is never lent."""
+    the network thread and the result handed back, where a READ from its producer
+    is a copy made inside the read call (one host: `_COPY_PROBE_BYTES`). A caller
+    that polls `done()`, or waits with `concurrent.futures.wait` (as an engine's
+    scheduler, which must not make copies, would), or waits less than
+    `LEND_MIN_WAIT_S` (a READ made on its thread cannot be cut short), is never
+    lent."""
 
     def __init__(self, lend: weakref.WeakMethod[Callable[[], None]]) -> None:
         super().__init__()
@@ -360,7 +368,9 @@ class Consumer(NetworkThread):
         with no timeout or one of at least `LEND_MIN_WAIT_S`) while the fetches'
         direct reads are still queued makes them on its own thread, as `read_here`
         does, instead of waiting for the network thread to make them and hand the
-        results back; it was going to wait anyway. A caller that never blocks on a
+        results back; it was going to wait anyway. Only where a READ is a copy
+        inside the read call (a producer on this host, its last READ of a MiB or
+        more ended in the call). A caller that never blocks on a
         future (an engine's scheduler, polling `done()` or waiting with
         `concurrent.futures.wait`) leaves every READ to the network thread.
 
@@ -397,7 +407,7 @@ class Consumer(NetworkThread):
             self._waker.wake()
         return futures
 
-    def _read_here(self, counter: str = "read_here") -> bool | None:
+    def _read_here(self, counter: str = "read_here", copies_only: bool = False) -> bool | None:
         """`fetch(read_here=True)`: the direct reads of the new fetches, made on the
         caller's thread while the network thread sleeps in poll (under `_net_lock`,
         as `_send_now`). True: every new fetch has ended here; False: some are left
@@ -406,7 +416,7 @@ class Consumer(NetworkThread):
         if not self._net_lock.acquire(blocking=False):
             return None
         try:
-            if not self._serving or not self._any_located():
+            if not self._serving or not self._any_located(copies_only):
                 return None
             taken = self._take_incoming()
             self._dispatch_direct(time.monotonic())
@@ -424,7 +434,9 @@ class Consumer(NetworkThread):
         reads queued now are made on its thread, as `fetch(read_here=True)` makes
         them, unless the network thread is at them already. fetch() has woken that
         thread; it waits for `_net_lock` meanwhile, and then finds them done."""
-        if self._waker is not None and self._read_here("read_lent") is False:
+        if self._waker is None or not self._transport.may_copy_in_call:
+            return
+        if self._read_here("read_lent", copies_only=True) is False:
             self._waker.wake()  # what is left: a fallback, a READ still moving
 
     def _send_now(self) -> bool:
@@ -1061,16 +1073,21 @@ class Consumer(NetworkThread):
         while len(self._located) > _LOCATIONS_REMEMBERED:
             self._located.popitem(last=False)
 
-    def _any_located(self) -> bool:
+    def _any_located(self, copies_only: bool = False) -> bool:
         """A queued fetch's entry is located: the network thread is to read it directly
-        (a READ is never made on the caller's thread), at the start of its next pass."""
+        (a READ is never made on the caller's thread), at the start of its next pass.
+        `copies_only`: only from a producer whose READs end inside the call."""
         if not self._located:
             return False
         with self._lock:
             queued = list(self._incoming)
         for t in queued:
             link = self._links.get(t.peer or "")
-            if link is not None and self._where(t, link) is not None:
+            if (
+                link is not None
+                and (link.copies_in_call or not copies_only)
+                and self._where(t, link) is not None
+            ):
                 return True
         return False
 
@@ -1397,6 +1414,8 @@ class Consumer(NetworkThread):
                 self.phases.mark(t.mm_hash, "read_return", back)
         self._count_add("reads_started", len(reads))
         self._count("read_posts")
+        if sum(t.nbytes for t, _ in reads) >= _COPY_PROBE_BYTES:
+            link.copies_in_call = self._poll_handle(shared).state is ReadState.DONE
         self._poll_shared(reads, shared)
         if self._tags_due:
             self._read_tags()

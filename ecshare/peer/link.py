@@ -88,6 +88,9 @@ class PeerLink:
         self.renews = False
         self.releases_in_request = False  # Releases may ride in a FetchRequest
         self.direct = False  # the producer tells where entries lie (`p.Located`)
+        # Its last READ of at least a MiB ended inside the read call (one host): what
+        # a caller's thread lent to a fetch can make there (`Consumer._lend`).
+        self.copies_in_call = False
         self.pushes = False  # both sides agreed to push on this session
         self.peer_info: PeerInfo | None = None  # the producer's data plane, as welcomed
         self._ping_interval_s = config.heartbeat_interval_s
@@ -172,6 +175,7 @@ class PeerLink:
             self.renews = p.CAP_RENEW in msg.capabilities
             self.releases_in_request = p.CAP_RELEASE_IN_REQUEST in msg.capabilities
             self.direct = self._config.direct_reads and p.CAP_READ_DIRECT in msg.capabilities
+            self.copies_in_call = False  # until a READ of this session's says so
             # Ping at least as often as the producer pings its own side: it judges
             # our liveness on its own heartbeat settings.
             self._ping_interval_s = min(

@@ -114,6 +114,12 @@ class DataTransport(Protocol):
         event-driven progress); `progress` is then needed only for notifications."""
 
     @property
+    def may_copy_in_call(self) -> bool:
+        """A read of ours may end inside the read call (a copy on one host): worth
+        making on a thread that waits for it anyway (`Consumer._lend`). Whether it
+        does for a given peer, only its reads tell."""
+
+    @property
     def in_flight(self) -> int:
         """Reads not yet ended by the backend, abandoned ones included."""
 

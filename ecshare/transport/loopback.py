@@ -208,6 +208,10 @@ class LoopbackTransport(Ledger[LoopbackRead, _Peer]):
         return self._completion is not Completion.TARGET
 
     @property
+    def may_copy_in_call(self) -> bool:
+        return True  # from a SYNC target
+
+    @property
     def unreleased(self) -> int:
         """Always 0: nothing here can refuse a release (NixlTransport's counter)."""
         return 0

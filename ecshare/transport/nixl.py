@@ -194,6 +194,16 @@ def _import_nixl() -> Any:
         raise TransportError(_INSTALL_HINT) from e
 
 
+def may_attach(ucx_tls: str) -> bool:
+    """Whether UCX_TLS `ucx_tls` ("" for UCX's default: every transport) lets UCX use
+    cross-memory attach or shared memory between processes of one host."""
+    names = {n.strip().lower() for n in ucx_tls.lstrip("^").split(",") if n.strip()}
+    local = bool(names & {"cma", "sm", "shm", "posix", "sysv", "xpmem", "knem"})
+    if ucx_tls.startswith("^"):
+        return not names & {"cma", "sm", "shm"}
+    return not names or "all" in names or local
+
+
 @contextlib.contextmanager
 def _environ(overrides: Mapping[str, str]) -> Iterator[None]:
     with _ENV_LOCK:
@@ -338,11 +348,19 @@ class NixlTransport(Ledger[NixlRead, _Peer]):
         if missing or not self._agent.backends:
             raise TransportError(f"NIXL backends not available: {missing or list(backends)}")
         self._self_progressing = progress_thread
+        tls = (ucx_env or {}).get("UCX_TLS", os.environ.get("UCX_TLS", ""))
+        self._may_copy_in_call = may_attach(tls)
         self._block = prepared_block_size
         self._reg_descs: Any = None
         self._local_prepped: Any = None
         self._unreleased: list[Any] = []  # NIXL handles that refused to be released
         self.reads_prepped = 0
+
+    @property
+    def may_copy_in_call(self) -> bool:
+        """UCX may pick cross-memory attach (or shared memory) for a peer on this
+        host, and a READ over it copies inside the read call."""
+        return self._may_copy_in_call
 
     @property
     def self_progressing(self) -> bool:

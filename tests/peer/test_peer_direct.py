@@ -21,7 +21,7 @@ import signal
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, wait
 from typing import Any
 
@@ -80,6 +80,17 @@ def _stopped(pid: int) -> bool:
 
 def _located(consumer: Consumer, n: int) -> bool:
     return wait_until(lambda: consumer.counter_snapshot().get("locations_heard", 0) >= n, 5.0)
+
+
+def _probe_copies(consumer: Consumer, address: str, put: Callable[[str, int], object]) -> bool:
+    """Fetch one entry of a MiB (`put` writes it at the producer), waited for as a
+    scheduler waits; whether the session's READs now end inside the read call, which
+    a caller's thread needs before it is lent to a fetch."""
+    heard = consumer.counter_snapshot().get("locations_heard", 0)
+    put("copy-probe", MiB)
+    assert _located(consumer, heard + 1)
+    _result(consumer.fetch(["copy-probe"], [address])[0], "network-thread")
+    return consumer._links[address].copies_in_call
 
 
 @pytest.mark.parametrize("data_plane", ["cma", "tcp"])
@@ -146,12 +157,14 @@ def test_stale_location_is_never_committed_and_the_fetch_asks_the_producer(
     pnode, producer = make_producer(keyring.producer_config(), CMA)
     cnode, consumer = make_consumer(keyring.consumer_config(), CMA)
     _up(consumer, producer.address)
+    put = lambda h, size: pnode.store.put(h, expected(h, size))  # noqa: E731
+    assert _probe_copies(consumer, producer.address, put)  # on one host: lent when blocked on
     old = pnode.store.put("old", expected("old", n))
-    assert _located(consumer, 1)
+    assert _located(consumer, 2)
     pnode.store.remove("old")
     new = pnode.store.put("new", expected("new", n))
     assert new.extents == old.extents  # the same blocks, now another entry's
-    assert _located(consumer, 2)
+    assert _located(consumer, 3)
 
     future = consumer.fetch(["old"], [producer.address], read_here=how == "read-here")[0]
     with pytest.raises(FetchFailed) as failed:
@@ -161,14 +174,14 @@ def test_stale_location_is_never_committed_and_the_fetch_asks_the_producer(
     assert cnode.store.get("old") is None
     counters = consumer.counter_snapshot()
     assert "read_lent" not in counters  # the stale read committed nothing, wherever made
-    assert counters["direct_reads"] == 1 and counters["direct_reads_stale"] == 1
+    assert counters["direct_reads"] == 2 and counters["direct_reads_stale"] == 1
     assert counters.get("tag_reads", 0) == (1 if n > DIGEST_MAX else 0)
     assert counters["requests"] == 1  # the fallback asked the producer
     assert dict(producer.counters)["refused_missing"] == 1
     # The other entry's place is known and right: read directly, byte-exact.
     assert consumer.fetch(["new"], [producer.address])[0].result(timeout=10).attempts == 0
     np.testing.assert_array_equal(stored_bytes(cnode, "new"), expected("new", n))
-    assert consumer.counter_snapshot()["direct_reads"] == 2
+    assert consumer.counter_snapshot()["direct_reads"] == 3
     assert cnode.store.stats().canary_violations == 0
     cnode.store.check_invariants()
 
@@ -273,18 +286,27 @@ def test_a_caller_blocking_on_the_result_lends_its_thread_to_the_direct_read(
 ) -> None:
     """A plain fetch() hands its fetches to the network thread and returns. A caller
     that then blocks on a result while the direct read is still queued makes the READ
-    on its own thread: on one host the bytes are read, checked and committed there,
-    and the future is resolved by that thread. Over TCP the READ leaves the call
-    still moving, and the network thread ends it. A wait shorter than LEND_MIN_WAIT_S
+    on its own thread, where the session's READs end inside the read call (one host,
+    as its last READ of a MiB showed): the bytes are read, checked and committed
+    there, and the future is resolved by that thread. With UCX_TLS=tcp nothing is
+    lent: the network thread makes every READ. A wait shorter than LEND_MIN_WAIT_S
     lends nothing (a READ on the caller's thread cannot be cut short)."""
     dp = TCP if data_plane == "tcp" else CMA
     pnode, producer = make_producer(keyring.producer_config(), dp)
     cnode, consumer = make_consumer(keyring.consumer_config(), dp)
     _up(consumer, producer.address)
+    put = lambda h, size: pnode.store.put(h, expected(h, size))  # noqa: E731
+    copies = _probe_copies(consumer, producer.address, put)
+    if data_plane == "cma":
+        assert copies  # cross-memory attach: every READ is a copy inside the call
+    else:
+        # UCX_TLS=tcp: no READ is worth lending a thread to (though a fast one over
+        # loopback may end inside the call), and none is lent.
+        assert not cnode.transport.may_copy_in_call
     sizes = {f"lent-{i}": n for i, n in enumerate([65_537, 3 * MiB + 5] * 4)}  # digest, tag
     for h, n in sizes.items():
         pnode.store.put(h, expected(h, n))
-    assert _located(consumer, len(sizes))
+    assert _located(consumer, len(sizes) + 1)
     if data_plane == "cma":
         # fetch() wakes the network thread as well, and which of the two threads takes
         # the lock first is a race that the other core's load decides. Unwoken, that
@@ -304,20 +326,20 @@ def test_a_caller_blocking_on_the_result_lends_its_thread_to_the_direct_read(
         np.testing.assert_array_equal(stored_bytes(cnode, h), expected(h, n), err_msg=h)
         resolved_here.append(not done_at_once and resolvers == [threading.current_thread()])
     counters = consumer.counter_snapshot()
-    assert counters["direct_reads"] == len(sizes), counters
+    assert counters["direct_reads"] == len(sizes) + 1, counters
     assert "requests" not in counters and "read_here" not in counters
     if data_plane == "cma":
         assert counters["read_lent"] >= len(sizes) - 1, counters
         assert sum(resolved_here) == counters["read_lent"], (resolved_here, counters)
     else:
-        assert counters.get("read_lent", 0) <= sum(resolved_here), (resolved_here, counters)
+        assert "read_lent" not in counters, counters
 
     lent = counters.get("read_lent", 0)
     monkeypatch.undo()
     for i in range(3):
         h = f"short-{i}"
         pnode.store.put(h, expected(h, 4096))
-        assert _located(consumer, len(sizes) + i + 1)
+        assert _located(consumer, len(sizes) + i + 2)
         consumer.fetch([h], [producer.address])[0].result(timeout=LEND_MIN_WAIT_S / 2)
         np.testing.assert_array_equal(stored_bytes(cnode, h), expected(h, 4096), err_msg=h)
     assert consumer.counter_snapshot().get("read_lent", 0) == lent  # none lent
@@ -374,9 +396,14 @@ def test_read_here_from_a_producer_killed_meanwhile_ends_typed_on_the_network_th
     producer = spawn_producer(synthetic="", config={**keyring.producer_config(), **CMA}, hooks=True)
     cnode, consumer = make_consumer(keyring.consumer_config(), CMA)
     _up(consumer, producer.address)
+    if how == "lent":  # lent only where the session's READs end inside the call
+        assert _probe_copies(
+            consumer, producer.address, lambda h, n: producer.command(f"put {h} {n}")
+        )
     h, n = "killed", 2 * MiB
+    heard = consumer.counter_snapshot().get("locations_heard", 0)
     assert producer.command(f"put {h} {n}") == {"put": h}
-    assert _located(consumer, 1)
+    assert _located(consumer, heard + 1)
     os.kill(producer.process.pid, signal.SIGKILL)
     producer.process.wait(10)
 
@@ -386,7 +413,7 @@ def test_read_here_from_a_producer_killed_meanwhile_ends_typed_on_the_network_th
     assert isinstance(error, FetchFailed), error
     assert consumer.failure is None  # the network thread lives on
     counters = consumer.counter_snapshot()
-    assert counters["direct_reads"] == 1, counters
+    assert counters["direct_reads"] == (2 if how == "lent" else 1), counters
     assert "read_here" not in counters and "read_lent" not in counters
     assert counters["peer_failures.peer_unreachable"] == 1, counters
     assert cnode.store.get(h) is None and cnode.store.stats().quarantined == 0

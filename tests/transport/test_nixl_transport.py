@@ -40,6 +40,7 @@ from ecshare.transport import (
     Segment,
     pair_segments,
 )
+from ecshare.transport.nixl import may_attach
 
 SIZE = 8 << 20
 pytestmark = pytest.mark.timeout(60)
@@ -237,3 +238,34 @@ def test_nixl_loads_the_backend_it_would_pick_without_importing_torch() -> None:
     if torch_loaded == "False":
         pytest.skip("this nixl loads without torch by itself: nothing to spare")
     assert _python(_BACKEND) == f"{module} False"
+
+
+@pytest.mark.parametrize(
+    ("ucx_tls", "attaches"),
+    [
+        ("", True),  # UCX's default: every transport, cross-memory attach among them
+        ("all", True),
+        ("tcp", False),
+        ("tcp,cma", True),
+        ("rc,sm", True),
+        ("rc_x,ud_x", False),
+        ("^cma", False),
+        ("^sm", False),
+        ("^tcp", True),
+    ],
+)
+def test_may_attach_reads_ucx_tls(ucx_tls: str, attaches: bool) -> None:
+    assert may_attach(ucx_tls) is attaches
+
+
+def test_a_transport_knows_whether_a_read_may_copy_inside_the_call() -> None:
+    """From the UCX_TLS it was created with: over TCP alone a READ is never a copy made
+    inside the read call, so no waiting caller's thread is worth lending to one."""
+    tcp = NixlTransport(f"tls-tcp-{uuid.uuid4().hex[:8]}", ucx_env={"UCX_TLS": "tcp"})
+    default = NixlTransport(f"tls-all-{uuid.uuid4().hex[:8]}")
+    try:
+        assert not tcp.may_copy_in_call
+        assert default.may_copy_in_call is may_attach(os.environ.get("UCX_TLS", ""))
+    finally:
+        tcp.close()
+        default.close()
