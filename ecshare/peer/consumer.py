@@ -146,10 +146,11 @@ EXPOSED_MODES = ("pushed", "pulled")
 # there cannot be cut short, so a shorter wait is left to the network thread.
 LEND_MIN_WAIT_S = 1.0
 # ...and only to reads from a producer whose last READ of at least this much ended
-# inside the read call (`PeerLink.copies_in_call`): on one host (cross-memory
-# attach) they all do; over TCP or RDMA none does, the network thread would end the
-# READ anyway, and over UCX TCP posting from a second thread was measured to slow
-# the producer's other READs (a raw READ of 64 KiB: 0.4-0.6 ms to 1.4-3.6 ms).
+# inside the read call (`PeerLink.copies_in_call`), over a transport that may copy
+# inside the call at all (`DataTransport.may_copy_in_call`). On one host (cross-memory
+# attach) every READ does; across hosts they do not, and the network thread would end
+# the READ anyway. Over UCX TCP on loopback some do, but lending there was measured to
+# slow the bench's raw READs of the same producer (64 KiB: 0.3-0.6 ms to 1.4-3.6 ms).
 _COPY_PROBE_BYTES = 1 << 20
 
 
@@ -370,8 +371,8 @@ class Consumer(NetworkThread):
         does, instead of waiting for the network thread to make them and hand the
         results back; it was going to wait anyway. Only where a READ is a copy
         inside the read call (a producer on this host, its last READ of a MiB or
-        more ended in the call). A caller that never blocks on a
-        future (an engine's scheduler, polling `done()` or waiting with
+        more ended in the call). A caller that never blocks on a future (an
+        engine's scheduler, polling `done()` or waiting with
         `concurrent.futures.wait`) leaves every READ to the network thread.
 
         `read_here`: for a caller that will wait for the results anyway, and whose
@@ -412,7 +413,9 @@ class Consumer(NetworkThread):
         caller's thread while the network thread sleeps in poll (under `_net_lock`,
         as `_send_now`). True: every new fetch has ended here; False: some are left
         to the network thread (a fallback to a grant, a READ still moving); None:
-        nothing was done here (the network thread is busy, or no place is known)."""
+        nothing was done here (the network thread is busy, or no place is known;
+        with `copies_only`, none at a producer whose READs end inside the call).
+        The fetches that ended here are counted under `counter`."""
         if not self._net_lock.acquire(blocking=False):
             return None
         try:
