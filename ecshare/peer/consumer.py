@@ -408,25 +408,25 @@ class Consumer(NetworkThread):
             self._waker.wake()
         return futures
 
-    def _read_here(self, counter: str = "read_here", copies_only: bool = False) -> bool | None:
+    def _read_here(self, lent: bool = False) -> bool | None:
         """`fetch(read_here=True)`: the direct reads of the new fetches, made on the
         caller's thread while the network thread sleeps in poll (under `_net_lock`,
         as `_send_now`). True: every new fetch has ended here; False: some are left
         to the network thread (a fallback to a grant, a READ still moving); None:
-        nothing was done here (the network thread is busy, or no place is known;
-        with `copies_only`, none at a producer whose READs end inside the call).
-        The fetches that ended here are counted under `counter`."""
+        nothing was done here (the network thread is busy, or no place is known).
+        `lent`: for `_lend`, only at a producer whose READs end inside the call, and
+        counted `read_lent` rather than `read_here`."""
         if not self._net_lock.acquire(blocking=False):
             return None
         try:
-            if not self._serving or not self._any_located(copies_only):
+            if not self._serving or not self._any_located(copies_only=lent):
                 return None
             taken = self._take_incoming()
             self._dispatch_direct(time.monotonic())
             ended = [t for t in taken if t.state in (TransferState.DONE, TransferState.FAILED)]
             here = sum(t.state is TransferState.DONE for t in ended)
             if here:
-                self._count_add(counter, here)
+                self._count_add("read_lent" if lent else "read_here", here)
             self._deliver()
             return len(ended) == len(taken)
         finally:
@@ -437,9 +437,7 @@ class Consumer(NetworkThread):
         reads queued now are made on its thread, as `fetch(read_here=True)` makes
         them, unless the network thread is at them already. fetch() has woken that
         thread; it waits for `_net_lock` meanwhile, and then finds them done."""
-        if self._waker is None or not self._transport.may_copy_in_call:
-            return
-        if self._read_here("read_lent", copies_only=True) is False:
+        if self._waker is not None and self._read_here(lent=True) is False:
             self._waker.wake()  # what is left: a fallback, a READ still moving
 
     def _send_now(self) -> bool:
@@ -1417,7 +1415,10 @@ class Consumer(NetworkThread):
                 self.phases.mark(t.mm_hash, "read_return", back)
         self._count_add("reads_started", len(reads))
         self._count("read_posts")
-        if sum(t.nbytes for t, _ in reads) >= _COPY_PROBE_BYTES:
+        if (
+            self._transport.may_copy_in_call
+            and sum(t.nbytes for t, _ in reads) >= _COPY_PROBE_BYTES
+        ):
             link.copies_in_call = self._poll_handle(shared).state is ReadState.DONE
         self._poll_shared(reads, shared)
         if self._tags_due:

@@ -88,8 +88,9 @@ class PeerLink:
         self.renews = False
         self.releases_in_request = False  # Releases may ride in a FetchRequest
         self.direct = False  # the producer tells where entries lie (`p.Located`)
-        # Its last READ of at least a MiB ended inside the read call (one host): what
-        # a caller's thread lent to a fetch can make there (`Consumer._lend`).
+        # Its last READ of at least a MiB ended inside the read call, on a transport
+        # that may copy inside it (one host): what a caller's thread lent to a fetch
+        # can make there (`Consumer._lend`). Never set where the transport cannot.
         self.copies_in_call = False
         self.pushes = False  # both sides agreed to push on this session
         self.peer_info: PeerInfo | None = None  # the producer's data plane, as welcomed

@@ -51,6 +51,7 @@ from ecshare.peer.consumer import LEND_MIN_WAIT_S
 from ecshare.peer.locator import DIGEST_MAX, Locator
 from ecshare.store import EntryMeta, Store
 from ecshare.store.region import Region
+from ecshare.transport.base import ReadState
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -296,13 +297,25 @@ def test_a_caller_blocking_on_the_result_lends_its_thread_to_the_direct_read(
     cnode, consumer = make_consumer(keyring.consumer_config(), dp)
     _up(consumer, producer.address)
     put = lambda h, size: pnode.store.put(h, expected(h, size))  # noqa: E731
+    if data_plane == "tcp":
+        # Every READ ends inside the read call, as a fast one over loopback sometimes
+        # does: what keeps the caller's thread out is the transport's own word.
+        real_read = cnode.transport.read
+
+        def read_to_its_end(peer: str, segments: Any, notify: bytes = b"") -> Any:
+            handle = real_read(peer, segments, notify)
+            while cnode.transport.poll(handle).state is ReadState.PENDING:
+                time.sleep(0.0001)
+            return handle
+
+        monkeypatch.setattr(cnode.transport, "read", read_to_its_end)
     copies = _probe_copies(consumer, producer.address, put)
     if data_plane == "cma":
         assert copies  # cross-memory attach: every READ is a copy inside the call
     else:
         # UCX_TLS=tcp: no READ is worth lending a thread to (though a fast one over
         # loopback may end inside the call), and none is lent.
-        assert not cnode.transport.may_copy_in_call
+        assert not cnode.transport.may_copy_in_call and not copies
     sizes = {f"lent-{i}": n for i, n in enumerate([65_537, 3 * MiB + 5] * 4)}  # digest, tag
     for h, n in sizes.items():
         pnode.store.put(h, expected(h, n))
@@ -333,6 +346,7 @@ def test_a_caller_blocking_on_the_result_lends_its_thread_to_the_direct_read(
         assert sum(resolved_here) == counters["read_lent"], (resolved_here, counters)
     else:
         assert "read_lent" not in counters, counters
+        assert not consumer._links[producer.address].copies_in_call  # 8 READs later
 
     lent = counters.get("read_lent", 0)
     monkeypatch.undo()
