@@ -130,15 +130,14 @@ def main() -> None:
             per = np.median([c["sporadic_us_per_fetch"] for c in cpu])
             print(f"producer thread CPU, {name}: {share:.2%} of a core under sporadic "
                   f"fetches ({per:.0f} us per fetch), {held:.2%} with a grant held")  # fmt: skip
-    for name in ("before", "after"):
-        steps: dict[str, list[float]] = {}
-        for r in runs[name]:
-            for size, row in _rows(r).items():
-                if size == sizes[0]:
-                    for k, v in row["ecshare_phases_ms"].items():
-                        steps.setdefault(k, []).append(v)
-        line = ", ".join(f"{k} {np.median(v):.3f}" for k, v in steps.items())
-        print(f"{name} steps at {sizes[0]} bytes (median ms): {line}")
+    for size in sizes:
+        for name in ("before", "after"):
+            steps: dict[str, list[float]] = {}
+            for r in runs[name]:
+                for k, v in _rows(r)[size]["ecshare_phases_ms"].items():
+                    steps.setdefault(k, []).append(v)
+            line = ", ".join(f"{k} {np.median(v):.3f}" for k, v in steps.items())
+            print(f"{name} steps at {size} bytes (median ms): {line}")
 
 
 if __name__ == "__main__":
