@@ -298,6 +298,8 @@ COUNTED: Final[tuple[Counted, ...]] = (
         "direct_reads_failed",
         "tag_reads",
         "tag_reads_fenced",
+        "tag_peeks",
+        "tag_peeks_failed",
         "tag_landing_full",
         "locations_heard",
         "bad_locations",

@@ -123,6 +123,11 @@ class DataPlaneInfo(msgspec.Struct, frozen=True, kw_only=True):
     agent_metadata: bytes = b""
     region_address: Size = 0
     region_size: Size = 0
+    # Where this side runs: its host's boot ID and PID namespace, and its process ID
+    # there. A peer with the same `host` reads this side's tag words straight from
+    # its memory (ecshare/peer/peek.py). Empty and 0: not told.
+    host: Annotated[str, msgspec.Meta(max_length=128)] = ""
+    pid: Annotated[int, msgspec.Meta(ge=0, le=(1 << 31) - 1)] = 0
 
 
 class _Message(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag_field="t"):

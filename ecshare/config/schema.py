@@ -131,6 +131,20 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
             "message per batch of commits to each such session.",
         ),
     ] = True
+    tag_peek: Annotated[
+        bool,
+        Meta(
+            description="Check a direct read's tag by reading the producer's memory "
+            "(a pread of its /proc/<pid>/mem: 3 us, or 30 us after an idle gap, on a small "
+            "host) rather than with a second NIXL READ (20 us, or 80 us after an idle gap), "
+            "where the producer runs on "
+            "this host (the same boot ID and PID namespace, told in its handshake) and its "
+            "memory can be read from this process (the permission cross-memory attach needs "
+            "too). Entries with a tag are then checked by it whatever their size (the "
+            "consumer takes no digest of a small one). Anywhere else, or where the read "
+            "fails, the tag is read back over NIXL as without it.",
+        ),
+    ] = True
     reply_spin_s: Annotated[
         Seconds,
         Meta(

@@ -32,6 +32,7 @@ from ecshare import protocol as p
 from ecshare.config import Config
 from ecshare.control import ClientPool, ControlClient, LaneClient, lane_host
 from ecshare.peer.dataplane import peer_info
+from ecshare.peer.peek import Peek
 from ecshare.peer.transfer import FailureReason
 from ecshare.transport.base import DataTransport, PeerInfo
 
@@ -92,6 +93,9 @@ class PeerLink:
         # that may copy inside it (one host): what a caller's thread lent to a fetch
         # can make there (`Consumer._lend`). Never set where the transport cannot.
         self.copies_in_call = False
+        # The producer's region read straight from its memory, where it runs on this
+        # host: how a direct read's tag is checked (`ecshare.peer.peek`).
+        self.peek: Peek | None = None
         self.pushes = False  # both sides agreed to push on this session
         self.peer_info: PeerInfo | None = None  # the producer's data plane, as welcomed
         self._ping_interval_s = config.heartbeat_interval_s
@@ -177,6 +181,8 @@ class PeerLink:
             self.releases_in_request = p.CAP_RELEASE_IN_REQUEST in msg.capabilities
             self.direct = self._config.direct_reads and p.CAP_READ_DIRECT in msg.capabilities
             self.copies_in_call = False  # until a READ of this session's says so
+            self._drop_peek()
+            self.peek = Peek.open(dp) if self.direct and self._config.tag_peek else None
             # Ping at least as often as the producer pings its own side: it judges
             # our liveness on its own heartbeat settings.
             self._ping_interval_s = min(
@@ -294,8 +300,14 @@ class PeerLink:
         if self.agent:
             self._transport.remove_peer(self.agent)
             self.agent = ""
+        self._drop_peek()
         if self.state is not PeerLinkState.QUARANTINED:
             self.state = PeerLinkState.IDLE
+
+    def _drop_peek(self) -> None:
+        if self.peek is not None:
+            self.peek.close()
+            self.peek = None
 
     # -- requests and grants -----------------------------------------------------------------
 

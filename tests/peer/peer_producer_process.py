@@ -99,6 +99,9 @@ def main() -> int:
             elif words[0] == "put":
                 node.store.put(words[1], synthetic_bytes(words[1], int(words[2])))
                 answer = {"put": words[1]}
+            elif words[0] == "remove":
+                node.store.remove(words[1])
+                answer = {"removed": words[1]}
             elif words[0] == "push":
                 producer.push(words[1], to=words[2])
                 answer = {"pushing": words[1]}

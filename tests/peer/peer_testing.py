@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -45,6 +46,7 @@ from ecshare.control import (
     load_keypair,
 )
 from ecshare.peer import Consumer, Node, Producer, start_consumer, start_producer
+from ecshare.peer.dataplane import announced
 from ecshare.transport import NixlTransport
 
 REPO = Path(__file__).resolve().parents[2]
@@ -565,6 +567,8 @@ class FakeProducer:
         self.address = f"tcp://127.0.0.1:{self.server.port}"
         self.route = b""
         self.session_id = ""
+        # Fields of the Welcome's data plane to tell otherwise (a lying producer).
+        self.announce: dict[str, Any] = {}
 
     def recv(self, kind: type[Any], timeout_s: float = 5.0) -> Any:
         deadline = time.monotonic() + timeout_s
@@ -593,13 +597,7 @@ class FakeProducer:
                 lease_ms=3000,
                 heartbeat_ms=200,
                 max_batch_items=16,
-                data_plane=p.DataPlaneInfo(
-                    kind=info.kind,
-                    agent_name=info.agent_name,
-                    agent_metadata=info.agent_metadata,
-                    region_address=info.region_address,
-                    region_size=info.region_size,
-                ),
+                data_plane=msgspec.structs.replace(announced(info), **self.announce),
             ),
         )
 

@@ -60,6 +60,10 @@ MiB = 1 << 20
 # data plane progresses (here NIXL's own progress thread: the default).
 TCP = {"ucx_tls": "tcp", "store_canary": True}
 CMA = {"store_canary": True}
+# A consumer that reads tags back with a NIXL READ, as it does from a producer on
+# another host; by default one on this host reads them from the producer's memory
+# (`tag_peek`, ecshare/peer/peek.py).
+NIXL_TAGS = {"tag_peek": False}
 
 
 def _up(consumer: Consumer, address: str) -> None:
@@ -94,13 +98,20 @@ def _probe_copies(consumer: Consumer, address: str, put: Callable[[str, int], ob
     return consumer._links[address].copies_in_call
 
 
+@pytest.mark.parametrize("tags", ["peek", "nixl"])
 @pytest.mark.parametrize("data_plane", ["cma", "tcp"])
 def test_entry_committed_after_the_session_opened_is_read_with_no_request(
-    make_producer: MakeProducer, make_consumer: MakeConsumer, keyring: Keyring, data_plane: str
+    make_producer: MakeProducer,
+    make_consumer: MakeConsumer,
+    keyring: Keyring,
+    data_plane: str,
+    tags: str,
 ) -> None:
     dp = TCP if data_plane == "tcp" else CMA
     pnode, producer = make_producer(keyring.producer_config(), dp)
-    cnode, consumer = make_consumer(keyring.consumer_config(), dp)
+    cnode, consumer = make_consumer(
+        keyring.consumer_config(), {**dp, **(NIXL_TAGS if tags == "nixl" else {})}
+    )
     _up(consumer, producer.address)
     sizes = {"d-1": 1, "d-2": 65_537, "d-3": 4_505_600}
     for h, n in sizes.items():
@@ -117,8 +128,13 @@ def test_entry_committed_after_the_session_opened_is_read_with_no_request(
     counters = consumer.counter_snapshot()
     assert counters["direct_reads"] == len(sizes)
     assert "requests" not in counters and "direct_reads_stale" not in counters
-    # Together over DIGEST_MAX: checked by tags, all three back in one more READ.
-    assert counters["tag_reads"] == 1
+    if tags == "nixl":
+        # Together over DIGEST_MAX: checked by tags, all three back in one more READ.
+        assert counters["tag_reads"] == 1 and "tag_peeks" not in counters
+    else:
+        # The producer runs on this host: every tag read from its memory, the small
+        # entries' too (no digest taken), and no READ of tags at all.
+        assert counters["tag_peeks"] == 3 and "tag_reads" not in counters
     pcounters = dict(producer.counters)
     assert "granted" not in pcounters and "fetch_requests" not in pcounters
     assert pcounters["located"] == len(sizes)
@@ -142,21 +158,29 @@ def _result(future: Future[FetchResult], how: str) -> FetchResult:
 
 
 @pytest.mark.parametrize("how", ["network-thread", "lent", "read-here"])
-@pytest.mark.parametrize("n", [65_537, 3 * MiB + 5], ids=["by-digest", "by-tag"])
+@pytest.mark.parametrize(
+    ("n", "peek"),
+    [(65_537, False), (3 * MiB + 5, False), (MiB, True), (3 * MiB + 5, True)],
+    ids=["by-digest", "by-tag-read", "by-tag-peek", "over-digest-max-by-tag-peek"],
+)
 def test_stale_location_is_never_committed_and_the_fetch_asks_the_producer(
     make_producer: MakeProducer,
     make_consumer: MakeConsumer,
     keyring: Keyring,
     n: int,
+    peek: bool,
     how: str,
 ) -> None:
     """The entry is evicted and its blocks hold another's bytes by the time it is
     fetched: the direct READ reads the other entry, its digest (up to DIGEST_MAX)
     or its tag (above) shows it, nothing is committed, and the producer is asked
     (and says it is gone). The same when the READ is made on the caller's thread,
-    asked for (`read_here`) or lent to the fetch by blocking on its result."""
+    asked for (`read_here`) or lent to the fetch by blocking on its result; and with
+    the tag read from the producer's memory (`peek`), from `PEEK_OVER_DIGEST` up."""
     pnode, producer = make_producer(keyring.producer_config(), CMA)
-    cnode, consumer = make_consumer(keyring.consumer_config(), CMA)
+    cnode, consumer = make_consumer(
+        keyring.consumer_config(), CMA if peek else {**CMA, **NIXL_TAGS}
+    )
     _up(consumer, producer.address)
     put = lambda h, size: pnode.store.put(h, expected(h, size))  # noqa: E731
     assert _probe_copies(consumer, producer.address, put)  # on one host: lent when blocked on
@@ -176,7 +200,11 @@ def test_stale_location_is_never_committed_and_the_fetch_asks_the_producer(
     counters = consumer.counter_snapshot()
     assert "read_lent" not in counters  # the stale read committed nothing, wherever made
     assert counters["direct_reads"] == 2 and counters["direct_reads_stale"] == 1
-    assert counters.get("tag_reads", 0) == (1 if n > DIGEST_MAX else 0)
+    if peek:  # the probe's entry's tag, and the stale one's
+        assert counters["tag_peeks"] == 2 and "tag_reads" not in counters
+    else:
+        assert counters.get("tag_reads", 0) == (1 if n > DIGEST_MAX else 0)
+        assert "tag_peeks" not in counters
     assert counters["requests"] == 1  # the fallback asked the producer
     assert dict(producer.counters)["refused_missing"] == 1
     # The other entry's place is known and right: read directly, byte-exact.
@@ -584,8 +612,9 @@ def test_lying_locations_are_dropped_or_caught_and_the_fetch_is_granted(
     assert cnode.store.stats().canary_violations == 0
 
 
+@pytest.mark.parametrize("tags", ["peek", "nixl"])
 def test_a_tag_that_is_not_in_place_is_caught_and_a_bad_one_dropped(
-    fake_producer: FakeProducer, make_consumer: MakeConsumer, keyring: Keyring
+    fake_producer: FakeProducer, make_consumer: MakeConsumer, keyring: Keyring, tags: str
 ) -> None:
     fake = fake_producer
     n = MiB - 4096  # the fake's region is 1 MiB: the bytes, then a word at its end
@@ -593,7 +622,9 @@ def test_a_tag_that_is_not_in_place_is_caught_and_a_bad_one_dropped(
     word = (1 << 20) - 8
     fake.mm[:n] = data.tobytes()
     fake.mm[word:] = (41).to_bytes(8, "little")
-    cnode, consumer = make_consumer(keyring.consumer_config(), CMA)
+    cnode, consumer = make_consumer(
+        keyring.consumer_config(), {**CMA, **(NIXL_TAGS if tags == "nixl" else {})}
+    )
     _welcomed(fake, consumer)
 
     def tag(offset: int, value: int) -> p.Location:
@@ -613,7 +644,8 @@ def test_a_tag_that_is_not_in_place_is_caught_and_a_bad_one_dropped(
     assert cnode.store.get("t") is None  # nothing committed from the direct read
     counters = consumer.counter_snapshot()
     assert counters["direct_reads"] == 1, counters
-    assert counters.get("tag_reads") == 1 and counters.get("direct_reads_stale") == 1, counters
+    assert counters.get("direct_reads_stale") == 1, counters
+    assert counters.get("tag_reads" if tags == "nixl" else "tag_peeks") == 1, counters
     fake.server.send(fake.route, p.FetchReply(request_id=request.request_id, items=[_missing("t")]))
     with pytest.raises(FetchFailed):
         future.result(timeout=10)
@@ -630,7 +662,12 @@ def _missing(mm_hash: str) -> p.ItemReply:
 
 
 def _located_in_a_process(
-    spawn_producer: SpawnProducer, make_consumer: MakeConsumer, keyring: Keyring, h: str, n: int
+    spawn_producer: SpawnProducer,
+    make_consumer: MakeConsumer,
+    keyring: Keyring,
+    h: str,
+    n: int,
+    consumer_config: dict[str, Any] | None = None,
 ) -> tuple[ProducerProcess, Node, Consumer]:
     """A producer process over UCX TCP that a test may freeze, holding `h` (`n` bytes),
     and a consumer that gives a fetch up after 0.5 s and has heard where `h` lies."""
@@ -638,7 +675,7 @@ def _located_in_a_process(
     cnode, consumer = make_consumer(
         keyring.consumer_config(),
         TCP,
-        {"fetch_deadline_base_s": 0.5, "fetch_deadline_max_s": 0.5},
+        {"fetch_deadline_base_s": 0.5, "fetch_deadline_max_s": 0.5, **(consumer_config or {})},
     )
     _up(consumer, producer.address)
     assert producer.command(f"put {h} {n}") == {"put": h}
@@ -702,7 +739,9 @@ def test_producer_frozen_during_the_tag_read_keeps_its_slot_held_over_tcp(
     The freeze is timed by wrapping the consumer's real transport: the test stops
     the producer right before the tag READ (8 bytes at the tag's offset) is posted."""
     h, n = "frozen-at-tag", 8 * MiB
-    producer, cnode, consumer = _located_in_a_process(spawn_producer, make_consumer, keyring, h, n)
+    producer, cnode, consumer = _located_in_a_process(
+        spawn_producer, make_consumer, keyring, h, n, NIXL_TAGS
+    )
     transport = consumer._transport
     real_read = transport.read
     frozen: list[int] = []
@@ -744,7 +783,7 @@ def test_a_batchs_tags_come_back_in_one_descriptor_and_a_stale_one_is_caught(
     against its own word of it: the one whose blocks went to another entry falls
     back to the producer, the others are kept."""
     pnode, producer = make_producer(keyring.producer_config(), CMA)
-    cnode, consumer = make_consumer(keyring.consumer_config(), CMA)
+    cnode, consumer = make_consumer(keyring.consumer_config(), CMA, NIXL_TAGS)
     _up(consumer, producer.address)
     names, n = ["a", "b", "c", "d"], 2 * MiB
     entries = {h: pnode.store.put(h, expected(h, n)) for h in names}
@@ -797,7 +836,7 @@ def test_more_tags_in_a_pass_than_one_read_takes_come_back_in_several_reads(
     against its own entry's, and every entry lands whole."""
     monkeypatch.setattr("ecshare.peer.consumer.TAGS_PER_READ", 2)
     pnode, producer = make_producer(keyring.producer_config(), CMA)
-    cnode, consumer = make_consumer(keyring.consumer_config(), CMA)
+    cnode, consumer = make_consumer(keyring.consumer_config(), CMA, NIXL_TAGS)
     _up(consumer, producer.address)
     names, n = [f"t{i}" for i in range(5)], MiB + 8
     for h in names:
@@ -822,7 +861,7 @@ def test_a_full_landing_sends_direct_reads_to_the_producer_for_a_grant(
     direct read's bytes land, its tag cannot be read back, and the fetch asks the
     producer instead; once chunks are free again, tags are read as ever."""
     pnode, producer = make_producer(keyring.producer_config(), CMA)
-    cnode, consumer = make_consumer(keyring.consumer_config(), CMA)
+    cnode, consumer = make_consumer(keyring.consumer_config(), CMA, NIXL_TAGS)
     _up(consumer, producer.address)
     n = 2 * MiB
     pnode.store.put("h", expected("h", n))

@@ -127,7 +127,8 @@ class ChaosReport(msgspec.Struct, frozen=True):
     push_counters: dict[str, int] = msgspec.field(default_factory=dict)
     # Direct reads (a producer said where the entry lies; read with no grant, kept only
     # if checked), the consumers' counters summed (last seen, killed ones included):
-    # direct_reads, direct_reads_stale, direct_reads_failed, tag_reads.
+    # direct_reads, direct_reads_stale, direct_reads_failed, tag_reads, tag_peeks,
+    # tag_peeks_failed.
     direct_counters: dict[str, int] = msgspec.field(default_factory=dict)
 
 
@@ -169,7 +170,8 @@ def print_report(report: ChaosReport, out: TextIO = sys.stdout) -> None:
     w(
         f"  direct reads          {direct.get('direct_reads', 0)} (stale "
         f"{direct.get('direct_reads_stale', 0)}, failed {direct.get('direct_reads_failed', 0)}, "
-        f"tags read back {direct.get('tag_reads', 0)})\n"
+        f"READs of tags {direct.get('tag_reads', 0)}, tags read from producers' memory "
+        f"{direct.get('tag_peeks', 0)}, failed {direct.get('tag_peeks_failed', 0)})\n"
     )
     faults = ", ".join(f"{k} {v}" for k, v in sorted(report.faults.items()) if v) or "none"
     w(f"  faults injected       {faults}\n")

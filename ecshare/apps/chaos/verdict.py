@@ -18,7 +18,14 @@ from ecshare.apps.chaos.soak import SoakSampling
 
 # The consumers' counters of direct reads a report sums (`ChaosReport.direct_counters`).
 DIRECT_COUNTERS = frozenset(
-    {"direct_reads", "direct_reads_stale", "direct_reads_failed", "tag_reads"}
+    {
+        "direct_reads",
+        "direct_reads_stale",
+        "direct_reads_failed",
+        "tag_reads",
+        "tag_peeks",
+        "tag_peeks_failed",
+    }
 )
 
 
