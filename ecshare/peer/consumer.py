@@ -145,12 +145,13 @@ EXPOSED_MODES = ("pushed", "pulled")
 # timeout) lends its thread to the fetch's direct read (`_Fetching`): a READ made
 # there cannot be cut short, so a shorter wait is left to the network thread.
 LEND_MIN_WAIT_S = 1.0
-# ...and only to reads from a producer whose last READ of at least this much ended
-# inside the read call (`PeerLink.copies_in_call`), over a transport that may copy
-# inside the call at all (`DataTransport.may_copy_in_call`). On one host (cross-memory
-# attach) every READ does; across hosts they do not, and the network thread would end
-# the READ anyway. Over UCX TCP on loopback some do, but lending there was measured to
-# slow the bench's raw READs of the same producer (64 KiB: 0.3-0.6 ms to 1.4-3.6 ms).
+# ...and only to reads from a producer on this host (its memory readable from here:
+# `PeerLink.peek`), or whose last READ of at least this much ended inside the read
+# call (`PeerLink.copies_in_call`), over a transport that may copy inside the call at
+# all (`DataTransport.may_copy_in_call`). On one host (cross-memory attach) every READ
+# does; across hosts they do not, and the network thread would end the READ anyway.
+# Over UCX TCP on loopback some do, but lending there was measured to slow the
+# bench's raw READs of the same producer (64 KiB: 0.3-0.6 ms to 1.4-3.6 ms).
 _COPY_PROBE_BYTES = 1 << 20
 # A lone entry over this size, from a producer whose tags are read from its memory
 # (`PeerLink.peek`), is checked by its tag rather than its digest: after an idle
@@ -375,10 +376,11 @@ class Consumer(NetworkThread):
         direct reads are still queued makes them on its own thread, as `read_here`
         does, instead of waiting for the network thread to make them and hand the
         results back; it was going to wait anyway. Only where a READ is a copy
-        inside the read call (a producer on this host, its last READ of a MiB or
-        more ended in the call). A caller that never blocks on a future (an
-        engine's scheduler, polling `done()` or waiting with
-        `concurrent.futures.wait`) leaves every READ to the network thread.
+        inside the read call (a producer on this host: its memory readable from
+        here, or its last READ of a MiB or more ended in the call). A caller that
+        never blocks on a future (an engine's scheduler, polling `done()` or
+        waiting with `concurrent.futures.wait`) leaves every READ to the network
+        thread.
 
         `read_here`: for a caller that will wait for the results anyway, and whose
         thread no engine step waits on. When the network thread is idle, the

@@ -89,9 +89,11 @@ class PeerLink:
         self.renews = False
         self.releases_in_request = False  # Releases may ride in a FetchRequest
         self.direct = False  # the producer tells where entries lie (`p.Located`)
-        # Its last READ of at least a MiB ended inside the read call, on a transport
-        # that may copy inside it (one host): what a caller's thread lent to a fetch
-        # can make there (`Consumer._lend`). Never set where the transport cannot.
+        # The producer is on this host (`peek`), or its last READ of at least a MiB
+        # ended inside the read call, on a transport that may copy inside it: what a
+        # caller's thread lent to a fetch can make there (`Consumer._lend`). Never set
+        # where the transport cannot; a READ of a MiB that does not end in the call
+        # unsets it.
         self.copies_in_call = False
         # The producer's region read straight from its memory, where it runs on this
         # host: how a direct read's tag is checked (`ecshare.peer.peek`).
@@ -180,9 +182,12 @@ class PeerLink:
             self.renews = p.CAP_RENEW in msg.capabilities
             self.releases_in_request = p.CAP_RELEASE_IN_REQUEST in msg.capabilities
             self.direct = self._config.direct_reads and p.CAP_READ_DIRECT in msg.capabilities
-            self.copies_in_call = False  # until a READ of this session's says so
             self._drop_peek()
             self.peek = Peek.open(dp) if self.direct and self._config.tag_peek else None
+            # A producer whose memory this process reads is on this host: over a
+            # transport that may copy inside the call, its READs do (cross-memory
+            # attach needs what the reader needed). Else: until a READ says so.
+            self.copies_in_call = self.peek is not None and self._transport.may_copy_in_call
             # Ping at least as often as the producer pings its own side: it judges
             # our liveness on its own heartbeat settings.
             self._ping_interval_s = min(

@@ -274,3 +274,41 @@ def test_a_lone_small_entry_is_checked_by_its_digest_and_a_larger_one_by_its_tag
         peeks = consumer.counter_snapshot().get("tag_peeks", 0)
         assert peeks == (0 if h == "small" else 1), (h, peeks)
     assert "tag_reads" not in consumer.counter_snapshot()
+
+
+@pytest.mark.parametrize("tag_peek", [True, False])
+def test_a_fresh_session_to_a_producer_on_this_host_lends_from_its_first_fetch(
+    make_producer: MakeProducer,
+    make_consumer: MakeConsumer,
+    keyring: Keyring,
+    tag_peek: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A producer whose memory this process reads is on this host, so its READs end
+    inside the read call (cross-memory attach): a caller blocking on the first
+    fetches of a session, 64 KiB each, makes their READs on its own thread. Without
+    that reader, nothing is lent until a READ of a MiB has ended inside the call."""
+    pnode, producer = make_producer(keyring.producer_config())
+    cnode, consumer = make_consumer(keyring.consumer_config(), {"tag_peek": tag_peek})
+    consumer.connect([producer.address])
+    assert wait_until(lambda: [x.up for x in consumer.peer_liveness()] == [True], 10.0)
+    assert wait_until(lambda: not consumer._warming, 5.0)
+    link = consumer._links[producer.address]
+    assert (link.peek is not None) is tag_peek
+    assert link.copies_in_call is tag_peek  # before any fetch
+    names = [f"small-{i}" for i in range(4)]  # no READ of a MiB, ever
+    for h in names:
+        pnode.store.put(h, expected(h, 64 << 10))
+    assert wait_until(lambda: consumer.counter_snapshot().get("locations_heard", 0) >= 4, 5.0)
+    # The network thread left unwoken, so that the caller is first to the lock (it may
+    # still wake for a timer of its own: the race of the two is test_peer_direct.py's).
+    assert consumer._waker is not None
+    monkeypatch.setattr(consumer._waker, "wake", lambda: None)
+
+    for h in names:
+        result = consumer.fetch([h], [producer.address])[0].result(timeout=10)
+        assert result.attempts == 0
+        np.testing.assert_array_equal(stored_bytes(cnode, h), expected(h, 64 << 10))
+
+    lent = consumer.counter_snapshot().get("read_lent", 0)
+    assert lent >= len(names) - 1 if tag_peek else lent == 0, consumer.counter_snapshot()
