@@ -73,6 +73,7 @@ import weakref
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from concurrent.futures._base import RUNNING as _RUNNING
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -200,9 +201,9 @@ class _Fetching(Future[FetchResult]):
     `LEND_MIN_WAIT_S` (a READ made on its thread cannot be cut short), is never
     lent."""
 
-    def __init__(self, lend: weakref.WeakMethod[Callable[[], None]]) -> None:
+    def __init__(self, consumer: weakref.ref[Consumer]) -> None:
         super().__init__()
-        self._lend = lend  # weak: a future kept after its consumer is gone lends nothing
+        self._consumer = consumer  # weak: a future kept after its consumer is gone lends nothing
 
     def result(self, timeout: float | None = None) -> FetchResult:
         self._lent(timeout)
@@ -213,10 +214,12 @@ class _Fetching(Future[FetchResult]):
         return super().exception(timeout)
 
     def _lent(self, timeout: float | None) -> None:
-        if (timeout is None or timeout >= LEND_MIN_WAIT_S) and not self.done():
-            lend = self._lend()
-            if lend is not None:
-                lend()
+        # Its state read unlocked (`done()` takes the future's lock): one that ends
+        # meanwhile finds nothing queued to lend to. This runs cold, after an idle gap.
+        if (timeout is None or timeout >= LEND_MIN_WAIT_S) and self._state == _RUNNING:
+            consumer = self._consumer()
+            if consumer is not None:
+                consumer._lend()
 
 
 @dataclass(frozen=True)
@@ -306,7 +309,7 @@ class Consumer(NetworkThread):
         # Held by the network thread for everything but its wait in poll, so that a
         # caller who finds it free may send its own requests (`_send_now`).
         self._net_lock = threading.Lock()
-        self._lend_ref = weakref.WeakMethod(self._lend)  # for each fetch's `_Fetching`
+        self._weak = weakref.ref(self)  # for each fetch's `_Fetching`
         self._serving = False  # under _net_lock: the network thread's loop runs
         self._incoming: collections.deque[Transfer] = collections.deque()
         self._connects: list[str] = []  # endpoints `connect` asked for, not yet seen to
@@ -394,10 +397,12 @@ class Consumer(NetworkThread):
             raise RuntimeError("consumer not started")
         now = time.monotonic()
         futures: list[Future[FetchResult]] = []
+        located = False
         with self._lock:
             for raw in items:
                 item = FetchItem(raw) if isinstance(raw, str) else raw
                 futures.append(self._start_one(item, tuple(item.peers or peers), now))
+                located = located or item.mm_hash in self._located
             queued = bool(self._incoming)
         if queued and read_here and self._waker is not None:
             ended = self._read_here()
@@ -407,10 +412,12 @@ class Consumer(NetworkThread):
                 return futures
         # Sent from here or not, the network thread wakes: to send it, or to wait for
         # its answer awake (`_spin_until`) while it is on the way.
+        # A located entry is read directly, by the network thread (or a lent caller),
+        # never asked for: nothing to send from here.
         if (
             queued
             and self._waker is not None
-            and (not self._send_now() or self._config.reply_spin_s > 0)
+            and (located or not self._send_now() or self._config.reply_spin_s > 0)
         ):
             self._waker.wake()
         return futures
@@ -523,7 +530,7 @@ class Consumer(NetworkThread):
             if item.hold is not None:
                 running.holds.append(item.hold)  # the network thread reads it at commit
             return running.future
-        future: Future[FetchResult] = _Fetching(self._lend_ref)
+        future: Future[FetchResult] = _Fetching(self._weak)
         future.set_running_or_notify_cancel()
         entry = self._store.get(item.mm_hash)
         if entry is not None and entry.state is EntryState.READY and self._held(item):

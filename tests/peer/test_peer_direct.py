@@ -400,11 +400,11 @@ def test_a_fetch_future_lends_only_while_its_consumer_lives(
     lent: list[int] = []
 
     class Owner:
-        def lend(self) -> None:
+        def _lend(self) -> None:
             lent.append(1)
 
     owner = Owner()
-    future = consumer_module._Fetching(weakref.WeakMethod(owner.lend))
+    future = consumer_module._Fetching(weakref.ref(owner))  # type: ignore[arg-type]
     future.set_running_or_notify_cancel()
     with pytest.raises(TimeoutError):
         future.result(timeout=0.05)
@@ -420,7 +420,7 @@ def test_a_fetch_future_lends_only_while_its_consumer_lives(
     with pytest.raises(TimeoutError):
         future.result(timeout=0.05)
     assert lent == [1, 1]  # its consumer is gone
-    done = consumer_module._Fetching(weakref.WeakMethod(Owner().lend))
+    done = consumer_module._Fetching(weakref.ref(Owner()))  # type: ignore[arg-type]
     done.set_running_or_notify_cancel()
     done.set_exception(FetchFailed("x", FailureReason.MISSING))
     assert isinstance(done.exception(), FetchFailed)
