@@ -109,7 +109,6 @@ SAMPLES = {
 }
 LATENCY_SAMPLES = (2000, 400)  # full, quick
 WARMUP = 3
-FETCH_TIMEOUT_S = 30.0
 TARGET_SINGLE_RATIO = 0.8  # single fetch of >= 4 MiB against raw NIXL
 TARGET_SINGLE_MIN_BYTES = 4 * MiB
 TARGET_BATCH_RATIO = 0.9
@@ -349,7 +348,7 @@ def _bench_size(
     mem_pairs = [(memcpy_dst[i * size : (i + 1) * size], raw_src[i]) for i in range(batch)]
 
     # The first fetch also checks the bytes: the figures are of real transfers.
-    b.consumer.fetch([hashes[0]], b.peers)[0].result(timeout=FETCH_TIMEOUT_S)
+    await_fetches(b.consumer.fetch([hashes[0]], b.peers, read_here=b.read_here), b.hand_off)
     b.check_fetched(hashes[0], fill_value(0))
     b.node.store.remove(hashes[0])
     b.raw_read([raw_reads[1]])
