@@ -73,9 +73,10 @@ import weakref
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from concurrent.futures._base import FINISHED as _FINISHED
 from concurrent.futures._base import RUNNING as _RUNNING
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import zmq
 
@@ -207,6 +208,11 @@ class _Fetching(Future[FetchResult]):
 
     def result(self, timeout: float | None = None) -> FetchResult:
         self._lent(timeout)
+        # A fetch that has ended well (the lent one, most often) is answered without
+        # the future's lock: its result is set before its state, once, and never
+        # changes. This too runs cold, after the copy.
+        if self._state == _FINISHED and self._exception is None:
+            return cast(FetchResult, self._result)
         return super().result(timeout)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
@@ -437,11 +443,11 @@ class Consumer(NetworkThread):
                 return None
             taken = self._take_incoming()
             self._dispatch_direct(time.monotonic())
+            self._deliver()  # first: the caller waits for it, not for the counts
             ended = [t for t in taken if t.state in (TransferState.DONE, TransferState.FAILED)]
             here = sum(t.state is TransferState.DONE for t in ended)
             if here:
                 self._count_add("read_lent" if lent else "read_here", here)
-            self._deliver()
             return len(ended) == len(taken)
         finally:
             self._net_lock.release()
