@@ -204,6 +204,9 @@ class _Fetching(Future[FetchResult]):
 
     def __init__(self, consumer: weakref.ref[Consumer]) -> None:
         super().__init__()
+        # Running from the start (no executor queues it), set as
+        # `set_running_or_notify_cancel` would, without its lock: this runs cold.
+        self._state = _RUNNING
         self._consumer = consumer  # weak: a future kept after its consumer is gone lends nothing
 
     def result(self, timeout: float | None = None) -> FetchResult:
@@ -537,7 +540,6 @@ class Consumer(NetworkThread):
                 running.holds.append(item.hold)  # the network thread reads it at commit
             return running.future
         future: Future[FetchResult] = _Fetching(self._weak)
-        future.set_running_or_notify_cancel()
         entry = self._store.get(item.mm_hash)
         if entry is not None and entry.state is EntryState.READY and self._held(item):
             self._count("local_hits")

@@ -405,7 +405,7 @@ def test_a_fetch_future_lends_only_while_its_consumer_lives(
 
     owner = Owner()
     future = consumer_module._Fetching(weakref.ref(owner))  # type: ignore[arg-type]
-    future.set_running_or_notify_cancel()
+    assert future.running()  # from the start, as every fetch's
     with pytest.raises(TimeoutError):
         future.result(timeout=0.05)
     assert lent == [1]
@@ -421,7 +421,6 @@ def test_a_fetch_future_lends_only_while_its_consumer_lives(
         future.result(timeout=0.05)
     assert lent == [1, 1]  # its consumer is gone
     done = consumer_module._Fetching(weakref.ref(Owner()))  # type: ignore[arg-type]
-    done.set_running_or_notify_cancel()
     done.set_exception(FetchFailed("x", FailureReason.MISSING))
     assert isinstance(done.exception(), FetchFailed)
     assert lent == [1, 1]
