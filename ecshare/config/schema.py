@@ -140,8 +140,11 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
             "where the producer runs on "
             "this host (the same boot ID and PID namespace, told in its handshake) and its "
             "memory can be read from this process (the permission cross-memory attach needs "
-            "too). Entries with a tag are then checked by it whatever their size (the "
-            "consumer takes no digest of a small one). Anywhere else, or where the read "
+            "too). Each entry over 256 KiB, and every entry of a fetch of more than 1 MiB in "
+            "all, is then checked by its tag (a smaller one by its digest, cheaper there), "
+            "and a caller that "
+            "blocks on a fetch lends its thread from the session's first fetch. Anywhere "
+            "else, or where the read "
             "fails, the tag is read back over NIXL as without it.",
         ),
     ] = True
