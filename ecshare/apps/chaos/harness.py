@@ -97,12 +97,17 @@ class ChaosRun(Verdict):
                 break
             if not o.soak_s and self.tally.attempted >= self.budget:
                 missing = [k for k in o.faults if not self.faults[k]]
-                if extended and not missing and now - started <= o.every_fault_within_s:
-                    # The last kind has only just struck, and every fetch so far may
-                    # have met it or the ones before (a producer frozen before the
-                    # sessions were up fails them all at once): the load goes on until
-                    # a fetch is served after it, to show the system serving again
-                    # after the faults, not only failing cleanly under them.
+                if (
+                    (extended or (o.faults and not self.tally.delivered))
+                    and not missing
+                    and now - started <= o.every_fault_within_s
+                ):
+                    # The last kind has only just struck, or none of the fetches was
+                    # served yet, and every fetch so far may have met the faults (a
+                    # producer frozen before the sessions were up fails them all at
+                    # once, and fast): the load goes on until a fetch is served after
+                    # that, to show the system serving again after the faults, not
+                    # only failing cleanly under them.
                     if delivered_at_last_kind is None:
                         delivered_at_last_kind = self.tally.delivered
                     recovering = self.tally.delivered <= delivered_at_last_kind
