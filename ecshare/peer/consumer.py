@@ -1198,8 +1198,7 @@ class Consumer(NetworkThread):
             return False
         words = link.peek.words([t.tag_offset for t in batch])
         if words is None:
-            link.peek.close()  # the producer's memory is out of reach from here
-            link.peek = None
+            link.drop_peek()  # the producer's memory is out of reach from here
             self._count("tag_peeks_failed")
             return False
         self._count_add("tag_peeks", len(batch))

@@ -182,7 +182,7 @@ class PeerLink:
             self.renews = p.CAP_RENEW in msg.capabilities
             self.releases_in_request = p.CAP_RELEASE_IN_REQUEST in msg.capabilities
             self.direct = self._config.direct_reads and p.CAP_READ_DIRECT in msg.capabilities
-            self._drop_peek()
+            self.drop_peek()
             self.peek = Peek.open(dp) if self.direct and self._config.tag_peek else None
             # A producer whose memory this process reads is on this host: over a
             # transport that may copy inside the call, its READs do (cross-memory
@@ -305,11 +305,12 @@ class PeerLink:
         if self.agent:
             self._transport.remove_peer(self.agent)
             self.agent = ""
-        self._drop_peek()
+        self.drop_peek()
         if self.state is not PeerLinkState.QUARANTINED:
             self.state = PeerLinkState.IDLE
 
-    def _drop_peek(self) -> None:
+    def drop_peek(self) -> None:
+        """Close the reader of the producer's memory, if any: tags are READ from then on."""
         if self.peek is not None:
             self.peek.close()
             self.peek = None

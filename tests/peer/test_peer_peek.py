@@ -43,7 +43,6 @@ from ecshare.peer.peek import Peek, host_identity
 pytestmark = pytest.mark.timeout(90)
 
 MiB = 1 << 20
-NIXL_TAGS = {"tag_peek": False}
 
 # A child that holds 16 KiB of known words (word i is 7 * i + 1) and prints where
 # they lie.
