@@ -78,6 +78,7 @@ from concurrent.futures._base import RUNNING as _RUNNING
 from dataclasses import dataclass
 from typing import TypeVar, cast
 
+import msgspec
 import zmq
 
 from ecshare import protocol as p
@@ -271,8 +272,7 @@ class LatencyHistogram:
     sum_s: float
 
 
-@dataclass(frozen=True)
-class FetchItem:
+class FetchItem(msgspec.Struct, frozen=True):
     """One item to fetch. `nbytes` (when known) scales the deadline before a grant.
 
     `hold` is a pin the caller wants on the entry from the moment it is READY

@@ -16,8 +16,9 @@ from __future__ import annotations
 import enum
 import math
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Final
+
+import msgspec
 
 from ecshare.errors import ECShareError, IllegalTransition
 from ecshare.store import Entry, Hold
@@ -84,8 +85,10 @@ class FetchFailed(ECShareError):
         self.detail = detail
 
 
-@dataclass(frozen=True)
-class FetchResult:
+# The records of one fetch are msgspec Structs, built in C: a fetch makes each once,
+# on a path that runs cold after an idle gap (a dataclass's generated __init__
+# took 11 to 18 us there, against 3 to 6 us for the Struct).
+class FetchResult(msgspec.Struct, frozen=True):
     mm_hash: str
     nbytes: int
     dtype: str
@@ -118,8 +121,7 @@ LATENCY_BUCKETS_S: Final = (
 )
 
 
-@dataclass(eq=False)
-class Transfer:
+class Transfer(msgspec.Struct, eq=False):
     mm_hash: str
     future: Future[FetchResult]
     candidates: list[str]  # peer endpoints, in preference order
@@ -145,11 +147,11 @@ class Transfer:
     lease_end: float = math.inf
     renew_at: float = math.inf  # when to ask for more, if still reading
     renew_sent: float = 0.0  # when the outstanding Renew went out (0: none)
-    remote_extents: list[tuple[int, int]] = field(default_factory=list)
+    remote_extents: list[tuple[int, int]] = msgspec.field(default_factory=list)
     read_handle: object | None = None
     dest: Entry | None = None  # the local entry being written
-    reasons: list[FailureReason] = field(default_factory=list)  # per failed peer
-    holds: list[Hold] = field(default_factory=list)  # pins to take as it commits
+    reasons: list[FailureReason] = msgspec.field(default_factory=list)  # per failed peer
+    holds: list[Hold] = msgspec.field(default_factory=list)  # pins to take as it commits
     holds_taken: int = 0  # of `holds`, those a push's commit took
     # A push of the item is expected or reserved: not requested before `not_before`.
     awaiting_push: bool = False
