@@ -766,7 +766,6 @@ class Consumer(NetworkThread):
         self._deliver()
         spin_until = self._spin_until(now) if timeout_ms else 0.0
         self._net_lock.release()  # a caller may send its own requests meanwhile
-        held = False
         try:
             events = {}
             while time.monotonic() < spin_until:
@@ -776,28 +775,8 @@ class Consumer(NetworkThread):
                 time.sleep(0)  # the shortest nap there is; the GIL goes meanwhile
             if not events:
                 events = dict(poller.poll(timeout_ms))
-            # Woken by fetch() while a caller holds the lock, lent to that fetch's READ
-            # (`_lend`): this thread steps aside rather than queue on the lock, if the
-            # lender has taken every queued fetch (the waker cleared first, then the
-            # queue looked at: a fetch queued after that wakes it again). A lender
-            # that leaves anything wakes it; one that does not releases a lock no one
-            # waits on, and its caller does not pay for waking this thread (10 us
-            # after a READ of 16 MiB here). Sockets with something to read it never
-            # leaves: it queues on the lock for them, as ever.
-            waker_only = {self._waker.fileno(): zmq.POLLIN}
-            while events == waker_only:
-                held = self._net_lock.acquire(blocking=False)
-                if held:
-                    break
-                self._waker.clear()
-                with self._lock:
-                    queued = bool(self._incoming)
-                if queued:
-                    break
-                events = dict(poller.poll(max(0, math.ceil((wake_at - time.monotonic()) * 1000))))
         finally:
-            if not held:
-                self._net_lock.acquire()
+            self._net_lock.acquire()
         if self.phases is not None:
             self._woke_at = time.monotonic()
         # zmq.Poller reports a non-socket (the waker) by its file descriptor.

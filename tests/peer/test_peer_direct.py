@@ -16,11 +16,8 @@ a real NIXL data plane) where the producer must lie.
 from __future__ import annotations
 
 import gc
-import linecache
 import os
-import select
 import signal
-import sys
 import threading
 import time
 import weakref
@@ -391,60 +388,6 @@ def test_a_caller_blocking_on_the_result_lends_its_thread_to_the_direct_read(
     assert consumer.fenced_reads()[0] == 0
     assert cnode.store.stats().canary_violations == 0
     cnode.store.check_invariants()
-
-
-def test_a_network_thread_woken_while_a_caller_lends_steps_aside_yet_serves_what_is_queued(
-    make_producer: MakeProducer,
-    make_consumer: MakeConsumer,
-    keyring: Keyring,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The network thread, woken by fetch() while a lending caller holds its lock with
-    nothing left queued, goes back to its poll instead of queueing on the lock (so the
-    lender's release wakes no one). A fetch queued meanwhile still wakes it, and it
-    then waits for the lock and serves that fetch. The test's own thread holds the
-    lock as a lender would, and the network thread has no timer due within the test's
-    waits, so a wake-up lost on the way would leave the fetch unserved."""
-    monkeypatch.setattr(consumer_module, "_MAX_IDLE_S", 60.0)
-    quiet = {**CMA, "heartbeat_interval_s": 30.0, "heartbeat_timeout_s": 60.0}  # no timer
-    pnode, producer = make_producer(keyring.producer_config(), quiet)
-    cnode, consumer = make_consumer(keyring.consumer_config(), quiet)
-    consumer.connect([producer.address])  # (its warm-up block is given back on a later pass)
-    assert wait_until(lambda: [x.up for x in consumer.peer_liveness()] == [True], 10.0)
-    h = "queued-behind-a-lender"
-    pnode.store.put(h, expected(h, MiB))
-    assert _located(consumer, 1)
-    waker = consumer._waker
-    assert waker is not None and consumer._thread is not None
-    thread = consumer._thread.ident
-
-    def at(text: str) -> Callable[[], bool]:
-        """The network thread is at a line of `_wait` that holds `text`."""
-
-        def check() -> bool:
-            frame = sys._current_frames().get(thread or 0)
-            while frame is not None and frame.f_code.co_name != "_wait":
-                frame = frame.f_back
-            return frame is not None and text in linecache.getline(
-                frame.f_code.co_filename, frame.f_lineno
-            )
-
-        return check
-
-    assert wait_until(at("poller.poll("), 5.0)
-    with consumer._net_lock:  # a caller lent to a READ, with every fetch taken
-        waker.wake()
-        # Stepped aside: the wake-up consumed and the thread back in its poll.
-        assert wait_until(lambda: not select.select([waker], [], [], 0)[0], 5.0)
-        assert wait_until(at("poller.poll("), 5.0)
-        future = consumer.fetch([h], [producer.address])[0]  # wakes it: it queues now
-        assert wait_until(at("self._net_lock.acquire()"), 5.0)
-        assert not future.done()  # nothing moves while the lock is held
-    done, _ = wait([future], timeout=10)  # as a scheduler waits: nothing is lent
-    assert done == {future}
-    assert future.result(timeout=0).nbytes == MiB
-    np.testing.assert_array_equal(stored_bytes(cnode, h), expected(h, MiB))
-    assert "read_lent" not in consumer.counter_snapshot()
 
 
 def test_a_fetch_future_lends_only_while_its_consumer_lives(
