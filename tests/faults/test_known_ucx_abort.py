@@ -1,7 +1,8 @@
 """The one death of a producer the chaos harness forgives: UCX 1.23's abort over TCP
-after a stop during which a consumer was SIGKILLed (docs/RELIABILITY.md, "Crashes
-seen"). It is told from every other death by all of its signs at once, counted in
-the report and restarted; anything else stays a crash.
+soon after the producer resumed from a stop around which a consumer went away
+(SIGKILLed or stopped, while it was stopped or shortly before; docs/RELIABILITY.md,
+"Crashes seen"). It is told from every other death by all of its signs at once,
+counted in the report and restarted; anything else stays a crash.
 """
 
 from __future__ import annotations
@@ -14,7 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from ecshare.apps.chaos.crashes import Kill, Stop, ucx_abort_evidence
+from ecshare.apps.chaos.crashes import (
+    AFTER_RESUME_S,
+    BEFORE_STOP_S,
+    Kill,
+    Stop,
+    ucx_abort_evidence,
+)
 from ecshare.apps.chaos.options import ChaosOptions
 
 ABORT = -signal.SIGABRT
@@ -26,9 +33,11 @@ UCX_STDERR = (
     "==== backtrace (tid:  48230) ====\n"
     " 0  /nixl/.libs/libucs.so.0(ucs_handle_error+0x2e4) [0x7f3a1c2b6f34]\n"
 )
-# A producer frozen mid-push from 10.0 s to 13.5 s; consumer 2 killed mid-push meanwhile.
+# A producer frozen mid-push from 10.0 s to 13.5 s; consumer 2 killed mid-push meanwhile;
+# the producer dead 0.3 s after it resumed.
 FROZEN = Stop("freeze_producer_mid_push", 10.0, 13.5)
 KILLED = Kill("kill_consumer_mid_push", "consumer 2 (pid 48199)", 11.2)
+DIED = 13.8
 
 
 def _evidence(
@@ -38,9 +47,15 @@ def _evidence(
     transport: str = "tcp",
     stops: tuple[Stop, ...] = (FROZEN,),
     kills: tuple[Kill, ...] = (KILLED,),
+    died_at_s: float = DIED,
 ) -> str | None:
     return ucx_abort_evidence(
-        exitcode=exitcode, stderr=stderr, transport=transport, stops=stops, kills=kills
+        exitcode=exitcode,
+        stderr=stderr,
+        transport=transport,
+        stops=stops,
+        kills=kills,
+        died_at_s=died_at_s,
     )
 
 
@@ -48,14 +63,39 @@ def test_the_known_abort_is_sigabrt_the_ucx_line_tcp_and_a_consumer_killed_durin
     evidence = _evidence()
     assert evidence is not None
     assert "ucp_request.inl:356  Fatal: unexpected error: Endpoint timeout" in evidence
+    assert "at 13.800 s" in evidence
     assert "freeze_producer_mid_push 10.000-13.500 s" in evidence
-    assert "consumer 2 (pid 48199) SIGKILLed by kill_consumer_mid_push at 11.200 s" in evidence
-    # Every stop kind and consumer kill kind of the harness counts, among others.
+    assert "consumer 2 (pid 48199) ended by kill_consumer_mid_push at 11.200 s" in evidence
+    # Every stop kind and consumer end kind of the harness counts, among others.
     for stop_kind in ("pause_producer", "freeze_producer_mid_read", "readd_peer"):
-        for kill_kind in ("kill_consumer", "kill_consumer_mid_push"):
+        for kill_kind in ("kill_consumer", "kill_consumer_mid_push", "shrink_push_deadline"):
             stops = (Stop("pause_producer", 1.0, 2.0), Stop(stop_kind, 5.0, 8.0))
             kills = (Kill(kill_kind, "consumer 1", 0.5), Kill(kill_kind, "consumer 3", 8.0))
-            assert _evidence(stops=stops, kills=kills) is not None, (stop_kind, kill_kind)
+            assert _evidence(stops=stops, kills=kills, died_at_s=8.4) is not None, (
+                stop_kind,
+                kill_kind,
+            )
+
+
+def test_a_consumer_gone_shortly_before_the_stop_or_stopped_during_it_counts_too() -> None:
+    """As seen in chaos runs over TCP: a consumer SIGKILLed 0.75 s (and about 2 s)
+    before the producer's stop began, with pushes to it in flight; a consumer
+    stopped and replaced while the producer was stopped."""
+    shortly_before = Kill("kill_consumer_mid_push", "consumer 1", 10.0 - 0.75)
+    assert _evidence(kills=(shortly_before,)) is not None
+    assert _evidence(kills=(Kill("kill_consumer", "consumer 1", 8.0),)) is not None
+    replaced = Kill("shrink_push_deadline", "consumer 2", 12.8)
+    evidence = _evidence(kills=(replaced,))
+    assert evidence is not None and "ended by shrink_push_deadline at 12.800 s" in evidence
+    # The bound: up to BEFORE_STOP_S before the stop.
+    assert _evidence(kills=(Kill("kill_consumer", "consumer 1", 10.0 - BEFORE_STOP_S),))
+    assert not _evidence(kills=(Kill("kill_consumer", "consumer 1", 9.99 - BEFORE_STOP_S),))
+
+
+def test_a_death_long_after_the_resume_is_a_crash() -> None:
+    assert _evidence(died_at_s=13.5 + AFTER_RESUME_S) is not None
+    assert _evidence(died_at_s=13.51 + AFTER_RESUME_S) is None
+    assert _evidence(died_at_s=13.4) is None  # still stopped: it cannot have run
 
 
 def test_a_death_by_another_signal_or_exit_code_is_a_crash() -> None:
@@ -86,14 +126,14 @@ def test_the_ucx_line_over_cross_memory_attach_is_a_crash() -> None:
     assert _evidence(transport="cma") is None
 
 
-def test_no_consumer_killed_while_the_producer_was_stopped_is_a_crash() -> None:
+def test_no_consumer_gone_around_the_stop_is_a_crash() -> None:
     assert _evidence(kills=()) is None
     assert _evidence(stops=()) is None
-    before = Kill("kill_consumer", "consumer 2", 9.9)
-    after = Kill("kill_consumer_mid_push", "consumer 2", 13.6)
-    assert _evidence(kills=(before, after)) is None
-    # A consumer stopped cleanly is not killed; a consumer stop is not a producer's.
-    assert _evidence(kills=(Kill("shrink_push_deadline", "consumer 2", 11.2),)) is None
+    long_before = Kill("kill_consumer", "consumer 2", 4.9)  # 5.1 s before the stop
+    after = Kill("kill_consumer_mid_push", "consumer 2", 13.6)  # after the resume
+    assert _evidence(kills=(long_before, after)) is None
+    # A fault that ends no consumer, and a consumer's stop rather than a producer's.
+    assert _evidence(kills=(Kill("fill_consumer_region", "consumer 2", 11.2),)) is None
     assert _evidence(stops=(Stop("freeze_consumer_mid_push", 10.0, 13.5),)) is None
 
 
@@ -116,11 +156,11 @@ def test_a_producer_dead_of_the_ucx_abort_is_restarted_and_counted_and_any_other
         run._stopped(producer, "pause_producer")
         if killed_while_stopped:
             consumer.kill()
-            run._consumer_killed(consumer, "kill_consumer")
+            run._consumer_ended(consumer, "kill_consumer")
         run._resume(producer)
         if not killed_while_stopped:
             consumer.kill()
-            run._consumer_killed(consumer, "kill_consumer")
+            run._consumer_ended(consumer, "kill_consumer")
         # The abort, as UCX does it: its line on file descriptor 2, then SIGABRT.
         with open(f"/proc/{producer.pid}/fd/2", "w") as stderr:
             stderr.write(

@@ -137,7 +137,7 @@ class Fleet(PushFaults):
         if victim.answers():
             self._stats(victim)  # its last word on writes after free
         victim.kill()
-        self._consumer_killed(victim, "kill_consumer")
+        self._consumer_ended(victim, "kill_consumer")
         self.log(f"kill_consumer {victim.name}")
         self.retired.append(victim)
         self._retire_consumer(victim)
@@ -223,7 +223,7 @@ class Fleet(PushFaults):
             child.killed = True
             child.signal(signal.SIGKILL)
             if child.role == "consumer":
-                self._consumer_killed(child, event.kind)
+                self._consumer_ended(child, event.kind)
             return
         if event.frozen:
             child.paused = True

@@ -205,11 +205,12 @@ class Processes(RunState):
             transport=self.o.ucx_tls,
             stops=child.stops,
             kills=self.consumer_kills,
+            died_at_s=self.clock(),
         )
 
     def _known_ucx_abort(self, child: Child, evidence: str) -> None:
-        """UCX 1.23's abort in a producer resumed after a consumer was killed while it was
-        stopped (docs/RELIABILITY.md): counted apart, not a crash, and restarted like one."""
+        """UCX 1.23's abort in a producer resumed from a stop around which a consumer
+        ended (docs/RELIABILITY.md): counted apart, not a crash, and restarted like one."""
         what = f"{child.name} died of the known UCX abort: {evidence}"
         self.log(what)
         self.known_ucx_aborts.append(f"{self.clock():.3f} s: {what}")
@@ -219,8 +220,9 @@ class Processes(RunState):
         """`child` is stopped by the fault `kind` (until `_resume`)."""
         child.stopped_by = (kind, self.clock())
 
-    def _consumer_killed(self, child: Child, kind: str) -> None:
-        """`child`, a consumer, was SIGKILLed by the fault `kind`."""
+    def _consumer_ended(self, child: Child, kind: str) -> None:
+        """`child`, a consumer, was ended by the fault `kind`: SIGKILLed, or stopped to
+        be replaced."""
         self.consumer_kills.append(Kill(kind, child.name, self.clock()))
 
     def _later(self, delay_s: float, label: str, action: Callable[[], None]) -> None:

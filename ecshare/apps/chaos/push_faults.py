@@ -67,6 +67,7 @@ class PushFaults(Processes):
         if not victim.stop(self.config.shutdown_timeout_s + 5.0):
             self.hangs += 1
             self.tally.violations.append(f"{victim.name} did not exit when told to stop")
+        self._consumer_ended(victim, "shrink_push_deadline")
         self.retired.append(victim)
         self._retire_consumer(victim)
         # Its fetches ended (typed: shutdown) as it stopped; hear them before counting.

@@ -121,7 +121,7 @@ class RunState:
         # Producers that died of the known UCX abort (`crashes.ucx_abort_evidence`), one
         # line each: when, which, and why it is that abort. Restarted, not crashes.
         self.known_ucx_aborts: list[str] = []
-        self.consumer_kills: list[Kill] = []  # every SIGKILL of a consumer, for the above
+        self.consumer_kills: list[Kill] = []  # every consumer a fault ended, for the above
         self.producers: list[Child | None] = [None] * options.producers
         self.ports: list[int] = [0] * options.producers
         self.proxies: list[FaultProxy] = []
