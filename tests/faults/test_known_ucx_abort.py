@@ -18,7 +18,7 @@ import pytest
 from ecshare.apps.chaos.crashes import (
     AFTER_RESUME_S,
     BEFORE_STOP_S,
-    Kill,
+    ConsumerEnd,
     Stop,
     ucx_abort_evidence,
 )
@@ -36,7 +36,7 @@ UCX_STDERR = (
 # A producer frozen mid-push from 10.0 s to 13.5 s; consumer 2 killed mid-push meanwhile;
 # the producer dead 0.3 s after it resumed.
 FROZEN = Stop("freeze_producer_mid_push", 10.0, 13.5)
-KILLED = Kill("kill_consumer_mid_push", "consumer 2 (pid 48199)", 11.2)
+KILLED = ConsumerEnd("kill_consumer_mid_push", "consumer 2 (pid 48199)", 11.2)
 DIED = 13.8
 
 
@@ -46,7 +46,7 @@ def _evidence(
     stderr: str = UCX_STDERR,
     transport: str = "tcp",
     stops: tuple[Stop, ...] = (FROZEN,),
-    kills: tuple[Kill, ...] = (KILLED,),
+    ends: tuple[ConsumerEnd, ...] = (KILLED,),
     died_at_s: float = DIED,
 ) -> str | None:
     return ucx_abort_evidence(
@@ -54,7 +54,7 @@ def _evidence(
         stderr=stderr,
         transport=transport,
         stops=stops,
-        kills=kills,
+        ends=ends,
         died_at_s=died_at_s,
     )
 
@@ -70,8 +70,11 @@ def test_the_known_abort_is_sigabrt_the_ucx_line_tcp_and_a_consumer_killed_durin
     for stop_kind in ("pause_producer", "freeze_producer_mid_read", "readd_peer"):
         for kill_kind in ("kill_consumer", "kill_consumer_mid_push", "shrink_push_deadline"):
             stops = (Stop("pause_producer", 1.0, 2.0), Stop(stop_kind, 5.0, 8.0))
-            kills = (Kill(kill_kind, "consumer 1", 0.5), Kill(kill_kind, "consumer 3", 8.0))
-            assert _evidence(stops=stops, kills=kills, died_at_s=8.4) is not None, (
+            ends = (
+                ConsumerEnd(kill_kind, "consumer 1", 0.5),
+                ConsumerEnd(kill_kind, "consumer 3", 8.0),
+            )
+            assert _evidence(stops=stops, ends=ends, died_at_s=8.4) is not None, (
                 stop_kind,
                 kill_kind,
             )
@@ -81,15 +84,15 @@ def test_a_consumer_gone_shortly_before_the_stop_or_stopped_during_it_counts_too
     """As seen in chaos runs over TCP: a consumer SIGKILLed 0.75 s (and about 2 s)
     before the producer's stop began, with pushes to it in flight; a consumer
     stopped and replaced while the producer was stopped."""
-    shortly_before = Kill("kill_consumer_mid_push", "consumer 1", 10.0 - 0.75)
-    assert _evidence(kills=(shortly_before,)) is not None
-    assert _evidence(kills=(Kill("kill_consumer", "consumer 1", 8.0),)) is not None
-    replaced = Kill("shrink_push_deadline", "consumer 2", 12.8)
-    evidence = _evidence(kills=(replaced,))
+    shortly_before = ConsumerEnd("kill_consumer_mid_push", "consumer 1", 10.0 - 0.75)
+    assert _evidence(ends=(shortly_before,)) is not None
+    assert _evidence(ends=(ConsumerEnd("kill_consumer", "consumer 1", 8.0),)) is not None
+    replaced = ConsumerEnd("shrink_push_deadline", "consumer 2", 12.8)
+    evidence = _evidence(ends=(replaced,))
     assert evidence is not None and "ended by shrink_push_deadline at 12.800 s" in evidence
     # The bound: up to BEFORE_STOP_S before the stop.
-    assert _evidence(kills=(Kill("kill_consumer", "consumer 1", 10.0 - BEFORE_STOP_S),))
-    assert not _evidence(kills=(Kill("kill_consumer", "consumer 1", 9.99 - BEFORE_STOP_S),))
+    assert _evidence(ends=(ConsumerEnd("kill_consumer", "consumer 1", 10.0 - BEFORE_STOP_S),))
+    assert not _evidence(ends=(ConsumerEnd("kill_consumer", "consumer 1", 9.99 - BEFORE_STOP_S),))
 
 
 def test_a_death_long_after_the_resume_is_a_crash() -> None:
@@ -127,13 +130,13 @@ def test_the_ucx_line_over_cross_memory_attach_is_a_crash() -> None:
 
 
 def test_no_consumer_gone_around_the_stop_is_a_crash() -> None:
-    assert _evidence(kills=()) is None
+    assert _evidence(ends=()) is None
     assert _evidence(stops=()) is None
-    long_before = Kill("kill_consumer", "consumer 2", 4.9)  # 5.1 s before the stop
-    after = Kill("kill_consumer_mid_push", "consumer 2", 13.6)  # after the resume
-    assert _evidence(kills=(long_before, after)) is None
+    long_before = ConsumerEnd("kill_consumer", "consumer 2", 4.9)  # 5.1 s before the stop
+    after = ConsumerEnd("kill_consumer_mid_push", "consumer 2", 13.6)  # after the resume
+    assert _evidence(ends=(long_before, after)) is None
     # A fault that ends no consumer, and a consumer's stop rather than a producer's.
-    assert _evidence(kills=(Kill("fill_consumer_region", "consumer 2", 11.2),)) is None
+    assert _evidence(ends=(ConsumerEnd("fill_consumer_region", "consumer 2", 11.2),)) is None
     assert _evidence(stops=(Stop("freeze_consumer_mid_push", 10.0, 13.5),)) is None
 
 

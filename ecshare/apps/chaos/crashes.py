@@ -73,7 +73,7 @@ class Stop:
 
 
 @dataclass(frozen=True)
-class Kill:
+class ConsumerEnd:
     """The consumer `name` ended by the fault `kind` at `at_s`: SIGKILLed, or stopped
     to be replaced."""
 
@@ -88,14 +88,14 @@ def ucx_abort_evidence(
     stderr: str,
     transport: str,
     stops: Sequence[Stop],
-    kills: Sequence[Kill],
+    ends: Sequence[ConsumerEnd],
     died_at_s: float,
 ) -> str | None:
     """Why a producer's death is the known UCX abort, or None if it is not.
 
     `exitcode` is the process's (`-signal` if a signal ended it), `stderr` what it
     wrote there, `transport` the run's (`ChaosOptions.ucx_tls`), `stops` the stops
-    of this producer process that ended in SIGCONT, `kills` the consumers the run
+    of this producer process that ended in SIGCONT, `ends` the consumers the run
     ended, `died_at_s` when its death was seen (the fault log's clock).
     """
     if exitcode != -signal.SIGABRT or transport != "tcp":
@@ -108,15 +108,15 @@ def ucx_abort_evidence(
             continue
         if not stop.end_s <= died_at_s <= stop.end_s + AFTER_RESUME_S:
             continue
-        for kill in kills:
+        for end in ends:
             if (
-                kill.kind in CONSUMER_END_KINDS
-                and stop.start_s - BEFORE_STOP_S <= kill.at_s <= stop.end_s
+                end.kind in CONSUMER_END_KINDS
+                and stop.start_s - BEFORE_STOP_S <= end.at_s <= stop.end_s
             ):
                 return (
                     f"SIGABRT after {line.group().strip()!r} at {died_at_s:.3f} s: stopped by "
-                    f"{stop.kind} {stop.start_s:.3f}-{stop.end_s:.3f} s, {kill.name} ended by "
-                    f"{kill.kind} at {kill.at_s:.3f} s"
+                    f"{stop.kind} {stop.start_s:.3f}-{stop.end_s:.3f} s, {end.name} ended by "
+                    f"{end.kind} at {end.at_s:.3f} s"
                 )
     return None
 

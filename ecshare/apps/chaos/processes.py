@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from functools import partial
 
-from ecshare.apps.chaos.crashes import Kill, StderrTap, Stop, ucx_abort_evidence
+from ecshare.apps.chaos.crashes import ConsumerEnd, StderrTap, Stop, ucx_abort_evidence
 from ecshare.apps.chaos.hosts import DEVICE
 from ecshare.apps.chaos.messages import (
     Arm,
@@ -204,7 +204,7 @@ class Processes(RunState):
             stderr=child.stderr.text(2.0),
             transport=self.o.ucx_tls,
             stops=child.stops,
-            kills=self.consumer_kills,
+            ends=self.consumer_ends,
             died_at_s=self.clock(),
         )
 
@@ -223,7 +223,7 @@ class Processes(RunState):
     def _consumer_ended(self, child: Child, kind: str) -> None:
         """`child`, a consumer, was ended by the fault `kind`: SIGKILLed, or stopped to
         be replaced."""
-        self.consumer_kills.append(Kill(kind, child.name, self.clock()))
+        self.consumer_ends.append(ConsumerEnd(kind, child.name, self.clock()))
 
     def _later(self, delay_s: float, label: str, action: Callable[[], None]) -> None:
         self.scheduled.append((time.monotonic() + delay_s, label, action))

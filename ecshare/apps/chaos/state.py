@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ecshare.apps.chaos.crashes import Kill
+from ecshare.apps.chaos.crashes import ConsumerEnd
 from ecshare.apps.chaos.faultproxy import FaultProxy
 from ecshare.apps.chaos.hosts import Host, Hosts
 from ecshare.apps.chaos.messages import Outcome, PushEnded, ReadInFlight
@@ -121,7 +121,7 @@ class RunState:
         # Producers that died of the known UCX abort (`crashes.ucx_abort_evidence`), one
         # line each: when, which, and why it is that abort. Restarted, not crashes.
         self.known_ucx_aborts: list[str] = []
-        self.consumer_kills: list[Kill] = []  # every consumer a fault ended, for the above
+        self.consumer_ends: list[ConsumerEnd] = []  # every consumer a fault ended, for the above
         self.producers: list[Child | None] = [None] * options.producers
         self.ports: list[int] = [0] * options.producers
         self.proxies: list[FaultProxy] = []
