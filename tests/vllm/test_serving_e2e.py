@@ -175,9 +175,13 @@ def served(tmp_path_factory: pytest.TempPathFactory, plain_vllm: VllmServer) -> 
         concurrent_cases = {n: b for n, b in cases.items() if n != f"client{CLIENTS}"}
         answers, most = post_all(url, concurrent_cases, STAGGER_S)
         # The region's metrics reach vLLM with engine steps, at most once a second: one
-        # more step after a second publishes the last of them.
+        # more step after a second publishes the last of them. The encoder's counts of a
+        # worker report that came after its last step (one later than the 0.1 s a
+        # finished request waits for it) also wait for a next step: the proxy sends a
+        # text-only request to prefill/decode alone, so the encoder is asked directly.
         time.sleep(1.1)
         post_chat(url, chat_request([], text="Say something.", max_tokens=1))
+        post_chat(encoder.url, chat_request([], text="Say something.", max_tokens=1))
         yield Served(encoder, prefill_decode, proxy, url, reference, answers, cases, most)
     finally:
         if proxy is not None:
@@ -212,7 +216,10 @@ def test_counters_show_fetches_evictions_local_encodes_and_preemptions(
     preemptions = read_metrics(served.prefill_decode.url, "vllm:num_preemptions")
     shown = {k: v for k, v in pd.items() if v}
     # Every item was stored by the encoder and asked for by prefill/decode.
-    assert enc["saved_items_total"] >= 2 * CLIENTS
+    assert enc["saved_items_total"] >= 2 * CLIENTS, (
+        {k: v for k, v in enc.items() if v},
+        served.encoder.log_tail(),
+    )
     assert pd["fetches_started_total"] >= 2 * CLIENTS, shown
     assert pd["fetched_items_total"] > 0, shown
     assert pd["loaded_items_total"] >= pd["fetched_items_total"] - pd.get("fetch_failed_total", 0)
