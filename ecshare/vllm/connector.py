@@ -182,6 +182,12 @@ class ECShareConnector(ECConnectorBase):
         assert self._scheduler is not None
         return self._scheduler.ensure_cache_available(request, num_computed_tokens)
 
+    def has_pending_push_work(self) -> bool:
+        # vLLM's hook that keeps its engine stepping when it has no request left: an
+        # encoder steps on (empty steps, 1 ms apart) until a late worker report is
+        # applied and its counts taken (see `SchedulerSide.keeps_stepping`).
+        return self._scheduler is not None and self._scheduler.keeps_stepping()
+
     def take_unavailable_requests(self) -> set[str]:
         assert self._scheduler is not None
         return self._scheduler.take_unavailable_requests()

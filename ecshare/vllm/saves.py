@@ -17,6 +17,9 @@ microseconds), and not at all once reports are known to run late: an item
 whose copy ran in a step that has completed is announced anyway; a consumer
 that asks before the commit lands is told NOT_READY and retries; a copy that
 failed after all is not granted, and that consumer encodes the item itself.
+While any save awaits its report, an encode-only engine with no request left
+steps on (`in_flight`; `SchedulerSide.keeps_stepping`), so that the report's
+counts reach vLLM without waiting for the next request.
 """
 
 from __future__ import annotations
@@ -53,6 +56,10 @@ class SaveBook:
         self._ids = itertools.count(1)
         self._pending: dict[str, _Save] = {}  # grant -> save, oldest first
         self._by_hash: dict[str, str] = {}  # mm_hash -> grant of its save in flight
+
+    def in_flight(self) -> bool:
+        """Whether any save awaits its workers' report."""
+        return bool(self._pending)
 
     def saving(self, mm_hash: str) -> Entry | None:
         """The ALLOCATED entry being filled for `mm_hash`, if a save of it is in flight."""

@@ -32,6 +32,7 @@ other threads, and the scheduler thread only reads their outcomes.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -158,6 +159,10 @@ class SchedulerSide:
         self._loads: dict[str, tuple[str, str]] = {}  # load grant -> (request id, mm_hash)
         self._reap_due = 0.0
         self._reports_late = False
+        # A report the listener applied whose counts no step has taken yet (see
+        # `keeps_stepping`); set and cleared under the lock `_apply_saves` holds.
+        self._report_lock = threading.Lock()
+        self._counts_untaken = False
         self._core_changes = SampleChanges(CORE_METRICS)
         self._core_due = 0.0
 
@@ -300,16 +305,36 @@ class SchedulerSide:
     def _apply_saves(self, report: StepReport) -> None:
         """The save half of a report, and its counters; on an encode-only instance, on the
         report listener's thread."""
-        self._reports_late = False
-        self._saves.apply(report)
-        if self._pushes is not None and report.saved:
-            self._pushes.on_saves_applied()
-        for key, value in report.counters.items():
-            # Counters are integers: worker timings travel on in microseconds.
-            if key.endswith("_seconds"):
-                self._tally.add(key.removesuffix("_seconds") + "_us", round(value * 1e6))
-            else:
-                self._tally.add(key, int(value))
+        with self._report_lock:
+            self._reports_late = False
+            self._saves.apply(report)
+            if self._pushes is not None and report.saved:
+                self._pushes.on_saves_applied()
+            for key, value in report.counters.items():
+                # Counters are integers: worker timings travel on in microseconds.
+                if key.endswith("_seconds"):
+                    self._tally.add(key.removesuffix("_seconds") + "_us", round(value * 1e6))
+                else:
+                    self._tally.add(key, int(value))
+            self._counts_untaken = True
+
+    def keeps_stepping(self) -> bool:
+        """Whether an encode-only engine with no request left must step on (vLLM's
+        `has_pending_push_work`): while a save awaits its workers' report, and until a
+        step has taken the counts of the last report applied.
+
+        Its reports arrive on the listener's thread, and vLLM takes the connector's
+        counts only in a step. A finished request waits at most `_REPORT_GRACE_S` for
+        its report; one later than that, with the engine idle, would leave its counts
+        (`saved_items`, the workers' counters) unshown until the next request. vLLM
+        sleeps 1 ms between steps that run no model. A save whose report never comes is
+        given up a lease after it began (`SaveBook.abandon_overdue`, in `build_plan`),
+        which bounds the stepping.
+        """
+        if self._listener is None:
+            return False  # reports arrive in the step's own output
+        with self._report_lock:
+            return self._counts_untaken or self._saves.in_flight()
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         if self._waiting is not None:
@@ -368,7 +393,11 @@ class SchedulerSide:
         return self._saves.saving(mm_hash) is not None
 
     def take_stats(self) -> dict[str, Any]:
-        counts, latencies = self._tally.take()
+        # Under the lock the listener applies a report in: a take never falls inside
+        # one, and a report applied after it sets the flag again (`keeps_stepping`).
+        with self._report_lock:
+            self._counts_untaken = False
+            counts, latencies = self._tally.take()
         data: dict[str, Any] = {k: v for k, v in counts.items() if v}
         data.update(latencies)
         now = time.monotonic()

@@ -83,6 +83,8 @@ class ServerSpec:
     served_model_name: str = SERVED_MODEL_NAME
     # Appended last, so that they override the defaults above (argparse keeps the last value).
     extra_args: tuple[str, ...] = ()
+    # Over the environment below (a test's fault injection, say).
+    extra_env: dict[str, str] = field(default_factory=dict)
 
     def command(self) -> list[str]:
         cmd = [
@@ -111,6 +113,7 @@ class ServerSpec:
             "VLLM_NO_USAGE_STATS": "1",
             "HF_HUB_OFFLINE": "1",
             "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo"),
+            **self.extra_env,
         }
 
 

@@ -68,6 +68,53 @@ def test_finished_request_never_waits_for_a_late_report(ec: EC) -> None:
     assert stored(store, entry) == as_bytes(emb)
 
 
+def test_an_idle_encoder_steps_on_until_a_late_reports_counts_are_taken(ec: EC) -> None:
+    """vLLM takes the connector's counts only in a step, and an engine with no request
+    blocks for the next one: a report later than a finished request waits for would
+    leave its counts unshown. The connector keeps the engine stepping
+    (`has_pending_push_work`, which the real Scheduler's `has_requests` consults) until
+    the report is applied and a step has taken its counts, and no longer."""
+    producer = ec.scheduler("ec_producer", request_timeout_s=2.0)
+    connector = producer.ec_connector
+    assert connector is not None
+
+    def idle() -> bool:  # nothing of vLLM's own left to step for
+        return not producer.has_unfinished_requests() and not producer.has_finished_requests()
+
+    # The usual order: the report is applied before the request finishes, and its counts
+    # go with that step; nothing is owed.
+    producer.add_request(ec.request("p0", "h-on-time", max_tokens=1))
+    ec.step(producer, {"h-on-time": embedding()})
+    assert ec.totals(producer).get("saved_items") == 1
+    assert not connector.has_pending_push_work(), "nothing owed, yet the engine steps on"
+    ec.step(producer)
+    assert idle() and not producer.has_requests()
+
+    producer.add_request(ec.request("p1", "h-late", max_tokens=1))
+    step = ec.step(producer, {"h-late": embedding()}, report=False)
+    late = ec.worker(producer).take_report()
+    assert late is not None and late.saved
+    ec.finish_step(producer, step)  # finished, its report still on its way
+    assert step.finished("p1") is not None
+    for _ in range(3):  # vLLM's loop steps on with no request rather than block
+        assert connector.has_pending_push_work()
+        ec.step(producer)
+        assert idle() and producer.has_requests()
+    assert ec.totals(producer).get("saved_items") == 1
+
+    send(step.plan, late)
+    steps = 0
+    while producer.has_requests():
+        ec.step(producer)
+        steps += 1
+        assert steps < 5000, "the engine was kept stepping after the report was applied"
+        time.sleep(0.001)  # as vLLM sleeps between steps that run no model
+    totals = ec.totals(producer)
+    assert totals.get("saved_items") == 2, totals
+    assert totals.get("save_us", 0) > 0, totals  # the workers' counters came with it
+    assert not connector.has_pending_push_work()
+
+
 def test_late_report_of_an_abandoned_save_never_commits_a_new_one(ec: EC) -> None:
     timing = {
         "lease_s": 0.5,
