@@ -129,9 +129,13 @@ def test_late_report_of_an_abandoned_save_never_commits_a_new_one(ec: EC) -> Non
     late = ec.worker(producer).take_report()
     assert late is not None and late.saved
     ec.finish_step(producer, step)
+    connector = producer.ec_connector
+    assert connector is not None and connector.has_pending_push_work()  # idle, stepping on
     time.sleep(0.6)  # past the lease: the save is given up
     ec.step(producer)
     assert side.store.get("h-again") is None
+    # A report that never came keeps an idle engine stepping no longer than that.
+    assert not connector.has_pending_push_work()
 
     # The same item again, encoded again: a new save, whose bytes the workers have not
     # written yet.
