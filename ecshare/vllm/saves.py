@@ -17,9 +17,10 @@ microseconds), and not at all once reports are known to run late: an item
 whose copy ran in a step that has completed is announced anyway; a consumer
 that asks before the commit lands is told NOT_READY and retries; a copy that
 failed after all is not granted, and that consumer encodes the item itself.
-While any save awaits its report, an encode-only engine with no request left
-steps on (`in_flight`; `SchedulerSide.keeps_stepping`), so that the report's
-counts reach vLLM without waiting for the next request.
+While a save planned in the last `STEP_ON_S` awaits its report, an encode-only
+engine with no request left steps on (`in_flight`;
+`SchedulerSide.keeps_stepping`), so that the report's counts reach vLLM
+without waiting for the next request.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ log = logging.getLogger(__name__)
 class _Save:
     mm_hash: str
     entry: Entry
+    started: float
     give_up_at: float
 
 
@@ -57,9 +59,11 @@ class SaveBook:
         self._pending: dict[str, _Save] = {}  # grant -> save, oldest first
         self._by_hash: dict[str, str] = {}  # mm_hash -> grant of its save in flight
 
-    def in_flight(self) -> bool:
-        """Whether any save awaits its workers' report."""
-        return bool(self._pending)
+    def in_flight(self, since: float) -> bool:
+        """Whether a save planned at or after `since` (monotonic) awaits its report."""
+        with self._lock:
+            newest = next(reversed(self._pending.values()), None)
+            return newest is not None and newest.started >= since
 
     def saving(self, mm_hash: str) -> Entry | None:
         """The ALLOCATED entry being filled for `mm_hash`, if a save of it is in flight."""
@@ -87,7 +91,8 @@ class SaveBook:
                 log.warning("ecshare: not saving %s: %s", mm_hash, exc)
                 return None
             grant = f"save-{next(self._ids)}"
-            self._pending[grant] = _Save(mm_hash, entry, time.monotonic() + self._config.lease_s)
+            now = time.monotonic()
+            self._pending[grant] = _Save(mm_hash, entry, now, now + self._config.lease_s)
             self._by_hash[mm_hash] = grant
         return SaveOp(grant, mm_hash, entry.extents, nbytes)
 

@@ -69,6 +69,9 @@ _CORE_STATS_INTERVAL_S = 1.0
 # How long a finished request waits for its workers' report (see `saves`); once one is
 # this late, none waits again until a report arrives.
 _REPORT_GRACE_S = 0.1
+# How long an encode-only engine with no request left steps on for a save's late report
+# (see `keeps_stepping`): each step costs it most of a core here.
+STEP_ON_S = 2.0
 
 
 def model_fingerprint(vllm_config: VllmConfig) -> str:
@@ -326,15 +329,19 @@ class SchedulerSide:
         Its reports arrive on the listener's thread, and vLLM takes the connector's
         counts only in a step. A finished request waits at most `_REPORT_GRACE_S` for
         its report; one later than that, with the engine idle, would leave its counts
-        (`saved_items`, the workers' counters) unshown until the next request. vLLM
-        sleeps 1 ms between steps that run no model. A save whose report never comes is
-        given up a lease after it began (`SaveBook.abandon_overdue`, in `build_plan`),
-        which bounds the stepping.
+        (`saved_items`, the workers' counters) unshown until the next request.
+
+        vLLM sleeps 1 ms between steps that run no model, but each still crosses its
+        processes (the worker's RPC, the frontend's outputs): an encoder stepping on
+        took about 0.9 of a core of this 2-core host. So it steps on for a save planned
+        in the last `STEP_ON_S` only; a report later than that (a worker stuck or gone)
+        leaves its counts to the next request's step.
         """
         if self._listener is None:
             return False  # reports arrive in the step's own output
+        since = time.monotonic() - STEP_ON_S
         with self._report_lock:
-            return self._counts_untaken or self._saves.in_flight()
+            return self._counts_untaken or self._saves.in_flight(since)
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         if self._waiting is not None:

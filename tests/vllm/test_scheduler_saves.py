@@ -19,6 +19,7 @@ from conftest import EC, embedding, wait_until
 
 from ecshare.config import Config
 from ecshare.store import Entry, EntryMeta, EntryState, Region, Store
+from ecshare.vllm import scheduler_side
 from ecshare.vllm.ops import StepPlan, StepReport
 from ecshare.vllm.reports import ReportOutbox
 from ecshare.vllm.saves import SaveBook
@@ -113,6 +114,37 @@ def test_an_idle_encoder_steps_on_until_a_late_reports_counts_are_taken(ec: EC) 
     assert totals.get("saved_items") == 2, totals
     assert totals.get("save_us", 0) > 0, totals  # the workers' counters came with it
     assert not connector.has_pending_push_work()
+
+
+def test_an_idle_encoder_steps_on_for_a_late_report_only_so_long(
+    ec: EC, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each empty step costs the engine most of a core: for a report later than
+    STEP_ON_S after its save was planned, the engine goes idle, and the counts wait for
+    the next request's step."""
+    monkeypatch.setattr(scheduler_side, "STEP_ON_S", 0.3)
+    producer = ec.scheduler("ec_producer", request_timeout_s=2.0)
+    connector = producer.ec_connector
+    assert connector is not None
+    producer.add_request(ec.request("p1", "h-very-late", max_tokens=1))
+    step = ec.step(producer, {"h-very-late": embedding()}, report=False)
+    late = ec.worker(producer).take_report()
+    assert late is not None and late.saved
+    ec.finish_step(producer, step)
+    assert connector.has_pending_push_work()
+    time.sleep(0.35)
+    assert not connector.has_pending_push_work()
+    ec.step(producer)
+    assert not producer.has_requests()
+
+    send(step.plan, late)  # applied all the same, its counts with the next request's step
+    entry = ec.side(producer).store.get("h-very-late")
+    assert entry is not None
+    wait_until(lambda: entry.state is EntryState.READY, "the commit")
+    assert ec.totals(producer).get("saved_items") is None
+    producer.add_request(ec.request("p2", "h-next", max_tokens=1))
+    ec.step(producer, {"h-next": embedding()})
+    assert ec.totals(producer).get("saved_items") == 2
 
 
 def test_late_report_of_an_abandoned_save_never_commits_a_new_one(ec: EC) -> None:
