@@ -44,8 +44,7 @@ log = logging.getLogger(__name__)
 class _Save:
     mm_hash: str
     entry: Entry
-    started: float
-    give_up_at: float
+    started: float  # monotonic; given up `lease_s` later (`abandon_overdue`)
 
 
 class SaveBook:
@@ -91,8 +90,7 @@ class SaveBook:
                 log.warning("ecshare: not saving %s: %s", mm_hash, exc)
                 return None
             grant = f"save-{next(self._ids)}"
-            now = time.monotonic()
-            self._pending[grant] = _Save(mm_hash, entry, now, now + self._config.lease_s)
+            self._pending[grant] = _Save(mm_hash, entry, time.monotonic())
             self._by_hash[mm_hash] = grant
         return SaveOp(grant, mm_hash, entry.extents, nbytes)
 
@@ -146,7 +144,7 @@ class SaveBook:
                 if not self._pending:
                     return
                 grant, save = next(iter(self._pending.items()))
-                if save.give_up_at > now:
+                if save.started + self._config.lease_s > now:
                     return  # oldest first: the rest began later
             if self._pop(grant) is not None:
                 self._free(save, f"no worker report within lease_s ({self._config.lease_s:g} s)")

@@ -5,9 +5,8 @@ channel (`ecshare.vllm.reports`), and a finished request waits at most 0.1 s for
 own. vLLM takes the connector's counters only in an engine step, and an engine with no
 request left blocks until the next one comes. So the counts of a report later than
 that (`saved_items`, `saved_bytes`, the workers' counters) would wait for the
-encoder's next request;
-the connector keeps the engine stepping until a step has taken them
-(`has_pending_push_work`, see `SchedulerSide.keeps_stepping`).
+encoder's next request; the connector keeps the engine stepping until a step has
+taken them (`has_pending_push_work`, see `SchedulerSide.keeps_stepping`).
 
 The fault is injected into the encoder's processes: a `sitecustomize` on their
 PYTHONPATH makes the workers send each report 0.4 s late (on a thread of their own,
