@@ -388,6 +388,10 @@ def test_the_roles_name_each_other_as_their_services_resolve(
     def service_ports(i: Instance) -> set[int]:
         return {p["port"] for p in services[i.workload["spec"]["serviceName"]]["spec"]["ports"]}
 
+    for i in found:
+        ports = {p["name"]: p["containerPort"] for p in container(i.workload, "vllm")["ports"]}
+        assert ports["http"] == i.port and ports["metrics"] == i.config.metrics_port
+        assert i.config.metrics_port in service_ports(i)
     advertised = set()
     for e in encoders:
         assert e.config.advertise_host == dns_name(e)
