@@ -477,9 +477,8 @@ def test_vllm_serve_accepts_every_argument_the_instances_pass(
     rendered: dict[str, list[Obj]],
 ) -> None:
     serve = pytest.importorskip("vllm.entrypoints.cli.serve", reason="vLLM is not installed")
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    parser = FlexibleArgumentParser(prog="vllm")
+    # The parser `vllm serve` itself builds, from the module that defines the subcommand.
+    parser = serve.FlexibleArgumentParser(prog="vllm")
     serve.ServeSubcommand().subparser_init(parser.add_subparsers(dest="subparser"))
     for overlay in OVERLAYS:
         for workload in objects(rendered[overlay], "StatefulSet").values():
