@@ -1622,8 +1622,10 @@ class Consumer(NetworkThread):
             if t.tag and not t.tag_read:
                 self._tags_due.append((link, t))  # `_read_tags`, with the others of this pass
                 return
-            if not self._intact(t, landed):
-                # Evicted and its blocks reused since it was located: not this entry.
+            if not self._intact(t, landed) or (t.tag and not self._verify(t)):
+                # Evicted and its blocks reused since it was located, or (a tag proves
+                # only the blocks, not their bytes) written by another reader: not this
+                # entry, and the granted read checks it again.
                 self._drop_dest(t)
                 self._direct_missed(t, "direct_reads_stale")
                 return

@@ -237,6 +237,7 @@ class StoreStats(msgspec.Struct, frozen=True):
     quarantined: int = 0  # entries whose blocks a read may still write
     quarantined_blocks: int = 0
     canary_violations: int = 0  # freed blocks found written (Store's debug canary)
+    foreign_writes: int = 0  # READY entries found changed since their commit (Store.verify)
 
 
 class EntryTable:
@@ -441,11 +442,12 @@ class EntryTable:
                 self._lru.move_to_end(mm_hash)
             return True
 
-    def remove(self, mm_hash: str) -> bool:
-        """Drop a READY entry now, or when its last pin goes. False if absent."""
+    def remove(self, mm_hash: str, *, expect: Entry | None = None) -> bool:
+        """Drop a READY entry now, or when its last pin goes. False if absent (or, with
+        ``expect``, if the entry under ``mm_hash`` is another)."""
         with self._lock:
             entry = self._entries.get(mm_hash)
-            if entry is None:
+            if entry is None or (expect is not None and entry is not expect):
                 return False
             if entry.state is EntryState.ALLOCATED:
                 # Freeing the blocks now would let a new entry share them while

@@ -14,6 +14,12 @@ after free into a counted, logged violation: every freed block is filled with
 a pattern, and every block handed out again is checked for it first. Both run
 under the table's lock and touch every byte of the blocks, so it is for tests
 and the fault harness, not for serving.
+
+Foreign writes. Every peer that holds this node's NIXL metadata can write its
+region, not only read it (tests/security/test_reader_write.py). An entry's
+digest, where one was recorded at commit (``put(checksum=True)``, ``commit(checksum=)``),
+lives in its meta, out of their reach: ``verify`` finds any change since the
+commit, counts it (``foreign_writes``) and drops the entry.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import functools
 import logging
 import math
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -110,6 +117,8 @@ class Store:
         self._region = region
         self._block_size = block_size
         self._canary_violations = 0
+        self._foreign_writes = 0
+        self._count_lock = threading.Lock()
         self._canary_words: np.ndarray | None = None
         if canary:
             self._canary_words = region.array[: capacity * block_size].view(np.uint64)
@@ -155,8 +164,12 @@ class Store:
 
     def stats(self) -> StoreStats:
         stats = self._table.stats()
-        if self._canary_violations:
-            return msgspec.structs.replace(stats, canary_violations=self._canary_violations)
+        if self._canary_violations or self._foreign_writes:
+            return msgspec.structs.replace(
+                stats,
+                canary_violations=self._canary_violations,
+                foreign_writes=self._foreign_writes,
+            )
         return stats
 
     @property
@@ -362,6 +375,30 @@ class Store:
         for view in self.views(entry):
             digest.update(view)
         return digest.intdigest()
+
+    def verify(self, entry: Entry) -> bool:
+        """Whether a READY entry's bytes still have the digest recorded at its commit.
+
+        Any peer that holds this node's NIXL metadata can WRITE its region (NIXL
+        registers it with every access, and neither cross-memory attach nor UCX's
+        TCP transport checks a write at the target), but not the digest: it lives in
+        the entry's meta, outside the region. An entry found changed is counted
+        (``foreign_writes``) and removed, so that it is never loaded or served again;
+        one committed with no digest is taken as it is (True). One pass over the
+        bytes: call it while the entry is pinned, just before its bytes are used.
+        """
+        expected = entry.meta.checksum
+        if expected is None:
+            return True
+        if entry.state not in (EntryState.READY, EntryState.EVICTING):
+            return False  # its blocks are no longer its own: nothing to load
+        if self.checksum(entry) == expected:
+            return True
+        with self._count_lock:
+            self._foreign_writes += 1
+        log.error("%s changed since its commit: dropped", entry.mm_hash)
+        self._table.remove(entry.mm_hash, expect=entry)
+        return False
 
     # -- internals -----------------------------------------------------------
 

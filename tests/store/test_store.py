@@ -441,3 +441,29 @@ def test_tags_mark_an_entrys_blocks_while_they_are_its_own(region: Region) -> No
     assert store.word(offset) == again.tag != first.tag  # ...under a tag never seen before
     # A store without tags has none to tell.
     assert Store(region, BLOCK).tag_offset(again) is None
+
+
+def test_verify_finds_bytes_changed_since_commit_and_drops_that_entry_only(store: Store) -> None:
+    """The digest recorded at commit is held in the entry's meta, out of the region's
+    reach: a change to the region's bytes (here written straight into its memory, as a
+    peer's NIXL WRITE would) is found, counted, and the entry is never loaded again."""
+    unchecked = store.put("plain", payload(3 * BLOCK, seed=1))
+    checked = store.put("checked", payload(3 * BLOCK + 5, seed=2), checksum=True)
+    assert store.verify(unchecked) and store.verify(checked)
+    store.pin("checked", "engine", "g1", 30.0)
+    for entry in (unchecked, checked):
+        off, _ = entry.extents[0]
+        store.region.array[off + 100] ^= 0xFF
+
+    assert store.verify(unchecked)  # no digest recorded: nothing to find it by
+    assert not store.verify(checked)
+    assert store.stats().foreign_writes == 1
+    assert store.get("checked") is None and checked.state is EntryState.EVICTING
+    again = store.put("checked", payload(BLOCK, seed=3), checksum=True)
+    assert not store.verify(checked)  # still changed, and not the entry under the name now
+    assert store.get("checked") is again and store.verify(again)
+    assert store.stats().foreign_writes == 2
+    store.unpin("engine", "g1")
+    assert checked.state is EntryState.FREED and not store.verify(checked)
+    assert store.stats().foreign_writes == 2  # a freed entry's blocks are not its own
+    store.check_invariants()

@@ -147,3 +147,67 @@ class Reader:
     def kill(self) -> None:
         self.proc.kill()
         self.proc.join(10)
+
+
+def _write(conn: Connection, info: PeerInfo, size: int, env: dict[str, str]) -> None:
+    os.environ.update(env)
+    mm = mmap.mmap(-1, size)
+    local = np.frombuffer(mm, dtype=np.uint8)
+    t = NixlTransport(f"writer-{os.getpid()}")
+    t.register(address(mm), size)
+    t.add_peer(info)
+    conn.send(None)
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            t.close()
+            return
+        remote_offset, length, fill = msg
+        local[:length] = fill
+        handle = t.write(info.agent_name, [Segment(0, remote_offset, length)])
+        deadline = time.monotonic() + 20
+        while t.poll(handle).state is ReadState.PENDING and time.monotonic() < deadline:
+            t.progress()
+            time.sleep(0.0005)
+        status = t.poll(handle)
+        conn.send((status.state.value, status.failure.value if status.failure else None))
+        if status.state is not ReadState.PENDING:
+            t.release(handle)
+
+
+class Writer:
+    """Another process that loaded a peer's metadata, as every consumer of it does, and
+    WRITEs into that peer's region through NIXL (what a reader never should)."""
+
+    def __init__(self, info: PeerInfo, size: int, env: Mapping[str, str] | None = None) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(
+            target=_write, args=(child, info, size, {**LOOPBACK, **(env or {})}), daemon=True
+        )
+        self.proc.start()
+        child.close()
+        if not self.conn.poll(30):
+            self.kill()
+            raise TimeoutError("writer did not start")
+        self.conn.recv()
+
+    def write(self, remote_offset: int, length: int, fill: int) -> tuple[str, str | None]:
+        """Write `length` bytes of `fill` at `remote_offset` of the peer's region; the
+        write's end as the writer's transport saw it (state, failure kind)."""
+        self.conn.send((remote_offset, length, fill))
+        if not self.conn.poll(30):
+            raise TimeoutError("writer did not finish its write")
+        state, failure = self.conn.recv()
+        return str(state), failure
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            with contextlib.suppress(OSError):
+                self.conn.send(None)
+            self.proc.join(10)
+        self.kill()
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.join(10)
