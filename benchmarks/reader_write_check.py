@@ -91,7 +91,7 @@ def main() -> None:
     per_mib: dict[str, list[float]] = {"READ": [], "xxh3": [], "blake3": []}
     try:
         for n in SIZES:
-            view = memoryview(local[:n])
+            view = local[:n].data
             r = _median_us(functools.partial(read, n), args.reps)
             x = _median_us(functools.partial(xxhash.xxh3_64_intdigest, view), args.reps)
             b = _median_us(lambda: blake3.blake3(view).digest(8), args.reps)  # noqa: B023
