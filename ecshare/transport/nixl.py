@@ -69,6 +69,16 @@ no handle of its own: the only word it gets from its own backend is the
 write's notification, delivered exactly once after the data has landed, and a
 write that fails brings none, so the initiator must report the end it saw.
 
+Access. Every peer that loads our metadata (each consumer does, to READ) can WRITE
+our region as well: NIXL's UCX backend registers memory with `ucp_mem_map` and no
+``prot``, so with every access, and offers no setting for it; nor would one bind
+the transports used here, since neither cross-memory attach (``process_vm_writev``)
+nor UCX's TCP transport (the target ``recv``s a PUT straight into the address its
+header names) checks anything at the target. Shown between real processes, over
+both, by tests/security/test_reader_write.py. The region's bytes are therefore
+trusted only through a digest held outside it (`ecshare.store.Store.verify`, and
+the consumer's checks against the digest a producer told).
+
 Descriptors. Each read goes through `initialize_xfer` by default. With
 `prepared_block_size` set, both regions are also prepared once (one
 descriptor per block) and reads whose segments are all block-aligned use
