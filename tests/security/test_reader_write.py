@@ -4,9 +4,10 @@ NIXL registers memory with every access (its UCX backend calls `ucp_mem_map` wit
 `prot`), and over cross-memory attach (`process_vm_writev`) or UCX's TCP transport (the
 target `recv`s a PUT straight into the address its header names) nothing on the
 producer's side checks a remote write at all. So a consumer, which must hold the
-producer's metadata to READ, can WRITE the producer's region too: the first test shows
-it, between real processes, over both. What ecshare promises instead is that such a
-write is harmless once checksums are on (`checksum: xxh3_64` on both sides): the digest
+producer's metadata to READ, can WRITE the producer's region too: the first tests show
+it, between real processes, over both (and, with its copy of the metadata edited, any
+memory of the producer's process). What ecshare promises instead is that a write into
+the region is harmless once checksums are on (`checksum: xxh3_64` on both sides): the digest
 a consumer checks is taken at commit and held outside the region (in the entry's meta,
 told on the authenticated control plane), so no path serves the foreign bytes:
 
@@ -15,10 +16,16 @@ told on the authenticated control plane), so no path serves the foreign bytes:
 - a push carries the commit digest, and the consumer's inbox refuses the written bytes;
 - the producer's own load of the entry (`Store.verify`) finds it changed, counts it and
   drops the entry, so that it is encoded again.
+
+Not promised: anything with `checksum: none` (tags prove only that the blocks were the
+entry's); a write crafted to keep the xxh3-64 digest (it is no cryptographic hash); a
+write that lands before the digest is taken.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import struct
 import sys
 import uuid
 from pathlib import Path
@@ -57,6 +64,42 @@ PATHS = {
     "direct-by-nixl-tag": ({"tag_peek": False}, 3 * MiB + 5),
     "pushed": ({"push_name": "pd-0", "direct_reads": False}, 3 * MiB + 5),
 }
+
+
+@pytest.mark.parametrize("data_plane", ["cma", "tcp"])
+def test_a_reader_that_edits_the_metadata_writes_memory_nixl_never_registered(
+    data_plane: str,
+) -> None:
+    """Worse, and beyond ecshare's reach: the bounds of a peer's region are checked only
+    by the initiator's own NIXL, against what the metadata says, and the target checks
+    nothing. Sixteen bytes of the metadata changed, and a stock NIXL writes any memory of
+    the producer's process. A consumer is trusted with the producer's process on these
+    transports; the digests below protect the entries from writes, not the process."""
+    env = TCP if data_plane == "tcp" else {}
+    producer = RawProducer(f"rw-forged-{uuid.uuid4().hex[:8]}", MiB, seed=12, env=env)
+    writer = None
+    try:
+        info = producer.info
+        private, size, before = producer.call("private", 4096)
+        told = struct.pack("<QQ", info.region_address, info.region_size)
+        at = info.agent_metadata.find(told)
+        assert at > 0 and info.agent_metadata.count(told) == 1
+        forged = bytearray(info.agent_metadata)
+        forged[at : at + 16] = struct.pack("<QQ", private, size)
+        writer = Writer(
+            dataclasses.replace(
+                info, agent_metadata=bytes(forged), region_address=private, region_size=size
+            ),
+            MiB,
+            env=env,
+        )
+        assert writer.write(0, 4096, 0x77) == ("done", None)
+        _, _, after = producer.call("private", 4096)
+        assert set(before) == {0} and set(after) == {0x77}
+    finally:
+        if writer is not None:
+            writer.stop()
+        producer.stop()
 
 
 @pytest.mark.parametrize("data_plane", ["cma", "tcp"])

@@ -39,6 +39,7 @@ def _serve(conn: Connection, name: str, size: int, seed: int, env: dict[str, str
     t.register(address(mm), size)
     conn.send(t.local_info())
     notifs: list[tuple[str, bytes]] = []
+    private = mmap.mmap(-1, 1 << 20)  # memory of this process that NIXL never registered
     while True:
         notifs.extend(t.progress())
         if not conn.poll(0.0005):
@@ -50,6 +51,8 @@ def _serve(conn: Connection, name: str, size: int, seed: int, env: dict[str, str
         elif cmd == "slice":  # bytes [start, end) of the region, as they are now
             start, end = arg
             conn.send(bytes(mm[start:end]))
+        elif cmd == "private":  # where that memory lies, and what it holds now
+            conn.send((address(private), len(private), bytes(private[: arg or 0])))
         elif cmd == "sleep":  # stop progressing for a while
             time.sleep(arg)
             conn.send(None)
