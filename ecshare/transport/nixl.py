@@ -74,8 +74,10 @@ our region as well: NIXL's UCX backend registers memory with `ucp_mem_map` and n
 ``prot``, so with every access, and offers no setting for it; nor would one bind
 the transports used here, since neither cross-memory attach (``process_vm_writev``)
 nor UCX's TCP transport (the target ``recv``s a PUT straight into the address its
-header names) checks anything at the target. Shown between real processes, over
-both, by tests/security/test_reader_write.py. The region's bytes are therefore
+header names) checks anything at the target. The region's bounds are checked only
+by the initiator's own NIXL, against the metadata it was given: a peer that edits
+its copy writes any memory of our process. Both shown between real processes, over
+both transports, by tests/security/test_reader_write.py. The region's bytes are therefore
 trusted only through a digest held outside it (`ecshare.store.Store.verify`, and
 the consumer's checks against the digest a producer told).
 
