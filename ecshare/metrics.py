@@ -168,6 +168,12 @@ SPECS: Final[tuple[Spec, ...]] = (
         _C,
         "Freed blocks found written when handed out again (store_canary only).",
     ),
+    Spec(
+        "region_foreign_writes",
+        _C,
+        "Entries found changed since their commit (a peer wrote the region) and dropped "
+        "before use; needs a checksum.",
+    ),
     Spec("fenced_reads", _G, "Reads given up whose end the transport has not yet confirmed."),
     Spec(
         "fenced_read_oldest_age_seconds",
@@ -518,6 +524,7 @@ def _read_store(store: Store, out: Samples) -> None:
         _add(out, "region_entries", n, (state,))
     _add(out, "region_quarantined_bytes", s.quarantined_blocks * s.block_size)
     _add(out, "region_canary_violations", s.canary_violations)
+    _add(out, "region_foreign_writes", s.foreign_writes)
     _add(out, "region_pins", s.pins)
     _add(out, "region_pinned_entries", s.pinned_entries)
     _add(out, "region_evictions", s.evictions)

@@ -73,6 +73,11 @@ class EnginePins:
             return None
         entry = self._store.pinned_entry(ENGINE_PIN_OWNER, grant)
         assert entry is not None  # pinned just now, and only we release it
+        if not self._store.verify(entry):
+            # A peer wrote the entry's blocks since its commit: the store dropped it, and
+            # the item is fetched or encoded again rather than loaded.
+            self._store.unpin(ENGINE_PIN_OWNER, grant)
+            return None
         return grant, entry
 
     def hold(self, kind: str, lease_s: float) -> Hold:
