@@ -155,11 +155,13 @@ class Hello(_Message, frozen=True, kw_only=True, tag="hello"):
 
 class LaneOffer(msgspec.Struct, frozen=True, array_like=True):
     """The session's fetch lane (ecshare/control/lane.py): a TCP port on the host the
-    consumer reached this producer on, and the key that session's frames are sealed
-    with. Only ever inside a `Welcome`, which CURVE encrypts."""
+    consumer reached this producer on, the SHA-256 of the certificate its TLS server
+    presents, and the key that proves the session on it. Only ever inside a
+    `Welcome`, which CURVE encrypts."""
 
     port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
     key: Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
+    cert_sha256: Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
 
 
 class Welcome(_Message, frozen=True, kw_only=True, tag="welcome"):

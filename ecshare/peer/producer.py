@@ -277,29 +277,35 @@ class Producer(NetworkThread):
                 name=f"{self._name} control server",
             )
             self._waker = Waker()
+            poller = zmq.Poller()
+            if cfg.fetch_lane:
+                try:
+                    self._lanes = LaneServer(
+                        host=cfg.listen_host,
+                        port=cfg.lane_port,
+                        poller=poller,
+                        max_frame_bytes=cfg.max_frame_bytes,
+                        bind_timeout_s=cfg.handshake_timeout_s,
+                        name=f"{self._name} lane server",
+                    )
+                except OSError as exc:  # sessions go on over ZMQ, as without a lane
+                    if cfg.lane_port:  # a port asked for and not had: start() says so
+                        raise
+                    log.warning("%s: no fetch lane (%s); serving over ZMQ only", self._name, exc)
+                    self._count("lane_unavailable")
         except BaseException as exc:  # reported to start()'s caller
+            for part in (self._server, self._waker):  # their ports and descriptors go with it
+                if part is not None:
+                    part.close()
             self._started(exc)
             return
         self._started(None)
         self._notices.join("grant")
         if self._direct:
             self._locator.start()
-        poller = zmq.Poller()
         for pollable in self._server.pollables:
             poller.register(pollable, zmq.POLLIN)
         poller.register(self._waker, zmq.POLLIN)
-        if cfg.fetch_lane:
-            try:
-                self._lanes = LaneServer(
-                    host=cfg.listen_host,
-                    poller=poller,
-                    max_frame_bytes=cfg.max_frame_bytes,
-                    bind_timeout_s=cfg.handshake_timeout_s,
-                    name=f"{self._name} lane server",
-                )
-            except OSError as exc:  # sessions go on over ZMQ, as without a lane
-                log.warning("%s: no fetch lane (%s); serving over ZMQ only", self._name, exc)
-                self._count("lane_unavailable")
         # zmq polls in whole milliseconds, so the sub-millisecond wait while
         # grants are active selects on the sockets' descriptors instead. A
         # ZMQ_FD turns readable when the socket may have news, so a request

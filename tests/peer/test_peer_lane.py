@@ -190,14 +190,14 @@ def test_with_the_lane_off_everything_goes_over_zmq(
     ("payload", "counter"),
     [
         (b"", "lane_dropped_bind_timeout"),
-        (b"GET / HTTP/1.1\r\n\r\n", "lane_dropped_oversized"),
-        # A well-formed bind for a session id nobody was offered, with a made-up seal.
+        (b"GET / HTTP/1.1\r\n\r\n", "lane_dropped_handshake"),
+        # A bind frame of the lane's earlier wire (no TLS), for a made-up session.
         (
             b"\x00\x00\x00\x39" + bytes([32]) + b"0" * 32 + b"\x00" * 24,
-            "lane_dropped_unknown_session",
+            "lane_dropped_handshake",
         ),
     ],
-    ids=["silent", "garbage", "guessed_session"],
+    ids=["silent", "garbage", "bind_without_tls"],
 )
 def test_a_stranger_on_the_lane_port_learns_nothing_and_sessions_keep_serving(
     loop_producer: MakeLoopProducer,
