@@ -250,6 +250,36 @@ def test_a_first_frame_that_is_no_bind_is_refused(served: Served, bind: bytes) -
     assert wait_for(lambda: served.stats["lane_dropped_bad_bind"] == 1)
 
 
+@pytest.mark.parametrize("bind", ["wrong_key", "no_bind", "not_tls"])
+def test_an_unproven_connection_leaves_the_sessions_live_lane_alone(
+    served: Served, bind: str
+) -> None:
+    sid, offer = served.offer()
+    codec = p.Codec()
+    live = tls(served, offer)
+    live.send(bind_frame(offer.key, sid) + frame(codec.encode(fetch(sid, "r1"))))
+    live.read_frame()
+    if bind == "not_tls":
+        rival = connect(served)
+        rival.sendall(b"\x00\x00\x00\x10" + b"x" * 16)
+        assert closed_without_a_byte(rival)
+        drop = "lane_dropped_handshake"
+    else:
+        conn = tls(served, offer)
+        if bind == "wrong_key":
+            conn.send(bind_frame(b"k" * 32, sid))
+        else:
+            conn.sock.shutdown(socket.SHUT_WR)
+        assert conn.closed_with_nothing_more()
+        drop = "lane_dropped_bad_key" if bind == "wrong_key" else "lane_dropped_bad_bind"
+    assert wait_for(lambda: served.stats[drop] == 1)
+
+    live.send(frame(codec.encode(fetch(sid, "r2"))))
+    reply = codec.decode(live.read_frame())
+    assert isinstance(reply, p.FetchReply) and reply.request_id == "r2"
+    assert served.stats["lane_closed"] == 0
+
+
 def test_a_key_opens_only_its_own_session(served: Served) -> None:
     sid_a, offer_a = served.offer()
     sid_b, _offer_b = served.offer()
