@@ -263,3 +263,40 @@ def test_a_fetch_sent_at_once_on_a_cut_lane_still_succeeds(
         np.testing.assert_array_equal(stored_bytes(node, h), expected(h, entries[h]))
     assert sum(n for k, n in consumer.counters.items() if k.startswith("lanes_lost.")) == 1
     assert wait_until(lambda: producer.active_grants() == 0, 5)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+    return port
+
+
+def test_a_configured_lane_port_is_the_one_consumers_use(
+    loop_producer: MakeLoopProducer, loop_consumer: MakeLoopConsumer, keyring: Keyring
+) -> None:
+    port = free_port()
+    _pnode, producer = loop_producer(
+        keyring.producer_config(), {"lane_port": port}, entries={"a": 3000}
+    )
+    node, consumer = loop_consumer(keyring.consumer_config())
+
+    assert producer.lane_port == port
+    consumer.connect([producer.address])
+    assert wait_until(lambda: lane_stats(producer)["lane_bound"] == 1, 5)
+    consumer.fetch(["a"], [producer.address])[0].result(timeout=10)
+    np.testing.assert_array_equal(stored_bytes(node, "a"), expected("a", 3000))
+    assert consumer.counters["lane_requests"] == 1
+
+
+def test_a_taken_lane_port_fails_the_producers_start_naming_it(
+    loop_producer: MakeLoopProducer, keyring: Keyring
+) -> None:
+    from ecshare.control import ControlConfigError
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        with pytest.raises(ControlConfigError, match=f"port {port} \\(lane_port\\)"):
+            loop_producer(keyring.producer_config(), {"lane_port": port})
