@@ -297,10 +297,12 @@ class _Stream:
                 return
 
     def _decrypt(self) -> None:
-        while True:
+        # Asking for no more than the bytes at hand spares read() a large allocation
+        # per call, and stopping when none are left spares it raising SSLWantReadError.
+        while n := self._from_net.pending + self.tls.pending():
             try:
-                plain = self.tls.read(_RECV_CHUNK)
-            except ssl.SSLWantReadError:
+                plain = self.tls.read(n)
+            except ssl.SSLWantReadError:  # part of a record: the rest comes later
                 return
             except ssl.SSLZeroReturnError:
                 self._eof = True
