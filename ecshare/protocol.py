@@ -157,11 +157,12 @@ class LaneOffer(msgspec.Struct, frozen=True, array_like=True):
     """The session's fetch lane (ecshare/control/lane.py): a TCP port on the host the
     consumer reached this producer on, the SHA-256 of the certificate its TLS server
     presents, and the key that proves the session on it. Only ever inside a
-    `Welcome`, which CURVE encrypts."""
+    `Welcome`, which CURVE encrypts. An offer without a certificate (a producer of
+    an earlier release) is declined, and the session stays on ZMQ."""
 
     port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
     key: Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
-    cert_sha256: Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
+    cert_sha256: Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)] | None = None
 
 
 class Welcome(_Message, frozen=True, kw_only=True, tag="welcome"):

@@ -126,7 +126,7 @@ STAT_NAMES: Final = (
 
 class LaneBroken(Exception):
     """The lane is unusable; `reason` is one of DROP_REASONS, or a client's own
-    ("eof", "error", "connect_failed", "bad_certificate")."""
+    ("eof", "error", "connect_failed", "bad_certificate", "no_certificate")."""
 
     def __init__(self, reason: str, detail: str = "") -> None:
         super().__init__(f"{reason}: {detail}" if detail else reason)
@@ -604,6 +604,9 @@ class LaneClient:
         self._stream = _Stream(
             sock, context, server_side=False, max_body=_body_limit(max_frame_bytes)
         )
+        if offer.cert_sha256 is None:
+            self._break(LaneBroken("no_certificate", "an offer of an earlier release"))
+            return
         err = sock.connect_ex((host, offer.port))
         if err not in (0, errno.EINPROGRESS, errno.EAGAIN, errno.EWOULDBLOCK):
             self._break(LaneBroken("connect_failed", os.strerror(err)))
@@ -682,7 +685,8 @@ class LaneClient:
     def _bind(self) -> None:
         """The handshake is done: check it was with the producer, then prove the key."""
         cert = self._stream.tls.getpeercert(binary_form=True) or b""
-        if not hmac.compare_digest(hashlib.sha256(cert).digest(), self._offer.cert_sha256):
+        pinned = self._offer.cert_sha256 or b""
+        if not hmac.compare_digest(hashlib.sha256(cert).digest(), pinned):
             raise LaneBroken("bad_certificate", "not the certificate the Welcome named")
         sid = self.session_id.encode("ascii")
         self._stream.send(bytes((len(sid),)) + sid + self._offer.key)

@@ -17,6 +17,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 
+import msgspec
 import pytest
 import zmq
 
@@ -429,3 +430,16 @@ def test_a_configured_lane_port_is_the_one_offered() -> None:
         assert server.offer("s").port == port
     finally:
         server.close()
+
+
+def test_an_offer_of_an_earlier_release_is_declined_and_nothing_is_sent() -> None:
+    # The lane offer as a producer of the release before TLS encodes it: port and key.
+    earlier = msgspec.msgpack.encode([4242, b"k" * 32])
+    offer = msgspec.msgpack.decode(earlier, type=p.LaneOffer)
+    assert offer.cert_sha256 is None
+
+    client = LaneClient("127.0.0.1", offer, session_id="s", max_frame_bytes=4096)
+    assert client.broken == "no_certificate"
+    assert not client.usable
+    assert not client.send(fetch("s"))
+    client.close()
