@@ -21,7 +21,7 @@ import pytest
 from ecshare.apps.bench.fetch import FetchBenchResult
 from ecshare.apps.bench.report import decode_report
 from ecshare.apps.bench.schema import SCHEMA_VERSION
-from ecshare.apps.bench.sporadic import DIRECT_STEPS, RAW_STEPS, SPORADIC_WARMUP
+from ecshare.apps.bench.sporadic import DIRECT_STEPS, ECSHARE_STEPS, RAW_STEPS, SPORADIC_WARMUP
 
 pytest.importorskip("nixl._api")
 
@@ -203,3 +203,15 @@ def test_read_here_makes_the_sporadic_reads_on_the_calling_thread() -> None:
     assert 0 < consumer["read_here"] <= consumer["direct_reads"] <= fetches, consumer
     for row in rows:
         assert list(row["ecshare_phases_ms"]) == SPORADIC_STEPS, row["ecshare_phases_ms"]
+
+
+def test_granted_makes_every_sporadic_fetch_ask_for_a_grant() -> None:
+    """`--granted`: direct reads off on both sides, so each fetch is a grant's round trip
+    (over the fetch lane, the path whose cost it measures)."""
+    data = _bench("--mode", "sporadic", "--granted", "--sizes", "64KiB")
+    assert data["parameters"]["granted"] is True
+    (row,) = _sporadic(data)
+    consumer = data["environment"]["consumer_counters"]
+    assert consumer["fetched"] == row["samples"] + SPORADIC_WARMUP, consumer
+    assert consumer.get("direct_reads", 0) == 0, consumer
+    assert list(row["ecshare_phases_ms"]) == [name for _, name in ECSHARE_STEPS]

@@ -133,6 +133,12 @@ def add_bench_arguments(bench: argparse.ArgumentParser) -> None:
         "future, so that the consumer's network thread makes every READ; by default the "
         "bench blocks on the results, which lends its thread to their direct reads",
     )
+    fetch.add_argument(
+        "--granted",
+        action="store_true",
+        help="direct reads off on both sides: every fetch asks for a grant, over the fetch "
+        "lane (its round trip measured)",
+    )
     pipeline = sub.add_parser("pipeline", help="exposed latency at the PD of push against pull")
     # It prints its table or JSON only: no files, no progress bar to quieten.
     _common(pipeline, True, "requests per size and mode", files=False)
@@ -207,6 +213,7 @@ def run_bench(args: argparse.Namespace) -> int:
             samples=args.samples,
             read_here=args.read_here,
             hand_off=args.hand_off,
+            granted=args.granted,
         )
     if command == "pipeline":
         from ecshare.apps.bench.pipeline import run_pipeline_bench

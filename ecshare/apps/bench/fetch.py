@@ -171,6 +171,8 @@ class FetchParameters(msgspec.Struct, frozen=True):
     # Fetches waited for with `concurrent.futures.wait`, never on a future, as an
     # engine's scheduler does: the network thread makes every READ (`await_fetches`).
     hand_off: bool = False
+    # Direct reads off on both sides: every fetch asks for a grant (over the fetch lane).
+    granted: bool = False
 
 
 class FetchBenchResult(ReportHeader, tag_field="bench", tag="fetch"):
@@ -651,6 +653,7 @@ def run_fetch_bench(
     samples: int | None = None,
     read_here: bool = False,
     hand_off: bool = False,
+    granted: bool = False,
 ) -> int:
     """Run the bench over `sizes`; print it, and write files to `out_dir`.
 
@@ -661,7 +664,8 @@ def run_fetch_bench(
     (`SAMPLES`, `LATENCY_SAMPLES` and `sporadic.sporadic_samples`). With
     `read_here`, every fetch is made with `Consumer.fetch(read_here=True)`. Each
     fetch's results are waited for by blocking on them, or with `hand_off` as a
-    scheduler waits (`sporadic.await_fetches`).
+    scheduler waits (`sporadic.await_fetches`). With `granted`, direct reads are off on
+    both sides, so every fetch asks for a grant: the fetch lane's round trip is measured.
     """
     from ecshare.apps.bench.report import emit
 
@@ -693,6 +697,7 @@ def run_fetch_bench(
                 "block_bytes": BLOCK_BYTES,
                 "server_secret_key_file": str(keys["producer"].secret_path),
                 "authorized_keys_file": str(keys["consumer"].public_path),
+                **({"direct_reads": False} if granted else {}),
             },
             FINGERPRINT,
         )
@@ -707,6 +712,7 @@ def run_fetch_bench(
                     "block_bytes": BLOCK_BYTES,
                     "client_secret_key_file": str(keys["consumer"].secret_path),
                     "server_public_key_file": str(keys["producer"].public_path),
+                    **({"direct_reads": False} if granted else {}),
                 }
             )
             node = Node.create(config, "consumer")
@@ -794,6 +800,7 @@ def run_fetch_bench(
             gap_ms=gap_s * 1000 if spor_sizes else None,
             read_here=read_here,
             hand_off=hand_off,
+            granted=granted,
         ),
         rows=rows,
         latency_64k_p50_ms=p50,
