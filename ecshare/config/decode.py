@@ -11,13 +11,14 @@ argument, so that `Config`'s own constructors in schema.py can use them without 
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 import msgspec
 
 from ecshare.config.errors import ConfigError, _show
-from ecshare.config.fields import _Field, struct_field_map
+from ecshare.config.fields import SIZE_EXAMPLE, _Field, parse_size, struct_field_map
 
 _S = TypeVar("_S", bound=msgspec.Struct)
 
@@ -54,8 +55,15 @@ def _build(cls: type[_S], values: Mapping[str, Any], sources: Mapping[str, str])
         key = e.key.split("[", 1)[0] if e.key else None
         source = sources.get(key) if key is not None else None
         detail = e.detail
-        if e.other is not None and e.other in sources:
-            detail += f" ({e.other} was set by {sources[e.other]})"
+        other = sources.get(e.other) if e.other is not None else None
+        if other is not None and other.startswith("--"):
+            # A person typed it: name it as they did.
+            detail = re.sub(rf"\b{e.other}\b", other, detail)
+        elif other is not None:
+            detail += f" ({e.other} was set by {other})"
+        if source is not None and source.startswith("--") and e.key is not None:
+            label = source + e.key[len(key or "") :]
+            raise ConfigError(label, detail, other=e.other) from None
         if source is None and detail == e.detail:
             raise
         raise ConfigError(e.key, detail, source=source, other=e.other) from None
@@ -82,6 +90,8 @@ def _parse_text(field: _Field, text: str, label: str, source: str) -> Any:
     try:
         if kind is bool:
             return _BOOL_WORDS[raw.lower()]
+        if field.is_size:
+            return parse_size(raw)
         if kind is int:
             return int(raw)
         if kind is float:
@@ -90,6 +100,8 @@ def _parse_text(field: _Field, text: str, label: str, source: str) -> Any:
             return tuple(part.strip() for part in raw.split(",") if part.strip())
     except (KeyError, ValueError):
         expected = "one of " + ", ".join(_BOOL_WORDS) if kind is bool else kind.__name__
+        if field.is_size:
+            expected = SIZE_EXAMPLE
         raise ConfigError(label, f"got {_show(text)}, expected {expected}", source=source) from None
     return raw
 

@@ -18,6 +18,7 @@ import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
+from fractions import Fraction
 from typing import Annotated, Any, Literal, NamedTuple
 
 import msgspec
@@ -31,6 +32,48 @@ GiB = 1 << 30
 TiB = 1 << 40
 
 ENV_PREFIX = "ECSHARE_"
+
+# Binary units only: "GB" would be read as 10**9 by some and 2**30 by others, so it is refused.
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": KiB,
+    "kib": KiB,
+    "m": MiB,
+    "mib": MiB,
+    "g": GiB,
+    "gib": GiB,
+    "t": TiB,
+    "tib": TiB,
+}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*")
+SIZE_EXAMPLE = "a size such as 65536, 64KiB, 512MiB or 1GiB"
+
+
+def parse_size(text: str) -> int:
+    """'64KiB', '1.5GiB', '4m', '1048576' -> bytes; ValueError naming what is allowed.
+
+    Units are binary (KiB = 1024 bytes; K, M, G, T mean the same); a fraction must come
+    to whole bytes.
+    """
+    match = _SIZE.fullmatch(text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _SIZE_UNITS:
+        hint = " (units are binary: KiB, MiB, GiB, TiB)" if unit.endswith("b") else ""
+        raise ValueError(f"got {text!r}, expected {SIZE_EXAMPLE}{hint}")
+    value = Fraction(match.group(1)) * _SIZE_UNITS[unit]
+    if value.denominator != 1:
+        raise ValueError(f"got {text!r}, which is not a whole number of bytes")
+    return int(value)
+
+
+def format_size(nbytes: float) -> str:
+    """65536 -> '64 KiB', 1572864 -> '1.5 MiB': the largest unit that keeps it at least 1."""
+    for unit, scale in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.4g} {unit}"
+    return f"{nbytes:g} B"
+
 
 _Z85_ALPHABET = (
     "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#"
@@ -112,16 +155,20 @@ class _Constraints(NamedTuple):
         noun = "a power of two" if self.extra.get("power_of_two") else "an integer"
         if self.kind is float:
             noun = "a number"
+        num, unit = _num, ""
+        if self.extra.get("size"):
+            noun = "a power of two" if self.extra.get("power_of_two") else "a size"
+            num, unit = _size_words, " (bytes, or with a binary unit such as 64KiB or 1GiB)"
         low = self.ge if self.ge is not None else self.gt
         high = self.le if self.le is not None else self.lt
         if self.ge is not None and self.le is not None:
-            return f"{noun} between {_num(low)} and {_num(high)}"
+            return f"{noun} between {num(low)} and {num(high)}{unit}"
         limits = []
         if low is not None:
-            limits.append(f"{'at least' if self.ge is not None else 'more than'} {_num(low)}")
+            limits.append(f"{'at least' if self.ge is not None else 'more than'} {num(low)}")
         if high is not None:
-            limits.append(f"{'at most' if self.le is not None else 'less than'} {_num(high)}")
-        return f"{noun} " + " and ".join(limits) if limits else noun
+            limits.append(f"{'at most' if self.le is not None else 'less than'} {num(high)}")
+        return (f"{noun} " + " and ".join(limits) if limits else noun) + unit
 
     def within(self, value: Any) -> bool:
         if isinstance(value, float) and not math.isfinite(value):
@@ -164,6 +211,12 @@ class _Field(NamedTuple):
         if value is None and self.optional:
             return None
         c = self.constraints
+        given = value
+        if self.is_size and isinstance(value, str):
+            try:
+                value = parse_size(value)
+            except ValueError as exc:
+                raise ConfigError(label, str(exc)) from None
         if c.kind is int and isinstance(value, float) and value.is_integer():
             value = int(value)  # JSON writers emit 1e9 for big integers
         try:
@@ -173,7 +226,7 @@ class _Field(NamedTuple):
                 label, f"got {_show(value)} ({type(value).__name__}), expected {self.expected}"
             ) from None
         if not c.within(converted):
-            raise ConfigError(label, f"got {_show(value)}, expected {c.allowed()}")
+            raise ConfigError(label, f"got {_show(given)}, expected {c.allowed()}")
         if c.item is not None:
             for i, item in enumerate(converted):
                 if not c.item.within(item):
@@ -199,6 +252,11 @@ class _Field(NamedTuple):
         else:
             name = kind.__name__
         return f"{name} | None" if self.optional else name
+
+    @property
+    def is_size(self) -> bool:
+        """A byte count, which every source may also write with a unit (512MiB, 1GiB)."""
+        return bool(self.constraints.extra.get("size"))
 
     @property
     def env_var(self) -> str:
@@ -302,6 +360,16 @@ def _with_article(words: str) -> str:
     if words.startswith(("a ", "an ", "any ", "one ")):
         return words
     return ("an " if words[0] in "aeiou" else "a ") + words
+
+
+def _size_words(x: float | None) -> str:
+    """1048576 -> '1MiB'; a count no unit divides stays in bytes."""
+    if x is None:
+        return ""
+    for unit, scale in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if x >= scale and x % scale == 0:
+            return f"{int(x // scale)}{unit}"
+    return _num(x)
 
 
 def _num(x: float | None) -> str:

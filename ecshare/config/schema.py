@@ -31,6 +31,18 @@ from ecshare.config.fields import (
 )
 
 Seconds = float
+_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+_NAME_ALLOWED = "1-64 of A-Z a-z 0-9 . _ -, not starting with . _ -"
+# What a producer advertises (`Producer.address`): tcp://HOST:PORT.
+Endpoint = Annotated[
+    str,
+    Meta(
+        pattern=r"^tcp://[^\s/:]+(:[^\s/:]+)*:\d{1,5}$",
+        extra={"allowed": "tcp://HOST:PORT, e.g. tcp://10.0.0.5:5701"},
+    ),
+]
+# A consumer's push name, as `push_name` allows it.
+PushName = Annotated[str, Meta(pattern=_NAME_PATTERN, extra={"allowed": _NAME_ALLOWED})]
 _WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "*", "[::]"})
 
 
@@ -43,6 +55,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         Meta(
             ge=MiB,
             le=TiB,
+            extra={"size": True},
             description="Size of this instance's shared-memory region, which caches encoder "
             "outputs. The region also holds one 8-byte tag per block past that (0.012% more "
             "with 64 KiB blocks), which direct reads check, and 64 KiB where the tags this "
@@ -54,7 +67,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         Meta(
             ge=4 * KiB,
             le=16 * MiB,
-            extra={"power_of_two": True},
+            extra={"power_of_two": True, "size": True},
             description="Allocation unit of the region; an entry occupies whole blocks.",
         ),
     ] = 64 * KiB
@@ -97,6 +110,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         Meta(
             ge=4 * KiB,
             le=64 * MiB,
+            extra={"size": True},
             description="Largest control-plane message accepted; larger ones are dropped "
             "and counted.",
         ),
@@ -226,6 +240,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     max_pinned_bytes_per_session: Annotated[
         Annotated[int, Meta(ge=4 * KiB, le=TiB)] | None,
         Meta(
+            extra={"size": True},
             description="Most bytes of entries one session may hold pinned at once; an item "
             "that would go over is refused as overloaded (retry once grants end), one larger "
             "than the limit as too large. Unset: no limit but the region, so one peer's "
@@ -299,16 +314,36 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         ),
     ] = ()
 
+    # --- peers -----------------------------------------------------------------------------------
+    trusted_producers: Annotated[
+        tuple[Endpoint, ...],
+        Meta(
+            max_length=4096,
+            description="Consumer: the only producer endpoints (tcp://HOST:PORT, as producers "
+            "advertise them: advertise_host or listen_host, and listen_port) this instance "
+            "fetches from; it also holds a session with each from start-up. A request whose "
+            "ec_transfer_params name any other endpoint gets no fetch: the item is encoded "
+            "locally and the refusal counted (peer_refused), so a request body cannot point "
+            "the instance at an address of its choosing. Empty: any endpoint whose producer "
+            "authenticates with the configured producer key (`ecshare launch` sets it to the "
+            "encoders it starts).",
+        ),
+    ] = ()
+    push_targets: Annotated[
+        tuple[PushName, ...],
+        Meta(
+            max_length=4096,
+            description="Producer: the consumer push names (their push_name) it may push to "
+            'when a request asks (ec_transfer_params {"push_to": [...]}). Empty: any name '
+            "that a consumer holding an authenticated session with it announced; a name no "
+            "such session holds is never pushed to, whatever the list says (`ecshare launch` "
+            "sets it to the prefill/decode instances' names).",
+        ),
+    ] = ()
+
     # --- push -----------------------------------------------------------------------------------
     push_name: Annotated[
-        Annotated[
-            str,
-            Meta(
-                pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$",
-                extra={"allowed": "1-64 of A-Z a-z 0-9 . _ -, not starting with . _ -"},
-            ),
-        ]
-        | None,
+        PushName | None,
         Meta(
             description="Consumer: accept pushes under this name (the name a producer's "
             "push names), from producers whose key push_trusted_keys allows. Unset: this "
@@ -514,14 +549,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
 
     # --- identity and metrics -----------------------------------------------------------------
     instance_name: Annotated[
-        Annotated[
-            str,
-            Meta(
-                pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$",
-                extra={"allowed": "1-64 of A-Z a-z 0-9 . _ -, not starting with . _ -"},
-            ),
-        ]
-        | None,
+        Annotated[str, Meta(pattern=_NAME_PATTERN, extra={"allowed": _NAME_ALLOWED})] | None,
         Meta(
             description="Name of this instance in NIXL agent names, logs and metrics. Unset "
             "means one is generated at start-up.",
@@ -540,6 +568,14 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
                 msgspec.structs.force_setattr(self, field.name, checked)
         for rule in _RULES:
             rule.enforce(self)
+
+    def trusts(self, endpoint: str) -> bool:
+        """Whether a consumer may fetch from `endpoint` (see `trusted_producers`)."""
+        return not self.trusted_producers or endpoint in self.trusted_producers
+
+    def may_push_to(self, name: str) -> bool:
+        """Whether a producer may push to the consumer named `name` (see `push_targets`)."""
+        return not self.push_targets or name in self.push_targets
 
     @property
     def advertised_host(self) -> str:

@@ -30,10 +30,9 @@ from vllm.distributed.ec_transfer.ec_connector.metrics import (
     ECConnectorStats,
 )
 
-from ecshare.config import ConfigError, load_config
 from ecshare.metrics import is_gauge_key, parse_sample_key
 from ecshare.vllm.ops import StepPlan, StepReport
-from ecshare.vllm.settings import ConnectorSettings, split_extra
+from ecshare.vllm.settings import ConnectorSettings, config_of
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -104,13 +103,8 @@ class ECShareStats(ECConnectorStats):
 def config_from_vllm(vllm_config: VllmConfig) -> tuple[Any, ConnectorSettings]:
     """The ecshare `Config` from `ec_connector_extra_config` (and ECSHARE_* variables),
     and the connector's own settings from the same dict (see `settings`)."""
-    ec = vllm_config.ec_transfer_config
-    extra = dict(ec.ec_connector_extra_config or {}) if ec is not None else {}
-    core, settings = split_extra(extra)
-    try:
-        return load_config(extra=core), settings
-    except ConfigError as exc:
-        raise ValueError(f"ecshare: bad ec_connector_extra_config: {exc}") from None
+    config = config_of(vllm_config.ec_transfer_config)
+    return config, ConnectorSettings.of(config)
 
 
 class ECShareConnector(ECConnectorBase):

@@ -1,50 +1,47 @@
-"""The connector's own keys in `ec_connector_extra_config`, beside the core `Config` keys.
+"""What the vLLM connector reads of `--ec-transfer-config`, checked before it starts anything.
 
-`trusted_producers` is the prefill/decode side's peer allow-list: the only
-producer endpoints (`tcp://host:port`, as producers advertise them in
-`ec_transfer_params`) this instance fetches from. A request whose params name
-any other endpoint gets no fetch: the item is encoded locally, and the refusal
-is counted (`peer_refused`). A request body therefore cannot point the
-instance at an address of its choosing.
+Every key in `ec_connector_extra_config` is a key of the one typed `ecshare.config.Config`,
+the connector's own included: `trusted_producers` (the prefill/decode side's peer
+allow-list) and `push_targets` (the encoder side's push allow-list) are documented with
+the other keys in docs/CONFIG.md, and `ecshare doctor --config` checks a file of them.
+`ConnectorSettings` is the view of those two keys that the scheduler side holds.
 
-Unset (the default) trusts any endpoint that authenticates with the
-configured producer key (`server_public_key[_file]`): the CURVE handshake
-still refuses an impostor, but the instance connects wherever a request
-points. `ecshare launch` sets the list to the encoders it starts.
-
-`push_targets` is the encoder side's push allow-list: the consumer push names
-(`push_name`) it may push to when a request asks (`ec_transfer_params:
-{"push_to": [...]}`, see `pushes`). Unset, it pushes to any name that a
-consumer holding an authenticated session with it (its key on
-`authorized_keys`) announced; a name no such session holds is never pushed
-to, whatever the list says. `ecshare launch` sets it to the prefill/decode
-instances' names.
-
-Everything else in `ec_connector_extra_config` is a core key and decodes into
-`ecshare.config.Config`, strictly.
+vLLM's own `ec_ip` and `ec_port` are for connectors that open one socket per instance;
+ecshare's endpoints are `listen_host`/`advertise_host` and `listen_port`. A value other
+than vLLM's default is refused, naming the ecshare key, rather than silently ignored.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Annotated, Any
+from typing import Any, Protocol
 
 import msgspec
 
-# What a producer advertises (`Producer.address`): tcp://HOST:PORT.
-Endpoint = Annotated[str, msgspec.Meta(pattern=r"^tcp://[^\s/:]+(:[^\s/:]+)*:\d{1,5}$")]
-# A consumer's push name, as `Config.push_name` allows it.
-PushName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
+from ecshare.config import Config, ConfigError, load_config
+from ecshare.config.schema import Endpoint as Endpoint
+from ecshare.config.schema import PushName as PushName
+
 TRUSTED_PRODUCERS = "trusted_producers"
 PUSH_TARGETS = "push_targets"
-_OWN_KEYS = frozenset({TRUSTED_PRODUCERS, PUSH_TARGETS})
+# vLLM's defaults of the ECTransferConfig fields ecshare does not read, and the ecshare
+# key that does their job.
+_VLLM_FIELDS = {
+    "ec_ip": ("127.0.0.1", "listen_host (and advertise_host, the address peers use)"),
+    "ec_port": (14579, "listen_port"),
+}
 
 
-class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """The keys only the vLLM connector reads (see the module docstring)."""
+class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """The allow-lists the scheduler side applies (see `Config.trusted_producers` and
+    `Config.push_targets`)."""
 
-    trusted_producers: Annotated[tuple[Endpoint, ...], msgspec.Meta(max_length=4096)] = ()
-    push_targets: Annotated[tuple[PushName, ...], msgspec.Meta(max_length=4096)] = ()
+    trusted_producers: tuple[str, ...] = ()
+    push_targets: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, config: Config) -> ConnectorSettings:
+        return cls(trusted_producers=config.trusted_producers, push_targets=config.push_targets)
 
     def trusts(self, endpoint: str) -> bool:
         return not self.trusted_producers or endpoint in self.trusted_producers
@@ -53,16 +50,34 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
         return not self.push_targets or name in self.push_targets
 
 
-def split_extra(extra: Mapping[str, Any]) -> tuple[dict[str, Any], ConnectorSettings]:
-    """(the core Config keys, the connector's own settings) of `ec_connector_extra_config`."""
-    core = {k: v for k, v in extra.items() if k not in _OWN_KEYS}
-    own = {k: v for k, v in extra.items() if k in _OWN_KEYS}
+class _TransferConfig(Protocol):
+    """The part of vLLM's ECTransferConfig read here."""
+
+    ec_connector_extra_config: dict[str, Any]
+
+
+def config_of(ec_transfer_config: _TransferConfig | None) -> Config:
+    """The `Config` of vLLM's `--ec-transfer-config` (and ECSHARE_* variables), or
+    ValueError naming the key: its extra config decoded strictly, and vLLM's `ec_ip` /
+    `ec_port` refused when set (see the module docstring)."""
+    if ec_transfer_config is None:
+        return load_config()
+    for name, (default, key) in _VLLM_FIELDS.items():
+        value = getattr(ec_transfer_config, name, default)
+        if value != default:
+            raise ValueError(
+                f"ecshare: --ec-transfer-config sets {name}={value!r}, which ECShareConnector "
+                f"does not read; set {key} in ec_connector_extra_config instead"
+            )
+    extra = dict(ec_transfer_config.ec_connector_extra_config or {})
     try:
-        settings = msgspec.convert(own, ConnectorSettings)
-    except msgspec.ValidationError as exc:
-        raise ValueError(
-            f"ecshare: bad ec_connector_extra_config: {exc} "
-            "(trusted_producers is a list of producer endpoints, e.g. ['tcp://10.0.0.5:5555']; "
-            "push_targets a list of consumer push names, e.g. ['pd0'])"
-        ) from None
-    return core, settings
+        return load_config(extra=extra)
+    except ConfigError as exc:
+        raise ValueError(f"ecshare: bad ec_connector_extra_config: {exc}") from None
+
+
+def split_extra(extra: Mapping[str, Any]) -> tuple[dict[str, Any], ConnectorSettings]:
+    """(`extra` as a dict, the allow-lists it sets), or ConfigError (a ValueError) naming
+    the key; every key of `extra` is checked as a `Config` key."""
+    config = Config.from_dict(extra)
+    return dict(extra), ConnectorSettings.of(config)
