@@ -135,7 +135,11 @@ def test_healthy_machine_passes_every_check_and_moves_real_bytes(
 
 def test_table_output_names_each_check_and_exits_zero_when_healthy(keys: dict[str, Path]) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "ecshare", "doctor", *BASE, "--no-selftest", *key_flags(keys)],
+        [
+            *[sys.executable, "-m", "ecshare", "doctor", *BASE, "--no-selftest", *key_flags(keys)],
+            # A consumer told where its producers are: no warning that it cannot know.
+            *["--trusted-producers", "tcp://127.0.0.1:5701"],
+        ],
         capture_output=True,
         text=True,
         env=child_env(),
@@ -293,6 +297,9 @@ def test_bad_config_file_is_a_failed_check_not_a_traceback(tmp_path: Path) -> No
     assert "lease_seconds" in checks["config"]["finding"]
     # The machine is still checked, with the defaults.
     assert checks["nixl"]["status"] == "ok"
+    # What only the file could say is not checked against the defaults.
+    assert "not checked" in checks["keys"]["finding"], checks["keys"]
+    assert "not checked" in checks["checksum"]["finding"], checks["checksum"]
 
 
 def test_extras_declare_the_supported_ranges_and_the_makefile_pins_inside_them() -> None:
@@ -382,3 +389,53 @@ def test_store_canary_is_flagged_as_a_debug_setting(keys: dict[str, Path]) -> No
     _, report, _ = doctor(*key_flags(keys), "--store-canary")
     check = by_name(report)["store canary"]
     assert check["status"] == "warn" and "off" in check["fix"], check
+
+
+def _deployment_examples() -> list[dict[str, Any]]:
+    """Every `ec_connector_extra_config` in docs/DEPLOYMENT.md's `--ec-transfer-config`s."""
+    text = (REPO / "docs" / "DEPLOYMENT.md").read_text()
+    found = re.findall(r"--ec-transfer-config '(\{.*?\})'", text, flags=re.S)
+    return [json.loads(block)["ec_connector_extra_config"] for block in found]
+
+
+def test_deployment_doc_example_configs_are_accepted_and_their_keys_checked(
+    tmp_path: Path,
+) -> None:
+    examples = _deployment_examples()
+    assert len(examples) >= 2
+    assert any("trusted_producers" in e for e in examples)
+    for i, example in enumerate(examples):
+        path = tmp_path / f"example{i}.json"
+        path.write_text(json.dumps(example))
+        _, report, _ = doctor("--config", str(path))
+        checks = by_name(report)
+        assert checks["config"]["status"] == "ok", checks["config"]
+        # The keys checked are the ones the file names (absent here), not the defaults.
+        key_checks = [c for name, c in checks.items() if name.startswith("keys")]
+        assert key_checks and all("/etc/ecshare/" in c["finding"] for c in key_checks), key_checks
+
+
+def test_consumer_reading_a_remote_producer_over_tcp_is_warned(
+    keys: dict[str, Path], tmp_path: Path
+) -> None:
+    # Listening on loopback says nothing about where its producers are.
+    config = tmp_path / "pd.json"
+    config.write_text(json.dumps({"trusted_producers": ["tcp://192.0.2.7:5701"]}))
+    status, report, _ = doctor(*key_flags(keys), "--config", str(config))
+    check = by_name(report)["checksum"]
+    assert (status, check["status"]) == (0, "warn"), check
+    assert "192.0.2.7" in check["finding"] and "xxh3_64" in check["fix"]
+    # Producers on this host only: reads stay here.
+    config.write_text(json.dumps({"trusted_producers": ["tcp://127.0.0.1:5701"]}))
+    _, report, _ = doctor(*key_flags(keys), "--config", str(config))
+    check = by_name(report)["checksum"]
+    assert check["status"] == "ok" and "stay on this host" in check["finding"], check
+
+
+def test_consumer_that_names_no_producer_is_not_told_its_reads_stay_local(
+    keys: dict[str, Path],
+) -> None:
+    _, report, _ = doctor(*key_flags(keys))
+    check = by_name(report)["checksum"]
+    assert check["status"] == "warn", check
+    assert "trusted_producers" in check["finding"] and "stay on this host" not in check["finding"]
