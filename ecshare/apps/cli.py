@@ -1,4 +1,4 @@
-"""The `ecshare` command: serve, fetch, keys, demo, proxy, launch, bench."""
+"""The `ecshare` command and its subcommands; `ecshare --help` lists every one."""
 
 from __future__ import annotations
 
@@ -18,9 +18,17 @@ from ecshare.config import ConfigError, add_config_arguments, load_config
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ecshare", description=__doc__)
+    from ecshare import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="ecshare",
+        description="Share multimodal encoder outputs between vLLM instances.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="`ecshare COMMAND --help` tells more of each; docs/ holds the rest.",
+    )
+    parser.add_argument("--version", action="version", version=f"ecshare {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", title="commands")
 
     serve = sub.add_parser("serve", help="run a producer with synthetic or file-loaded entries")
     serve.add_argument(

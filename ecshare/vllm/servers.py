@@ -70,9 +70,33 @@ class Keys:
         }
 
 
+# `vllm serve` arguments of the CPU test settings: what the tests, the demo and
+# `ecshare launch --cpu` run a small model with on a CPU host (float32, a short context,
+# few sequences, no CUDA graphs, two images and no video per prompt).
+CPU_ARGS: tuple[str, ...] = (
+    "--dtype", "float32", "--max-model-len", "1024",
+    "--max-num-seqs", "4", "--max-num-batched-tokens", "1024",
+    "--enforce-eager", "--limit-mm-per-prompt", '{"image": 2, "video": 0}',
+)  # fmt: skip
+# Their environment, beside VLLM_CPU_OMP_THREADS_BIND (the instance's core): the CPU
+# platform, a 1 GiB KV cache, and no model hub unless the environment says otherwise.
+CPU_ENV: dict[str, str] = {
+    "VLLM_TARGET_DEVICE": "cpu",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+}
+CPU_ENV_DEFAULTS: dict[str, str] = {"HF_HUB_OFFLINE": "1"}
+# The environment of every instance, unless already set: no usage report, and UCX on the
+# loopback device (every instance of one `ServerSpec` host shares this host).
+ENV_DEFAULTS: dict[str, str] = {"VLLM_NO_USAGE_STATS": "1", "UCX_NET_DEVICES": "lo"}
+
+
 @dataclass
 class ServerSpec:
-    """One `vllm serve` instance. `ec_role` None means a plain instance, no connector."""
+    """One `vllm serve` instance. `ec_role` None means a plain instance, no connector.
+
+    `cpu` applies the CPU test settings (`CPU_ARGS`, `CPU_ENV`, bound to `core`);
+    without it the instance gets only its model, name, port and connector, and vLLM's own
+    defaults for everything else, on the GPUs `gpus` names (CUDA_VISIBLE_DEVICES)."""
 
     model: Path
     port: int
@@ -85,16 +109,21 @@ class ServerSpec:
     extra_args: tuple[str, ...] = ()
     # Over the environment below (a test's fault injection, say).
     extra_env: dict[str, str] = field(default_factory=dict)
+    cpu: bool = True
+    gpus: str | None = None
+    # Set where instances share a GPU, so that each takes its part of the memory.
+    gpu_memory_utilization: float | None = None
 
     def command(self) -> list[str]:
         cmd = [
             self.python, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(self.model), "--served-model-name", self.served_model_name,
             "--host", "127.0.0.1", "--port", str(self.port),
-            "--dtype", "float32", "--max-model-len", "1024",
-            "--max-num-seqs", "4", "--max-num-batched-tokens", "1024",
-            "--enforce-eager", "--limit-mm-per-prompt", '{"image": 2, "video": 0}',
         ]  # fmt: skip
+        if self.cpu:
+            cmd += CPU_ARGS
+        if self.gpu_memory_utilization is not None:
+            cmd += ["--gpu-memory-utilization", f"{self.gpu_memory_utilization:g}"]
         if self.ec_role is not None:
             config = {
                 "ec_connector": "ECShareConnector",  # registered by ecshare.vllm.plugin
@@ -105,16 +134,12 @@ class ServerSpec:
         return cmd + list(self.extra_args)
 
     def env(self) -> dict[str, str]:
-        return {
-            **os.environ,
-            "VLLM_TARGET_DEVICE": "cpu",
-            "VLLM_CPU_KVCACHE_SPACE": "1",
-            "VLLM_CPU_OMP_THREADS_BIND": str(self.core),
-            "VLLM_NO_USAGE_STATS": "1",
-            "HF_HUB_OFFLINE": "1",
-            "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo"),
-            **self.extra_env,
-        }
+        env = {**ENV_DEFAULTS, **(CPU_ENV_DEFAULTS if self.cpu else {}), **os.environ}
+        if self.cpu:
+            env.update(CPU_ENV, VLLM_CPU_OMP_THREADS_BIND=str(self.core))
+        if self.gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = self.gpus
+        return {**env, **self.extra_env}
 
 
 class VllmServer:

@@ -1,0 +1,142 @@
+"""What `ecshare launch` checks before it starts anything, and the GPUs it finds.
+
+Each check returns the problems it found, one line each, naming the flag to change, so that
+launch can print them all and exit before any instance starts: a model path that does not
+exist (or a hub name it cannot fetch while offline), an instance config that does not
+decode, a port that is taken or that two instances would share, an API-key file that
+cannot be read or that every local user can read. Imports neither vllm nor torch.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import socket
+import stat
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from ecshare.config import ConfigError, load_config
+
+# A Hugging Face hub id: NAME or ORG/NAME.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+_LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+
+def find_gpus(environ: Mapping[str, str] | None = None, dev: Path = Path("/dev")) -> list[str]:
+    """The NVIDIA GPUs instances may use: CUDA_VISIBLE_DEVICES where it is set (empty or
+    -1 hides them all), else the /dev/nvidiaN device nodes."""
+    env = os.environ if environ is None else environ
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        ids = [part.strip() for part in visible.split(",")]
+        return [] if not ids or ids[0] in ("", "-1") else ids
+    nodes = [p.name.removeprefix("nvidia") for p in dev.glob("nvidia[0-9]*")]
+    return sorted((n for n in nodes if n.isdigit()), key=int)
+
+
+def is_loopback(host: str) -> bool:
+    return host in _LOOPBACK or host.startswith("127.")
+
+
+def check_model(model: str, offline: bool) -> list[str]:
+    """A local model must exist and hold a config.json (or be a .gguf file); a hub name is
+    left to vLLM, unless the instances run offline and it is not in the local hub cache."""
+    path = Path(model).expanduser()
+    if path.exists():
+        if path.is_dir() and not (path / "config.json").is_file():
+            return [f"--model {model}: {path} holds no config.json, so it is not a model"]
+        if path.is_file() and path.suffix != ".gguf":
+            return [f"--model {model}: {path} is a file, not a model directory or a .gguf file"]
+        return []
+    if not _HUB_ID.fullmatch(model):
+        return [f"--model {model}: no such file or directory"]
+    if offline and not _in_hub_cache(model):
+        return [
+            f"--model {model}: not a path on this host, and not in the Hugging Face cache, "
+            "which the instances must use offline (HF_HUB_OFFLINE=1): download it first "
+            "(huggingface-cli download), or pass its directory"
+        ]
+    return []
+
+
+def _in_hub_cache(model: str) -> bool:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return True  # vLLM will say; nothing here can tell
+    return isinstance(try_to_load_from_cache(model, "config.json"), str)
+
+
+def check_api_key_file(path: str | None) -> list[str]:
+    """The file exists, can be read, and is not readable by every local user."""
+    if path is None:
+        return []
+    try:
+        mode = os.stat(path).st_mode
+        with open(path, "rb"):
+            pass
+    except OSError as exc:
+        return [f"--api-key-file {path}: {exc.strerror or exc}"]
+    if not stat.S_ISREG(mode):
+        return [f"--api-key-file {path}: not a regular file"]
+    if mode & stat.S_IROTH:
+        return [
+            f"--api-key-file {path}: readable by every user on this host; run: chmod 600 {path}"
+        ]
+    return []
+
+
+def check_configs(configs: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """Each instance's `ec_connector_extra_config` decodes (with the ECSHARE_* variables it
+    inherits), as its connector will decode it; one line per distinct error."""
+    problems: list[str] = []
+    for extra in configs.values():
+        try:
+            load_config(extra=extra)
+        except ConfigError as exc:
+            where = exc.source if exc.source and exc.source.startswith("ECSHARE_") else None
+            line = (
+                f"{where}: {exc.detail}" if where else f"--ec-extra-config: {exc.key}: {exc.detail}"
+            )
+            if line not in problems:
+                problems.append(line)
+    return problems
+
+
+def check_ports(fixed: Sequence[tuple[str, str, int, str]]) -> list[str]:
+    """`fixed` holds (what, host, port, flag) of every port set in advance: none may be
+    set twice, and each must be free to bind."""
+    problems = []
+    seen: dict[int, str] = {}
+    for what, host, port, flag in fixed:
+        if port == 0:
+            continue
+        if port in seen:
+            problems.append(
+                f"{flag}: port {port} is both {seen[port]}'s and {what}'s; "
+                "leave it out (launch picks free ports) or give each its own"
+            )
+            continue
+        seen[port] = what
+        why = _bind_error(host, port)
+        if why:
+            problems.append(f"{flag}: {what} cannot listen on {host}:{port}: {why}")
+    return problems
+
+
+def _bind_error(host: str, port: int) -> str:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            # As a server binds: a port in TIME_WAIT is free, one that someone listens on is not.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host.strip("[]"), port))
+            sock.listen(1)
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            return f"already in use (see: ss -ltnp 'sport = :{port}')"
+        return exc.strerror or str(exc)
+    return ""
