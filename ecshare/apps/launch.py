@@ -502,12 +502,6 @@ def _run(options: LaunchOptions, workdir: Path, servers: list[VllmServer]) -> in
     from ecshare.apps.proxy.workers import supervise
 
     encoders, pd = plan_servers(options, workdir)
-    problems, config = preflight(options, encoders, pd)
-    if problems:
-        for problem in problems:
-            _say(problem, err=True)
-        _say("nothing started", err=True)
-        return 2
     if not is_loopback(options.host) and not (options.api_key_file or os.environ.get(API_KEY_ENV)):
         _say(
             f"warning: the proxy listens on {options.host}, beyond loopback, and requires no "
@@ -515,6 +509,12 @@ def _run(options: LaunchOptions, workdir: Path, servers: list[VllmServer]) -> in
             "--api-key-file",
             err=True,
         )
+    problems, config = preflight(options, encoders, pd)
+    if problems:
+        for problem in problems:
+            _say(problem, err=True)
+        _say("nothing started", err=True)
+        return 2
     gpus = sorted({s.spec.gpus for s in (*encoders, *pd) if s.spec.gpus is not None})
     if encoders[0].spec.cpu:
         where = "the CPU test settings (see --help)"

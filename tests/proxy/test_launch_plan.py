@@ -1,15 +1,33 @@
-"""`ecshare launch`'s plan, without starting anything: roles, keys, ports, cores, options."""
+"""`ecshare launch` before it starts anything: its plan (roles, keys, ports, cores or GPUs,
+options), and the checks that refuse a bad launch, run as a real `ecshare launch` process.
+
+The one test of a failed run starts a real `vllm serve` that exits at once."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import shlex
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from ecshare.apps.cli import build_parser
-from ecshare.apps.launch import LaunchOptions, options_from_args, plan_servers
+from ecshare.apps.launch import (
+    LaunchOptions,
+    gpus_for,
+    options_from_args,
+    plan_servers,
+    preflight,
+    send_requests_here,
+)
+from ecshare.apps.launch_checks import check_model, find_gpus
+from ecshare.vllm.servers import CPU_ARGS, CPU_ENV, CPU_ENV_DEFAULTS, ENV_DEFAULTS
 
 
 def _options(*argv: str) -> LaunchOptions:
@@ -77,3 +95,224 @@ def test_unknown_encoder_endpoint_leaves_trust_to_the_producer_key(
 def test_bad_launch_options_are_refused(argv: tuple[str, ...]) -> None:
     with pytest.raises(ValueError):
         _options(*argv)
+
+
+# --- hardware ---------------------------------------------------------------------------------
+
+
+def test_cpu_test_settings_apply_only_without_gpus(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in (*CPU_ENV, "CUDA_VISIBLE_DEVICES"):
+        monkeypatch.delenv(name, raising=False)
+    options = _options("--encoders", "2", "--pd", "1")
+
+    encoders, pd = plan_servers(options, tmp_path / "cpu", gpus=None)
+    for server in (*encoders, *pd):
+        command, env = server.spec.command(), server.spec.env()
+        assert _has_run(command, CPU_ARGS)
+        assert {k: env[k] for k in CPU_ENV} == CPU_ENV
+        assert env["VLLM_CPU_OMP_THREADS_BIND"] == str(server.spec.core)
+        assert "CUDA_VISIBLE_DEVICES" not in env
+
+    # Three instances on two GPUs: round-robin, and the two that share GPU 0 split it.
+    encoders, pd = plan_servers(options, tmp_path / "gpu", gpus=["0", "1"])
+    servers = [*encoders, *pd]
+    assert [s.spec.env()["CUDA_VISIBLE_DEVICES"] for s in servers] == ["0", "1", "0"]
+    for server in servers:
+        command, env = server.spec.command(), server.spec.env()
+        assert not any(arg in command for arg in ("--dtype", "--max-model-len", "--enforce-eager"))
+        assert not set(CPU_ENV) & set(env) and "VLLM_CPU_OMP_THREADS_BIND" not in env
+        utilization = [
+            command[i + 1] for i, a in enumerate(command) if a == "--gpu-memory-utilization"
+        ]
+        assert utilization == (["0.45"] if server.spec.gpus == "0" else [])
+
+
+def _has_run(command: list[str], run: tuple[str, ...]) -> bool:
+    return any(tuple(command[i : i + len(run)]) == run for i in range(len(command)))
+
+
+def test_gpus_are_found_by_device_node_or_cuda_visible_devices(tmp_path: Path) -> None:
+    for name in ("nvidia0", "nvidia1", "nvidia10", "nvidiactl", "nvidia-uvm"):
+        (tmp_path / name).touch()
+    assert find_gpus({}, tmp_path) == ["0", "1", "10"]
+    assert find_gpus({"CUDA_VISIBLE_DEVICES": "3,1"}, tmp_path) == ["3", "1"]
+    assert find_gpus({"CUDA_VISIBLE_DEVICES": ""}, tmp_path) == []
+    assert find_gpus({"CUDA_VISIBLE_DEVICES": "-1"}, tmp_path) == []
+    assert find_gpus({}, tmp_path / "empty") == []
+
+
+def test_cpu_settings_by_default_only_where_no_gpu_is_found(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2")
+    assert gpus_for("auto") == ["2"]
+    assert gpus_for("cpu") is None
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert gpus_for("auto") is None
+    assert gpus_for("gpu") == []  # vLLM picks
+    assert _options("--cpu").device == "cpu" and _options("--gpu").device == "gpu"
+    assert _options().device == "auto"
+
+
+def test_help_lists_every_default_launch_passes() -> None:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    text = " ".join(sub.choices["launch"].format_help().split())
+    for arg in CPU_ARGS:
+        assert arg in text, arg
+    for key, value in {**CPU_ENV, **CPU_ENV_DEFAULTS, **ENV_DEFAULTS}.items():
+        assert f"{key}={value}" in text, key
+    for said in ("VLLM_CPU_OMP_THREADS_BIND", "--gpu-memory-utilization", "CUDA_VISIBLE_DEVICES"):
+        assert said in text, said
+
+
+# --- before anything starts -------------------------------------------------------------------
+
+
+def _launch(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "ecshare", "launch", *argv],
+        capture_output=True,
+        text=True,
+        env=env or os.environ.copy(),
+        timeout=120,
+        check=False,
+    )
+
+
+@pytest.fixture
+def taken_port() -> Iterator[int]:
+    """A port a real socket listens on."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(1)
+        yield sock.getsockname()[1]
+
+
+def test_every_problem_found_before_start_is_one_line_and_nothing_starts(
+    tmp_path: Path, taken_port: int
+) -> None:
+    key = tmp_path / "api.key"
+    key.write_text("secret\n")
+    key.chmod(0o644)
+    work = tmp_path / "work"
+    proc = _launch(
+        "--model", str(tmp_path / "no-such-model"),
+        "--port", str(taken_port),
+        "--ec-extra-config", '{"region_bytes": "1GB"}',
+        "--api-key-file", str(key),
+        "--workdir", str(work),
+    )  # fmt: skip
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    expected = [
+        f"ecshare launch: --model {tmp_path / 'no-such-model'}: no such file or directory",
+        "ecshare launch: --ec-extra-config: region_bytes: got '1GB', expected a size",
+        f"ecshare launch: --port: the proxy cannot listen on 127.0.0.1:{taken_port}: "
+        "already in use",
+        f"ecshare launch: --api-key-file {key}: readable by every user on this host; "
+        "run: chmod 600",
+        "ecshare launch: nothing started",
+    ]
+    for want in expected:
+        assert sum(line.startswith(want) for line in lines) == 1, (want, lines)
+    # No instance started: each opens its log before its process starts.
+    assert not list(work.glob("*.log")), sorted(work.iterdir())
+    assert "starting" not in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "line"),
+    [
+        (("--ec-extra-config", "{region_bytes: 1}"), {}, "--ec-extra-config: not JSON"),
+        (("--ec-extra-config", '["x"]'), {}, "--ec-extra-config: got '[\"x\"]', expected a JSON"),
+        (("--extra-vllm-args", "--x 'y"), {}, "--extra-vllm-args: No closing quotation"),
+        (("--api-key-file", "/no/such/key"), {}, "--api-key-file /no/such/key: No such file"),
+        ((), {"ECSHARE_LEASE_S": "soon"}, "ECSHARE_LEASE_S: got 'soon', expected float"),
+        (
+            ("--encoders", "2", "--ec-extra-config", '{"listen_port": 5701}'),
+            {},
+            "--ec-extra-config: port 5701 is both encoder0's and encoder1's",
+        ),
+    ],
+)
+def test_a_bad_flag_is_named_and_nothing_starts(
+    tmp_path: Path, argv: tuple[str, ...], env: dict[str, str], line: str
+) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    proc = _launch(
+        "--model", str(model), "--port", "0", "--workdir", str(tmp_path / "work"), *argv,
+        env={**os.environ, **env},
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"ecshare launch: {line}" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not list((tmp_path / "work").glob("*.log"))
+
+
+def test_a_directory_without_a_model_is_refused(tmp_path: Path) -> None:
+    assert check_model(str(tmp_path), offline=False) == [
+        f"--model {tmp_path}: {tmp_path} holds no config.json, so it is not a model"
+    ]
+    assert check_model("Qwen/Qwen2-VL-2B-Instruct", offline=False) == []  # vLLM fetches it
+    assert "not in the Hugging Face cache" in check_model("ecshare-test/absent", offline=True)[0]
+
+
+def test_a_proxy_beyond_loopback_without_an_api_key_is_warned(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "ECSHARE_PROXY_API_KEY"}
+    proc = _launch("--model", str(tmp_path / "absent"), "--host", "0.0.0.0", "--port", "0", env=env)
+    assert proc.returncode == 2
+    assert "warning: the proxy listens on 0.0.0.0, beyond loopback, and requires no API key" in (
+        proc.stderr
+    )
+    key = tmp_path / "api.key"
+    key.write_text("secret\n")
+    key.chmod(0o600)
+    proc = _launch(
+        "--model", str(tmp_path / "absent"), "--host", "0.0.0.0", "--port", "0",
+        "--api-key-file", str(key), env=env,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "warning" not in proc.stderr, proc.stderr
+
+
+def test_the_api_key_file_reaches_the_proxy_and_the_curl_example(tmp_path: Path) -> None:
+    key = tmp_path / "api.key"
+    key.write_text("secret\n")
+    key.chmod(0o600)
+    options = _options("--api-key-file", str(key), "--pd", "2")
+    encoders, pd = plan_servers(options, tmp_path)
+    problems, config = preflight(options, encoders, pd)
+    # Nothing but the model is wrong (no model "m" is on this host).
+    assert all(p.startswith("--model m: ") for p in problems), problems
+    assert config.api_key == "secret"
+    assert config.pd_push_names == ("pd0", "pd1")
+    line = send_requests_here("http://127.0.0.1:8080", "m", str(key))
+    assert "send requests here: http://127.0.0.1:8080/v1/chat/completions" in line
+    curl = shlex.split(line.splitlines()[1])
+    assert curl[:2] == ["curl", "http://127.0.0.1:8080/v1/chat/completions"]
+    assert f"Authorization: Bearer $(cat {key})" in curl
+    assert json.loads(curl[curl.index("-d") + 1])["model"] == "m"
+
+
+def test_a_failed_run_keeps_its_logs_and_says_where(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    # vLLM refuses an unknown flag at once: the instance fails after it started.
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    proc = _launch(
+        "--model", str(model), "--port", "0", "--cpu",
+        "--extra-vllm-args=--no-such-vllm-flag", env=env,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    kept = [line for line in proc.stderr.splitlines() if "logs kept in " in line]
+    assert len(kept) == 1, proc.stderr
+    workdir = Path(kept[0].split("logs kept in ", 1)[1])
+    assert workdir.parent == tmp_path
+    assert "no-such-vllm-flag" in (workdir / "encoder0.log").read_text()
+    assert "starting encoder0 (ec_producer)" in proc.stdout
