@@ -18,15 +18,13 @@ from ecshare.config import ConfigError, add_config_arguments, load_config
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ecshare import __version__
-
     parser = argparse.ArgumentParser(
         prog="ecshare",
         description="Share multimodal encoder outputs between vLLM instances.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="`ecshare COMMAND --help` tells more of each; docs/ holds the rest.",
     )
-    parser.add_argument("--version", action="version", version=f"ecshare {__version__}")
+    parser.add_argument("--version", action="version", version=f"ecshare {_version()}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", title="commands")
 
@@ -120,6 +118,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_chaos_arguments(chaos)
     return parser
+
+
+def _version() -> str:
+    """The installed distribution's version (the package root is above this layer)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ecshare")
+    except PackageNotFoundError:
+        return "(not installed)"
 
 
 # Optional dependencies, and the extra of this package that installs each.

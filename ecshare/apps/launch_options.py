@@ -1,0 +1,212 @@
+"""`ecshare launch`'s options: its flags, their help (which lists every argument and
+variable launch passes to an instance, read from `ecshare.vllm.servers`), and
+`LaunchOptions`, which they decode into, each bad value a ValueError naming its flag."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import textwrap
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from ecshare.apps.proxy.config import API_KEY_ENV, PD_MEDIA
+from ecshare.vllm.servers import CPU_ARGS, CPU_ENV, CPU_ENV_DEFAULTS, ENV_DEFAULTS
+
+Device = Literal["auto", "cpu", "gpu"]
+# The share of a GPU's memory vLLM takes by default, split between instances on one GPU.
+GPU_MEMORY_SHARE = 0.9
+
+
+@dataclass
+class LaunchOptions:
+    model: str
+    encoders: int = 1
+    prefill_decode: int = 1
+    host: str = "127.0.0.1"
+    port: int = 8080
+    served_model_name: str | None = None
+    extra_vllm_args: tuple[str, ...] = ()
+    ec_extra_config: dict[str, Any] = field(default_factory=dict)
+    workdir: Path | None = None
+    ready_timeout_s: float = 600.0
+    proxy_workers: int = 1
+    pd_media: str = "omit"
+    push: bool = True
+    device: Device = "auto"
+    api_key_file: str | None = None
+
+
+def _epilog() -> str:
+    indent = " " * 11
+    cpu_args = textwrap.fill(
+        shlex.join(CPU_ARGS),
+        88,
+        initial_indent=indent,
+        subsequent_indent=indent,
+        break_on_hyphens=False,
+    )
+    cpu_env = textwrap.fill(
+        " ".join(f"{k}={v}" for k, v in CPU_ENV.items())
+        + " VLLM_CPU_OMP_THREADS_BIND=(its own core, round-robin), and "
+        + " ".join(f"{k}={v}" for k, v in CPU_ENV_DEFAULTS.items())
+        + " where not already set",
+        88,
+        initial_indent=indent,
+        subsequent_indent=indent,
+    )
+    always = " ".join(f"{k}={v}" for k, v in ENV_DEFAULTS.items())
+    return f"""\
+What each instance is given:
+  python -m vllm.entrypoints.openai.api_server --model MODEL --served-model-name NAME
+    --host 127.0.0.1 --port (a free port) --ec-transfer-config (ECShareConnector, its
+    role, generated keys, trusted_producers/push_targets/push_name, a listen_port per
+    encoder; --ec-extra-config entries over these), then --extra-vllm-args, which
+    override all.
+  Environment, where not already set: {always}.
+
+Hardware (default: --gpu where an NVIDIA GPU is found, by CUDA_VISIBLE_DEVICES or
+/dev/nvidiaN; else --cpu):
+  --gpu  one GPU per instance, round-robin (CUDA_VISIBLE_DEVICES); where K instances
+         share a GPU, --gpu-memory-utilization {GPU_MEMORY_SHARE}/K; vLLM's defaults
+         for all else.
+  --cpu  the CPU test settings, for small models:
+{cpu_args}
+         environment:
+{cpu_env}.
+
+Before starting anything it checks the model path, each instance's config, the ports
+set in advance (--port, and any the extra config fixes) and --api-key-file, and prints
+one line per problem. Logs and keys are in --workdir: a temporary directory by default,
+removed after a clean stop and kept (its path printed) after a failure."""
+
+
+def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = _epilog()
+    parser.add_argument(
+        "--model", required=True, help="model directory or hub name, served by every instance"
+    )
+    parser.add_argument(
+        "--encoders", type=int, default=1, metavar="N", help="encoder instances (1)"
+    )
+    parser.add_argument(
+        "--pd", type=int, default=1, metavar="M", help="prefill/decode instances (1)"
+    )
+    hardware = parser.add_mutually_exclusive_group()
+    hardware.add_argument(
+        "--cpu",
+        dest="device",
+        action="store_const",
+        const="cpu",
+        default="auto",
+        help="the CPU test settings (below), even where a GPU is found",
+    )
+    hardware.add_argument(
+        "--gpu",
+        dest="device",
+        action="store_const",
+        const="gpu",
+        help="vLLM's own defaults on the GPUs found (below), even where none is found",
+    )
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address the proxy listens on (127.0.0.1); the instances listen on 127.0.0.1",
+    )
+    parser.add_argument(
+        "--port", type=int, default=8080, help="proxy port, 0 for a free one (8080)"
+    )
+    parser.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="PATH",
+        help="the proxy requires this file's key as `Authorization: Bearer` on /v1/* "
+        f"(ecshare proxy --api-key-file; else ${API_KEY_ENV}); it must not be readable by "
+        "every user. Without one, launch warns when --host is beyond loopback",
+    )
+    parser.add_argument(
+        "--proxy-workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="proxy processes sharing its port (ecshare proxy --workers) (1)",
+    )
+    parser.add_argument(
+        "--pd-media",
+        choices=PD_MEDIA,
+        default="omit",
+        help="what prefill/decode gets of encoded media (ecshare proxy --pd-media): omit, "
+        "its placeholder metadata only; keep, the media as sent (omit)",
+    )
+    parser.add_argument(
+        "--no-push",
+        dest="push",
+        action="store_false",
+        help="encoders do not push items into prefill/decode; it pulls every one",
+    )
+    parser.add_argument(
+        "--served-model-name", default=None, help="model name in the API (default: --model)"
+    )
+    parser.add_argument(
+        "--extra-vllm-args",
+        default="",
+        metavar="ARGS",
+        help="more `vllm serve` arguments for every instance, as one shell-quoted string; "
+        "they come last and override the defaults",
+    )
+    parser.add_argument(
+        "--ec-extra-config",
+        default="{}",
+        metavar="JSON",
+        help="ec_connector_extra_config entries for every instance (docs/CONFIG.md), e.g. "
+        '\'{"region_bytes": "2GiB"}\'',
+    )
+    parser.add_argument("--workdir", default=None, help="keys and logs (default: a temp dir)")
+    parser.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="longest wait for the instances to answer /health (600)",
+    )
+
+
+def options_from_args(args: argparse.Namespace) -> LaunchOptions:
+    """The options of parsed flags, or ValueError naming the flag."""
+    if args.encoders < 1 or args.pd < 1:
+        raise ValueError("--encoders and --pd must be at least 1")
+    if args.proxy_workers < 1:
+        raise ValueError("--proxy-workers must be at least 1")
+    try:
+        extra = json.loads(args.ec_extra_config)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--ec-extra-config: not JSON ({exc})") from None
+    if not isinstance(extra, dict):
+        raise ValueError(
+            f"--ec-extra-config: got {args.ec_extra_config!r}, expected a JSON object of "
+            'config keys, e.g. \'{"region_bytes": "2GiB"}\''
+        )
+    try:
+        extra_args = tuple(shlex.split(args.extra_vllm_args))
+    except ValueError as exc:
+        raise ValueError(f"--extra-vllm-args: {exc}") from None
+    return LaunchOptions(
+        model=args.model,
+        encoders=args.encoders,
+        prefill_decode=args.pd,
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name,
+        extra_vllm_args=extra_args,
+        ec_extra_config=extra,
+        workdir=Path(args.workdir) if args.workdir else None,
+        ready_timeout_s=args.ready_timeout,
+        proxy_workers=args.proxy_workers,
+        pd_media=args.pd_media,
+        push=args.push,
+        device=args.device,
+        api_key_file=args.api_key_file,
+    )
