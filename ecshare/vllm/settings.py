@@ -32,6 +32,13 @@ _VLLM_FIELDS = {
 }
 
 
+_HINTS = {
+    TRUSTED_PRODUCERS: " (trusted_producers is a list of producer endpoints, "
+    "e.g. ['tcp://10.0.0.5:5701'])",
+    PUSH_TARGETS: " (push_targets is a list of consumer push names, e.g. ['pd0'])",
+}
+
+
 class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
     """The allow-lists the scheduler side applies (see `Config.trusted_producers` and
     `Config.push_targets`)."""
@@ -73,7 +80,8 @@ def config_of(ec_transfer_config: _TransferConfig | None) -> Config:
     try:
         return load_config(extra=extra)
     except ConfigError as exc:
-        raise ValueError(f"ecshare: bad ec_connector_extra_config: {exc}") from None
+        hint = _HINTS.get((exc.key or "").split("[", 1)[0], "")
+        raise ValueError(f"ecshare: bad ec_connector_extra_config: {exc}{hint}") from None
 
 
 def split_extra(extra: Mapping[str, Any]) -> tuple[dict[str, Any], ConnectorSettings]:
