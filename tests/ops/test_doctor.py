@@ -133,12 +133,14 @@ def test_healthy_machine_passes_every_check_and_moves_real_bytes(
     assert "tcp/lo" in ucx["details"]["resources"]
 
 
-def test_table_output_names_each_check_and_exits_zero_when_healthy(keys: dict[str, Path]) -> None:
+def test_table_output_names_each_check_and_exits_zero_when_healthy(
+    keys: dict[str, Path], listening: socket.socket
+) -> None:
     proc = subprocess.run(
         [
             *[sys.executable, "-m", "ecshare", "doctor", *BASE, "--no-selftest", *key_flags(keys)],
             # A consumer told where its producers are: no warning that it cannot know.
-            *["--trusted-producers", "tcp://127.0.0.1:5701"],
+            *["--trusted-producers", f"tcp://127.0.0.1:{listening.getsockname()[1]}"],
         ],
         capture_output=True,
         text=True,
@@ -416,20 +418,26 @@ def test_deployment_doc_example_configs_are_accepted_and_their_keys_checked(
 
 
 def test_consumer_reading_a_remote_producer_over_tcp_is_warned(
-    keys: dict[str, Path], tmp_path: Path
+    keys: dict[str, Path], tmp_path: Path, listening: socket.socket
 ) -> None:
     # Listening on loopback says nothing about where its producers are.
+    remote = "tcp://192.0.2.7:5701"  # TEST-NET-1: never reachable
     config = tmp_path / "pd.json"
-    config.write_text(json.dumps({"trusted_producers": ["tcp://192.0.2.7:5701"]}))
+    config.write_text(json.dumps({"trusted_producers": [remote]}))
     status, report, _ = doctor(*key_flags(keys), "--config", str(config))
-    check = by_name(report)["checksum"]
-    assert (status, check["status"]) == (0, "warn"), check
-    assert "192.0.2.7" in check["finding"] and "xxh3_64" in check["fix"]
+    checks = by_name(report)
+    assert checks["checksum"]["status"] == "warn", checks["checksum"]
+    assert "192.0.2.7" in checks["checksum"]["finding"] and "xxh3_64" in checks["checksum"]["fix"]
+    # Each trusted producer is tried, as one named with --producer is.
+    assert status == 1 and checks[f"producer {remote}"]["status"] == "fail", checks
     # Producers on this host only: reads stay here.
-    config.write_text(json.dumps({"trusted_producers": ["tcp://127.0.0.1:5701"]}))
-    _, report, _ = doctor(*key_flags(keys), "--config", str(config))
-    check = by_name(report)["checksum"]
-    assert check["status"] == "ok" and "stay on this host" in check["finding"], check
+    local = f"tcp://127.0.0.1:{listening.getsockname()[1]}"
+    config.write_text(json.dumps({"trusted_producers": [local]}))
+    status, report, _ = doctor(*key_flags(keys), "--config", str(config))
+    checks = by_name(report)
+    assert checks["checksum"]["status"] == "ok", checks["checksum"]
+    assert "stay on this host" in checks["checksum"]["finding"]
+    assert status == 0 and checks[f"producer {local}"]["status"] == "ok", checks
 
 
 def test_consumer_that_names_no_producer_is_not_told_its_reads_stay_local(

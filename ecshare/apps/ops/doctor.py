@@ -70,7 +70,7 @@ def add_doctor_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="ADDRESS",
         help="a producer this instance will fetch from (tcp://HOST:PORT): check it is "
-        "reachable; repeatable",
+        "reachable, as each of the config's trusted_producers is; repeatable",
     )
     parser.add_argument(
         "--shm-path",
@@ -173,7 +173,7 @@ def diagnose(options: DoctorOptions) -> Report:
     checks += guarded("memlock", lambda: [check_memlock(config, probe)])
     checks += guarded("shared memory", lambda: [check_shm(config, options.shm_path)])
     checks += guarded(
-        "ports", lambda: check_ports(config, options.producers, options.connect_timeout_s)
+        "ports", lambda: check_ports(config, _producers(config, options), options.connect_timeout_s)
     )
     if options.config is None:
         # Checked against the defaults, they would report what the file did not say.
@@ -187,6 +187,11 @@ def diagnose(options: DoctorOptions) -> Report:
     checks += guarded("versions", check_versions)
     counts = {s: sum(c.status == s for c in checks) for s in ("ok", "warn", "fail")}
     return Report(ok=counts["fail"] == 0, counts=counts, checks=checks)
+
+
+def _producers(config: Config, options: DoctorOptions) -> list[str]:
+    """The producers to reach: those named to doctor, then the config's trusted ones."""
+    return list(dict.fromkeys([*options.producers, *config.trusted_producers]))
 
 
 def _unchecked(name: str) -> Check:
