@@ -85,7 +85,8 @@ def test_an_image_left_unannounced_keeps_every_image_of_the_request_whole(rig: R
 
 
 def test_the_stub_refuses_mixed_raw_and_embedded_images_as_vllm_does(rig: Rig) -> None:
-    proxy = rig.start_proxy(pd_media="keep")  # forwards the parts as the client sent them
+    # Forwards the parts as the client sent them, embeddings too.
+    proxy = rig.start_proxy(pd_media="keep", allow_client_embeds=True, client_uuids="strip")
     mixed = chat(IMAGE_A, max_tokens=5)
     mixed["messages"][0]["content"].insert(0, _stand_in(IMAGE_B))
     response = proxy.post(CHAT, mixed)

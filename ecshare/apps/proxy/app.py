@@ -11,8 +11,8 @@ Routes:
   without media goes to prefill/decode byte for byte as it came;
 * ``POST /v1/completions``: straight to prefill/decode, byte for byte;
 * ``GET /v1/models``: a prefill/decode instance's answer;
-* ``GET /health``: 200 while some prefill/decode instance is in rotation, else 503, with
-  every backend's state;
+* ``GET /health``: 200 while some prefill/decode instance is in rotation, else 503; with
+  every backend's state only for a caller with an API key (where keys are set);
 * ``GET /metrics``: Prometheus text.
 
 A client's own `ec_transfer_params` (top level, or in `vllm_xargs`) would tell the
@@ -20,17 +20,24 @@ prefill/decode instance which producer to fetch from, so they are dropped from e
 request body and counted (`client_params_dropped`), unless the operator passes them on
 (`--pass-ec-transfer-params`); the encoders' params are the only ones prefill/decode sees.
 
-The `/v1/*` routes need the API key when one is set (`Authorization: Bearer KEY`, compared
-in constant time); `/health` and `/metrics` are for the machines that watch the proxy and
-answer without it. Every error the proxy itself answers is OpenAI-shaped (`errors`).
+The `/v1/*` routes need an API key when keys are set (`Authorization: Bearer KEY`), and
+the key says the request's tenant (`tenants`; without keys every request is the tenant
+`default`'s). `/metrics` and `/health`'s status are for the machines that watch the proxy
+and answer without it. Every error the proxy itself answers is OpenAI-shaped (`errors`).
+
+The edge is bounded, each refusal counted by reason (`rejected_total{reason}`) before any
+backend sees the request: a chat request's content parts obey the proxy's rules
+(`parts`: client uuids, client embeddings, media items per request); a tenant has at most
+`max_tenant_in_flight` requests in flight (429); a body must arrive within
+`body_timeout_s` (408) and be at most `max_body_bytes` (413); connections are capped
+(`edge`); encoder calls per request and in flight are bounded (`fanout`). With
+`tenant_isolation`, each tenant's media are keyed apart (`tenants`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import hashlib
-import hmac
 import itertools
 import logging
 import time
@@ -50,6 +57,8 @@ from ecshare.apps.proxy.fanout import EncoderStage, scan_media
 from ecshare.apps.proxy.forward import PrefillDecodeStage
 from ecshare.apps.proxy.media import media_free
 from ecshare.apps.proxy.metrics import ProxyMetrics
+from ecshare.apps.proxy.parts import PartRules, check_parts, media_modalities, salted
+from ecshare.apps.proxy.tenants import DEFAULT_TENANT, Keyring
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +74,7 @@ _ENDPOINTS = {
     "/metrics": "metrics",
 }
 _AUTHENTICATED = frozenset({"chat", "completions", "models", "other"})
+_GENERATING = frozenset({"chat", "completions"})  # counted against the tenant's in-flight
 _MAX_REQUEST_ID = 128
 # Request ids the proxy makes: unique across proxies by the prefix, cheap by the counter.
 _ID_PREFIX = uuid.uuid4().hex[:16]
@@ -79,10 +89,13 @@ class BackendState(msgspec.Struct):
     in_flight: int
 
 
-class HealthReport(msgspec.Struct):
+class HealthReport(msgspec.Struct, omit_defaults=True):
     status: str
-    encoders: list[BackendState]
-    prefill_decode: list[BackendState]
+    encoders: list[BackendState] | None = None
+    prefill_decode: list[BackendState] | None = None
+
+
+TENANT_KEY = web.RequestKey("ecshare_tenant", str)  # a request's tenant, kept on it
 
 
 @dataclass
@@ -111,8 +124,9 @@ class Proxy:
             for url, name in zip(config.prefill_decode, config.pd_push_names, strict=False)
             if name
         }
-        key = config.api_key
-        self._key_digest = None if key is None else hashlib.sha256(key.encode()).digest()
+        self._keyring = Keyring(config.keys())
+        self._rules = PartRules.of(config)
+        self._tenant_in_flight: dict[str, int] = {}
         self._stages: _Stages | None = None
 
     @property
@@ -139,6 +153,8 @@ class Proxy:
             batch_size=c.encoder_batch_size,
             timeout_s=c.encoder_timeout_s,
             connect_timeout_s=c.connect_timeout_s,
+            max_calls=c.max_encoder_calls,
+            max_in_flight=c.max_encoder_in_flight,
         )
         prefill_decode = PrefillDecodeStage(
             session,
@@ -172,15 +188,20 @@ class Proxy:
         started = time.perf_counter()
         endpoint = _ENDPOINTS.get(request.path, "other")
         status = 500
+        tenant: str | None = None
         self.metrics.started()
         try:
             if endpoint in _AUTHENTICATED:
-                self._authenticate(request)
+                request[TENANT_KEY] = self._authenticate(request)
+            if endpoint in _GENERATING:
+                tenant = self._enter(request[TENANT_KEY])
             response = await handler(request)
             status = response.status
             return response
         except ProxyError as exc:
             status = exc.status
+            if exc.reason is not None:
+                self.metrics.rejected.labels(exc.reason).inc()
             return error_response(exc.status, exc.message)
         except web.HTTPException as exc:  # aiohttp's own: unknown route, wrong method
             status = exc.status
@@ -193,22 +214,48 @@ class Proxy:
             log.exception("request to %s failed inside the proxy", request.path)
             return error_response(500, "internal proxy error; the proxy's log has the details")
         finally:
+            if tenant is not None:
+                self._tenant_in_flight[tenant] -= 1
             self.metrics.answered(endpoint, status, time.perf_counter() - started)
 
-    def _authenticate(self, request: web.Request) -> None:
-        if self._key_digest is None:
-            return
-        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        # Digests of equal length: the comparison's time says nothing about the key's length.
-        given = hashlib.sha256(token.strip().encode()).digest()
-        if not hmac.compare_digest(given, self._key_digest) or scheme.lower() != "bearer":
-            self.metrics.rejected.labels("auth").inc()
-            raise ProxyError(401, "missing or wrong API key (expected Authorization: Bearer)")
+    def _authenticate(self, request: web.Request) -> str:
+        """The request's tenant; 401 when keys are set and it has none of them."""
+        if not self._keyring:
+            return DEFAULT_TENANT
+        tenant = self._keyring.tenant(request.headers.get("Authorization", ""))
+        if tenant is None:
+            raise ProxyError(
+                401, "missing or wrong API key (expected Authorization: Bearer)", reason="auth"
+            )
+        return tenant
+
+    def _enter(self, tenant: str) -> str:
+        """Count a request of `tenant` in flight (the guard ends it); 429 past the cap."""
+        busy = self._tenant_in_flight.get(tenant, 0)
+        limit = self.config.max_tenant_in_flight
+        if busy >= limit:
+            raise ProxyError(
+                429,
+                f"this API key's tenant has {busy} requests in flight, the most the proxy "
+                f"takes (--max-tenant-in-flight {limit}); retry when one has ended",
+                reason="tenant_busy",
+            )
+        self._tenant_in_flight[tenant] = busy + 1
+        return tenant
 
     # -- routes -------------------------------------------------------------------------------
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         raw, body = self._own_params_only(*await self._read_object(request))
+        tenant: str = request[TENANT_KEY]
+        checked = check_parts(body, self._rules, tenant)
+        self.metrics.client_uuids.labels("stripped").inc(checked.stripped)
+        self.metrics.client_uuids.labels("scoped").inc(checked.scoped)
+        plain = checked.body  # what media_free works from: no salt, which it leaves out
+        isolated = self.config.tenant_isolation
+        body = salted(plain, checked.modalities, tenant) if isolated else plain
+        if body is not checked.body or checked.changed:
+            raw = msgspec.json.encode(body)
         request_id = _request_id(request)
         # Without encoders configured, media is prefill/decode's by design, not a fallback.
         scan = scan_media(body) if self.encoders.backends else None
@@ -228,10 +275,14 @@ class Proxy:
         if encoded.params:
             given = body.get("ec_transfer_params")
             merged = {**given, **encoded.params} if isinstance(given, dict) else encoded.params
-            rendered = media_free(body, scan, encoded) if self.config.pd_media == "omit" else None
+            omit = self.config.pd_media == "omit"
+            rendered = media_free(plain, scan, encoded) if omit else None
             if rendered is not None and rendered.omitted:
-                rendered.body["ec_transfer_params"] = merged
-                payload = msgspec.json.encode(rendered.body)
+                free = rendered.body
+                if self.config.tenant_isolation:  # salt what still carries media, only
+                    free = salted(free, media_modalities(free), tenant)
+                free["ec_transfer_params"] = merged
+                payload = msgspec.json.encode(free)
                 with_media = functools.partial(with_params, raw, body, merged)
                 media = "kept" if rendered.kept else "omitted"
             else:
@@ -247,7 +298,8 @@ class Proxy:
         )
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        raw, _ = self._own_params_only(*await self._read_object(request))
+        raw, body = self._own_params_only(*await self._read_object(request))
+        check_parts(body, self._rules, request[TENANT_KEY])  # its prompt_embeds
         return await self.stages.prefill_decode.relay(
             request, COMPLETIONS_PATH, raw, request_id=_request_id(request)
         )
@@ -257,13 +309,13 @@ class Proxy:
             request, MODELS_PATH, None, request_id=_request_id(request)
         )
 
-    async def health(self, _request: web.Request) -> web.Response:
+    async def health(self, request: web.Request) -> web.Response:
         up = bool(self.prefill_decode.healthy())
-        report = HealthReport(
-            status="ok" if up else "unavailable",
-            encoders=[_state(b) for b in self.encoders.backends],
-            prefill_decode=[_state(b) for b in self.prefill_decode.backends],
-        )
+        report = HealthReport(status="ok" if up else "unavailable")
+        # The backends' URLs are for the operator's eyes: only with a key, where keys are set.
+        if not self._keyring or self._keyring.tenant(request.headers.get("Authorization", "")):
+            report.encoders = [_state(b) for b in self.encoders.backends]
+            report.prefill_decode = [_state(b) for b in self.prefill_decode.backends]
         return web.Response(
             status=200 if up else 503,
             body=msgspec.json.encode(report),
@@ -286,25 +338,34 @@ class Proxy:
         return msgspec.json.encode(kept), kept
 
     async def _read_object(self, request: web.Request) -> tuple[bytes, dict[str, Any]]:
-        """The body, raw and as a JSON object; 413 past the size limit, 400 if not an object."""
+        """The body, raw and as a JSON object; 413 past the size limit, 408 past the time
+        limit, 400 if not an object."""
         limit = self.config.max_body_bytes
-        too_large = ProxyError(413, f"the request body is larger than {limit} bytes")
+        too_large = ProxyError(
+            413, f"the request body is larger than {limit} bytes", reason="body_too_large"
+        )
         if request.content_length is not None and request.content_length > limit:
-            self.metrics.rejected.labels("body_too_large").inc()
             raise too_large
+        timeout = self.config.body_timeout_s
         try:
-            raw = await request.read()
+            async with asyncio.timeout(timeout):
+                raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
-            self.metrics.rejected.labels("body_too_large").inc()
             raise too_large from None
+        except TimeoutError:
+            raise ProxyError(
+                408,
+                f"the request body did not arrive within {timeout:g} s (--body-timeout)",
+                reason="body_timeout",
+            ) from None
         try:
             body = msgspec.json.decode(raw)
         except msgspec.DecodeError as exc:
-            self.metrics.rejected.labels("bad_request").inc()
-            raise ProxyError(400, f"the request body is not valid JSON: {exc}") from None
+            raise ProxyError(
+                400, f"the request body is not valid JSON: {exc}", reason="bad_request"
+            ) from None
         if not isinstance(body, dict):
-            self.metrics.rejected.labels("bad_request").inc()
-            raise ProxyError(400, "the request body must be a JSON object")
+            raise ProxyError(400, "the request body must be a JSON object", reason="bad_request")
         return raw, body
 
 

@@ -1,10 +1,11 @@
 """The proxy's one typed configuration, and the `ecshare proxy` flags that decode into it.
 
 `ProxyConfig` is checked when it is constructed, so an invalid one cannot exist; every bad
-value raises `ConfigError`, whose message names the flag and what is allowed. The API key
-comes from `--api-key-file` or, failing that, the `ECSHARE_PROXY_API_KEY` environment
-variable (allow-listed in `ecshare.config.decode`, so an instance's `load_config` does not
-reject it as an unknown `ECSHARE_*` variable). It never appears in a repr.
+value raises `ConfigError`, whose message names the flag and what is allowed. The API keys
+come from `--api-key-file` (one key, or keys each with its tenant: `tenants`) or, failing
+that, the `ECSHARE_PROXY_API_KEY` environment variable (allow-listed in
+`ecshare.config.decode`, so an instance's `load_config` does not reject it as an unknown
+`ECSHARE_*` variable). They never appear in a repr.
 
 This module imports no HTTP stack: the CLI builds its parser from it cheaply.
 """
@@ -16,12 +17,12 @@ import math
 import os
 import re
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import msgspec
 
+from ecshare.apps.proxy.tenants import DEFAULT_TENANT, check_tenants, read_key_file
 from ecshare.config import ConfigError
 
 API_KEY_ENV = "ECSHARE_PROXY_API_KEY"
@@ -31,6 +32,10 @@ MAX_WORKERS = 256
 _PUSH_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 # What a prefill/decode instance gets of a request's media once the encoders have answered.
 PD_MEDIA = ("omit", "keep")
+# What becomes of a client's uuid on a media part (ecshare.apps.proxy.parts).
+UUID_MODES = ("refuse", "strip", "tenant")
+# The modalities vLLM's `--limit-mm-per-prompt` names.
+MODALITIES = ("image", "audio", "video")
 
 
 class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -44,7 +49,10 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     pd_push_names: tuple[str, ...] = ()
     host: str = "127.0.0.1"
     port: int = 8080
+    # One key, of the tenant "default" (`ECSHARE_PROXY_API_KEY`, or a file of one bare key).
     api_key: str | None = None
+    # Keys, each to its tenant (`--api-key-file`, `tenants`); with `api_key`, both are taken.
+    api_keys: dict[str, str] = {}
     max_body_bytes: int = 64 * MiB
     # Media items per encoder call: 1 sends each item alone, as vLLM's EPD examples do.
     encoder_batch_size: int = 1
@@ -70,6 +78,26 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     # prefill/decode as that metadata only (no download, decode or processing there);
     # "keep": the request goes with its media as the client sent it.
     pd_media: str = "omit"
+    # What becomes of a client's `uuid` on a media part: "refuse" (400), "strip", or
+    # "tenant" (scoped to the client's tenant; `parts`, `tenants`).
+    client_uuids: str = "refuse"
+    max_uuid_chars: int = 256
+    # Client `*_embeds` parts: refused unless every client is trusted with them.
+    allow_client_embeds: bool = False
+    # No cache entry shared between tenants: each tenant's media keyed apart (`tenants`).
+    tenant_isolation: bool = False
+    # Media items per request and modality, as vLLM's flag of that name (999 where unnamed).
+    limit_mm_per_prompt: dict[str, int] = {}
+    # Encoder calls one request may make (its items are batched to fit), and in flight at
+    # once over all requests (more wait their turn).
+    max_encoder_calls: int = 8
+    max_encoder_in_flight: int = 64
+    # Requests one tenant may have in flight; more are refused (429).
+    max_tenant_in_flight: int = 256
+    # Open client connections (per proxy process); more are answered 503 and closed.
+    max_connections: int = 1024
+    # Longest time a request body may take to arrive.
+    body_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not self.prefill_decode:
@@ -93,6 +121,29 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ConfigError("--port", f"got {self.port}, expected 0..65535")
         if self.api_key is not None and not self.api_key.strip():
             raise ConfigError("--api-key-file", "the API key is empty")
+        check_tenants(self.api_keys)
+        if self.api_key is not None and self.api_key in self.api_keys:
+            raise ConfigError("--api-key-file", "a key given twice")
+        if self.client_uuids not in UUID_MODES:
+            raise ConfigError(
+                "--client-uuids", f"got {self.client_uuids!r}, expected one of {UUID_MODES}"
+            )
+        if not 1 <= self.max_uuid_chars <= 4096:
+            raise ConfigError("--max-uuid-chars", f"got {self.max_uuid_chars}, expected 1..4096")
+        for modality, limit in self.limit_mm_per_prompt.items():
+            if modality not in MODALITIES or not isinstance(limit, int) or limit < 0:
+                raise ConfigError(
+                    "--limit-mm-per-prompt",
+                    f"got {modality!r}: {limit!r}, expected image, audio or video to a count >= 0",
+                )
+        for flag, count in (
+            ("--max-encoder-calls", self.max_encoder_calls),
+            ("--max-encoder-in-flight", self.max_encoder_in_flight),
+            ("--max-tenant-in-flight", self.max_tenant_in_flight),
+            ("--max-connections", self.max_connections),
+        ):
+            if count < 1:
+                raise ConfigError(flag, f"got {count}, expected >= 1")
         if self.max_body_bytes < 1024:
             raise ConfigError(
                 "--max-body-mb", f"got {self.max_body_bytes} bytes, expected >= 1 KiB"
@@ -111,13 +162,25 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
             ("--connect-timeout", self.connect_timeout_s),
             ("--health-interval", self.health_interval_s),
             ("--health-timeout", self.health_timeout_s),
+            ("--body-timeout", self.body_timeout_s),
         ):
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(flag, f"got {value!r}, expected a positive number of seconds")
 
+    def keys(self) -> dict[str, str]:
+        """Every API key, each to its tenant; empty when no key is asked."""
+        keys = dict(self.api_keys)
+        if self.api_key is not None:
+            keys[self.api_key] = DEFAULT_TENANT
+        return keys
+
     def __repr__(self) -> str:
-        shown = {f: getattr(self, f) for f in self.__struct_fields__ if f != "api_key"}
+        secret = ("api_key", "api_keys")
+        shown: dict[str, Any] = {
+            f: getattr(self, f) for f in self.__struct_fields__ if f not in secret
+        }
         shown["api_key"] = None if self.api_key is None else "<hidden>"
+        shown["api_keys"] = f"<{len(self.api_keys)} hidden>"
         return "ProxyConfig(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
 
 
@@ -156,8 +219,53 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
         "--api-key-file",
         default=None,
         metavar="PATH",
-        help=f"require this key as `Authorization: Bearer` on /v1/* (else ${API_KEY_ENV})",
+        help="API keys, one a line, each optionally followed by its tenant (`KEY TENANT`; "
+        "a key alone is the tenant `default`): required as `Authorization: Bearer` on /v1/* "
+        f"and for /health's details (else ${API_KEY_ENV}, one key)",
     )
+    parser.add_argument(
+        "--client-uuids",
+        choices=UUID_MODES,
+        default=d.client_uuids,
+        help="a client's `uuid` on a media part names a cache entry others share: refuse "
+        "it (400), strip it, or scope it to the client's tenant (tenant) "
+        f"({d.client_uuids})",
+    )
+    parser.add_argument(
+        "--max-uuid-chars",
+        type=int,
+        default=d.max_uuid_chars,
+        help=f"longest client uuid accepted, in any mode ({d.max_uuid_chars})",
+    )
+    parser.add_argument(
+        "--allow-client-embeds",
+        action="store_true",
+        help="accept image_embeds/audio_embeds/video_embeds/prompt_embeds from clients "
+        "(trusted clients only: they name or fill cache entries others use)",
+    )
+    parser.add_argument(
+        "--tenant-isolation",
+        action="store_true",
+        help="key each tenant's media apart, so that no cache entry is shared between "
+        "tenants (no cross-tenant hit)",
+    )
+    parser.add_argument(
+        "--limit-mm-per-prompt",
+        type=_limits,
+        default={},
+        metavar="JSON",
+        help="media items per request and modality, as given to the instances (vLLM's "
+        'flag), e.g. \'{"image": 2, "video": 0}\'; refused before any encoder call (999 '
+        "each, vLLM's default)",
+    )
+    counts = (
+        ("--max-encoder-calls", d.max_encoder_calls, "encoder calls per request"),
+        ("--max-encoder-in-flight", d.max_encoder_in_flight, "encoder calls in flight"),
+        ("--max-tenant-in-flight", d.max_tenant_in_flight, "requests in flight per tenant"),
+        ("--max-connections", d.max_connections, "open client connections per process"),
+    )
+    for flag, count, text in counts:
+        parser.add_argument(flag, type=int, default=count, help=f"{text} ({count})")
     parser.add_argument(
         "--max-body-mb",
         type=float,
@@ -176,6 +284,7 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
         ("--connect-timeout", d.connect_timeout_s, "TCP connect to any backend, seconds"),
         ("--health-interval", d.health_interval_s, "seconds between health checks"),
         ("--health-timeout", d.health_timeout_s, "one health check, seconds"),
+        ("--body-timeout", d.body_timeout_s, "longest a request body may take, seconds"),
     )
     for flag, default, text in timeouts:
         parser.add_argument(flag, type=float, default=default, help=f"{text} ({default:g})")
@@ -213,13 +322,15 @@ def config_from_args(
 ) -> ProxyConfig:
     """The `ProxyConfig` of parsed `ecshare proxy` flags (and the API key variable)."""
     env = os.environ if environ is None else environ
+    api_key, api_keys = _api_keys(args.api_key_file, env)
     values: dict[str, Any] = {
         "encoders": tuple(u.rstrip("/") for u in args.encoder),
         "prefill_decode": tuple(u.partition("=")[0].rstrip("/") for u in args.pd),
         "pd_push_names": _push_names(args.pd),
         "host": args.host,
         "port": args.port,
-        "api_key": _api_key(args.api_key_file, env),
+        "api_key": api_key,
+        "api_keys": api_keys,
         "max_body_bytes": int(args.max_body_mb * MiB),
         "encoder_batch_size": args.encoder_batch,
         "encoder_timeout_s": args.encoder_timeout,
@@ -232,6 +343,16 @@ def config_from_args(
         "workers": args.workers,
         "pass_ec_transfer_params": args.pass_ec_transfer_params,
         "pd_media": args.pd_media,
+        "client_uuids": args.client_uuids,
+        "max_uuid_chars": args.max_uuid_chars,
+        "allow_client_embeds": args.allow_client_embeds,
+        "tenant_isolation": args.tenant_isolation,
+        "limit_mm_per_prompt": args.limit_mm_per_prompt,
+        "max_encoder_calls": args.max_encoder_calls,
+        "max_encoder_in_flight": args.max_encoder_in_flight,
+        "max_tenant_in_flight": args.max_tenant_in_flight,
+        "max_connections": args.max_connections,
+        "body_timeout_s": args.body_timeout,
     }
     return ProxyConfig(**values)
 
@@ -242,14 +363,22 @@ def _push_names(pd: list[str]) -> tuple[str, ...]:
     return names if any(names) else ()
 
 
-def _api_key(path: str | None, environ: Mapping[str, str]) -> str | None:
+def _api_keys(path: str | None, environ: Mapping[str, str]) -> tuple[str | None, dict[str, str]]:
+    """The one key of tenant "default" (a file of one bare key, or the variable), or the
+    keys of a file with tenants."""
     if path is not None:
-        try:
-            key = Path(path).read_text().strip()
-        except OSError as exc:
-            raise ConfigError("--api-key-file", f"cannot read {path!r}: {exc.strerror}") from None
-        if not key:
-            raise ConfigError("--api-key-file", f"{path!r} is empty")
-        return key
+        keys = read_key_file(path)
+        if len(keys) == 1 and DEFAULT_TENANT in keys.values():
+            return next(iter(keys)), {}
+        return None, keys
     key = environ.get(API_KEY_ENV, "").strip()
-    return key or None
+    return key or None, {}
+
+
+def _limits(text: str) -> dict[str, int]:
+    """`--limit-mm-per-prompt`'s JSON object (checked by `ProxyConfig`)."""
+    try:
+        value = msgspec.json.decode(text, type=dict[str, int])
+    except msgspec.DecodeError as exc:
+        raise argparse.ArgumentTypeError(f"expected a JSON object of counts: {exc}") from None
+    return value

@@ -1,10 +1,12 @@
 """The one error type a request can end in, and its OpenAI-shaped body.
 
 Every failure the proxy answers itself is a `ProxyError` with an honest status: 400 for a
-body that is not a JSON object, 401 for a missing or wrong API key, 413 for an oversized
-body, 502 when a prefill/decode instance failed or answered 5xx, 503 when none is healthy,
-504 when one stayed silent past its timeout. The body is the shape OpenAI clients parse:
-``{"error": {"message", "type", "param", "code"}}``.
+body that is not a JSON object or a content part the proxy's rules refuse (`parts`), 401
+for a missing or wrong API key, 408 for a body that did not arrive in time, 413 for an
+oversized body, 429 for a tenant with too many requests in flight, 502 when a
+prefill/decode instance failed or answered 5xx, 503 when none is healthy (or the proxy
+has as many connections as it takes), 504 when one stayed silent past its timeout. The
+body is the shape OpenAI clients parse: ``{"error": {"message", "type", "param", "code"}}``.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ _TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
+    429: "rate_limit_error",
     500: "internal_error",
     502: "upstream_error",
     503: "service_unavailable",
@@ -26,12 +30,14 @@ _TYPES = {
 
 
 class ProxyError(Exception):
-    """A request the proxy answers with an error of its own."""
+    """A request the proxy answers with an error of its own; one with a `reason` was refused
+    before any backend saw it, and is counted under that reason (`rejected_total`)."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, *, reason: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.reason = reason
 
 
 class _Body(msgspec.Struct):

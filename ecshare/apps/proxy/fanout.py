@@ -1,12 +1,13 @@
 """The encoder stage: find a request's media items, encode them on the encoders, merge the params.
 
 Each media content part goes to an encoder in a request of its own (or with up to
-`batch_size - 1` others): the same model and processor options as the original, the
-items as one user message, `max_tokens: 1`. The calls run concurrently, each to the
-healthy encoder with the fewest calls in flight, and the `ec_transfer_params` they
-return are merged by mm_hash. Each item's `item_indices` (its positions among the
-call's items) tell which part of the request an mm_hash is, so that the parts can be
-sent on as their placeholder metadata only (`media`).
+`batch_size - 1` others, or as many more as keep a request within `max_calls` calls):
+the same model and processor options as the original, the items as one user message,
+`max_tokens: 1`. The calls run concurrently, each to the healthy encoder with the fewest
+calls in flight, at most `max_in_flight` at once over all requests (the others wait
+their turn), and the `ec_transfer_params` they return are merged by mm_hash. Each item's
+`item_indices` (its positions among the call's items) tell which part of the request an
+mm_hash is, so that the parts can be sent on as their placeholder metadata only (`media`).
 
 An encoder that cannot be reached is ejected and the call tried once on another. A call
 that still fails, times out or answers without params costs only time: its items are
@@ -177,11 +178,15 @@ class EncoderStage:
         batch_size: int,
         timeout_s: float,
         connect_timeout_s: float,
+        max_calls: int = 8,
+        max_in_flight: int = 64,
     ) -> None:
         self._session = session
         self._pool = pool
         self._metrics = metrics
         self._batch_size = batch_size
+        self._max_calls = max_calls
+        self._in_flight = asyncio.Semaphore(max_in_flight)
         self._timeout = aiohttp.ClientTimeout(total=timeout_s, connect=connect_timeout_s)
         self._warned_no_encoder_at = -math.inf
 
@@ -195,7 +200,7 @@ class EncoderStage:
         """The merged `ec_transfer_params` for `parts` (empty when every call failed), and
         which mm_hash each part is; the encoders push the items to `push_to`."""
         started = time.perf_counter()
-        size = self._batch_size
+        size = max(self._batch_size, math.ceil(len(parts) / self._max_calls))
         batches = [parts[i : i + size] for i in range(0, len(parts), size)]
         calls = [
             self._encode_batch(
@@ -219,11 +224,12 @@ class EncoderStage:
         reason = "no_encoder"
         # One retry, and only after a refused connection: the encoder never saw the call.
         while len(tried) < 2:
-            backend = self._pool.pick(exclude=tried)
-            if backend is None:
-                break
-            tried.append(backend)
-            params, reason = await self._call(backend, payload, call_id)
+            async with self._in_flight:  # picked once a slot is free: the least busy then
+                backend = self._pool.pick(exclude=tried)
+                if backend is None:
+                    break
+                tried.append(backend)
+                params, reason = await self._call(backend, payload, call_id)
             if params is not None:
                 self._metrics.encoded_items.inc(items)
                 return params

@@ -45,6 +45,21 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 
 FALLBACK_REASONS = ("unreachable", "timeout", "error", "status", "answer", "no_encoder")
 # Why a request's prefill/decode stage failed.
 UPSTREAM_REASONS = ("unreachable", "timeout", "error", "status", "no_backend", "broken_stream")
+# Why a request (or a connection) was refused before any backend saw it.
+REJECT_REASONS = (
+    "auth",
+    "body_too_large",
+    "body_timeout",
+    "bad_request",
+    "bad_uuid",
+    "client_uuid",
+    "client_embeds",
+    "too_many_parts",
+    "tenant_busy",
+    "connections",
+)
+# What became of client uuids the proxy let through (`--client-uuids strip` or `tenant`).
+UUID_ACTIONS = ("stripped", "scoped")
 # What prefill/decode got of a request's media: none of it, the media as sent, or the media
 # after the media-free attempt failed.
 PD_MEDIA_OUTCOMES = ("omitted", "kept", "retried")
@@ -117,8 +132,16 @@ class ProxyMetrics:
         )
         self.rejected = Counter(
             PREFIX + "rejected",
-            "Requests refused before any backend saw them, by reason.",
+            "Requests refused before any backend saw them (and connections refused past the "
+            "cap: reason connections), by reason.",
             ["reason"],
+            registry=r,
+        )
+        self.client_uuids = Counter(
+            PREFIX + "client_uuids",
+            "Client uuids on media parts let through, by what the proxy made of them: "
+            "stripped, or scoped to the client's tenant.",
+            ["action"],
             registry=r,
         )
         self.client_params_dropped = Counter(
@@ -173,6 +196,10 @@ class ProxyMetrics:
             self.encoder_fallbacks.labels(reason)
         for reason in UPSTREAM_REASONS:
             self.upstream_errors.labels(reason)
+        for reason in REJECT_REASONS:
+            self.rejected.labels(reason)
+        for action in UUID_ACTIONS:
+            self.client_uuids.labels(action)
         for outcome in ("ok", "fallback"):
             self.encoder_items.labels(outcome)
         # The children every request with media touches, looked up once.

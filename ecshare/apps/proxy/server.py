@@ -5,6 +5,7 @@ many proxy processes on one port; each of them serves through `serve_worker` her
 
 Handler cancellation is on: when a client disconnects, its handler is cancelled at once,
 which closes the upstream connection, even while the proxy waits on a silent backend.
+Client connections are capped (`edge`).
 `run_proxy` uses uvloop when it is installed, prints one ready line
 (`ecshare.apps.ready.ProxyReady`, with the URL) once it accepts
 connections, and stops cleanly on SIGINT/SIGTERM.
@@ -25,6 +26,7 @@ from aiohttp import web
 
 from ecshare.apps.proxy.app import PROXY_KEY, Proxy, build_app
 from ecshare.apps.proxy.config import ProxyConfig
+from ecshare.apps.proxy.edge import CappedSite
 from ecshare.apps.proxy.metrics import ProxyMetrics
 from ecshare.apps.ready import ProxyReady, print_ready
 
@@ -58,7 +60,16 @@ async def start_proxy(
         access_log=logging.getLogger("ecshare.apps.proxy.access") if config.access_log else None,
     )
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port, backlog=1024, reuse_port=reuse_port)
+    proxy = app[PROXY_KEY]
+    site = CappedSite(
+        runner,
+        config.host,
+        config.port,
+        max_connections=config.max_connections,
+        refused=proxy.metrics.rejected.labels("connections").inc,
+        backlog=1024,
+        reuse_port=reuse_port,
+    )
     try:
         await site.start()
     except BaseException:
@@ -66,7 +77,7 @@ async def start_proxy(
         raise
     host, port = runner.addresses[0][:2]
     shown = f"[{host}]" if ":" in host else host
-    return RunningProxy(runner, f"http://{shown}:{port}", app[PROXY_KEY])
+    return RunningProxy(runner, f"http://{shown}:{port}", proxy)
 
 
 def use_uvloop() -> str:
@@ -97,7 +108,7 @@ async def serve_until_signalled(
 
 def run_proxy(config: ProxyConfig) -> int:
     """Serve until SIGINT or SIGTERM; the `ecshare proxy` command."""
-    if config.api_key is None and config.host not in ("127.0.0.1", "::1", "localhost"):
+    if not config.keys() and config.host not in ("127.0.0.1", "::1", "localhost"):
         log.warning(
             "serving on %s without an API key: anyone who can connect may use it", config.host
         )
@@ -134,7 +145,7 @@ def proxy_ready(config: ProxyConfig, url: str, loop: str, pids: tuple[int, ...])
         url=url,
         encoders=config.encoders,
         prefill_decode=config.prefill_decode,
-        api_key=config.api_key is not None,
+        api_key=bool(config.keys()),
         loop=loop,
         pids=pids,
     )
