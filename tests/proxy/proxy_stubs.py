@@ -7,8 +7,8 @@ request that carries an item as metadata only.
 
 Its `behaviour` can be changed while it serves, to produce what real servers rarely do on
 demand: a delay, an error status, a failed health check, a stream that never ends or that
-breaks. It records every request (`calls`) and sets `aborted` when its client goes away
-before the answer ended.
+breaks. It records every request (`calls`), the most it answered at once (`peak`), and
+sets `aborted` when its client goes away before the answer ended.
 """
 
 from __future__ import annotations
@@ -73,6 +73,8 @@ class StubBackend:
     behaviour: Behaviour = field(default_factory=Behaviour)
     calls: list[Call] = field(default_factory=list)
     aborted: threading.Event = field(default_factory=threading.Event)
+    in_flight: int = 0
+    peak: int = 0  # the most /v1 requests it answered at once
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=1 << 30)
@@ -95,11 +97,15 @@ class StubBackend:
         body = msgspec.json.decode(await request.read())
         headers = {k.lower(): v for k, v in request.headers.items()}
         self.calls.append(Call(request.path, body, headers))
+        self.in_flight += 1
+        self.peak = max(self.peak, self.in_flight)
         try:
             return await self._answer(request, body)
         except (asyncio.CancelledError, ConnectionResetError):
             self.aborted.set()
             raise
+        finally:
+            self.in_flight -= 1
 
     async def _answer(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
         b = self.behaviour
