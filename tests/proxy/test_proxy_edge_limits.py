@@ -1,0 +1,146 @@
+"""A bounded edge on real sockets: connections, body reads, tenants' requests, encoder calls.
+
+Each bound is met by a real client (raw sockets where the client must misbehave) against a
+real proxy in front of the stub backends; each refusal is counted by reason.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from typing import Any
+
+import httpx
+from proxy_testing import Rig, chat, wait_until
+
+CHAT = "/v1/chat/completions"
+KEYS = {"key-of-team-a-0123": "team-a", "key-of-team-b-0123": "team-b"}
+AS = {tenant: {"Authorization": f"Bearer {key}"} for key, tenant in KEYS.items()}
+
+
+def image(i: int) -> dict[str, Any]:
+    return {"type": "image_url", "image_url": {"url": f"https://example.com/{i}.png"}}
+
+
+def connect(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=15)
+
+
+def request_on(sock: socket.socket) -> bytes:
+    """One keep-alive GET /health on `sock`: the answer's head and body."""
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: proxy\r\n\r\n")
+    return read_answer(sock)
+
+
+def read_answer(sock: socket.socket) -> bytes:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(
+        (
+            int(line.split(b":")[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length")
+        ),
+        0,
+    )
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head + b"\r\n\r\n" + body
+
+
+def test_connections_past_the_cap_are_answered_503_and_closed(rig: Rig) -> None:
+    proxy = rig.start_proxy(max_connections=2)
+    held = [connect(proxy.url) for _ in range(2)]
+    try:
+        # Both are served (so the proxy holds them), and stay open (keep-alive).
+        for sock in held:
+            assert request_on(sock).startswith(b"HTTP/1.1 200")
+        with connect(proxy.url) as extra:
+            answer = read_answer(extra)
+            assert answer.startswith(b"HTTP/1.1 503")
+            assert b"as many connections" in answer
+            assert extra.recv(1) == b""  # closed
+        assert proxy.metric("rejected_total", reason="connections") == 1
+        # A held connection still works; one closed makes room for a new one.
+        assert request_on(held[0]).startswith(b"HTTP/1.1 200")
+        held.pop().close()
+        wait_until(lambda: httpx.get(proxy.url + "/health", timeout=15).status_code == 200)
+    finally:
+        for sock in held:
+            sock.close()
+
+
+def test_a_body_that_does_not_arrive_in_time_is_answered_408(rig: Rig) -> None:
+    proxy = rig.start_proxy(body_timeout_s=0.5)
+    with connect(proxy.url) as sock:
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\n"
+            b'Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"model":'
+        )
+        answer = read_answer(sock)  # the rest never comes
+    assert answer.startswith(b"HTTP/1.1 408")
+    assert b"--body-timeout" in answer
+    assert proxy.metric("rejected_total", reason="body_timeout") == 1
+    assert not rig.prefill_decode[0].calls
+
+
+def test_a_tenant_past_its_requests_in_flight_is_refused_429_and_others_are_not(
+    rig: Rig,
+) -> None:
+    proxy = rig.start_proxy(api_keys=KEYS, max_tenant_in_flight=1)
+    pd = rig.prefill_decode[0]
+    pd.behaviour.delay_s = 2.0
+    first: list[httpx.Response] = []
+    slow = threading.Thread(
+        target=lambda: first.append(proxy.post(CHAT, chat(), headers=AS["team-a"]))
+    )
+    slow.start()
+    try:
+        wait_until(lambda: len(pd.calls) == 1)  # team-a's request is in flight
+        second = proxy.post(CHAT, chat(), headers=AS["team-a"])
+        assert second.status_code == 429
+        assert "--max-tenant-in-flight" in second.json()["error"]["message"]
+        assert proxy.metric("rejected_total", reason="tenant_busy") == 1
+        pd.behaviour.delay_s = 0.0
+        assert proxy.post(CHAT, chat(), headers=AS["team-b"]).status_code == 200
+    finally:
+        slow.join(15)
+    assert first[0].status_code == 200
+    # Its request ended: the tenant may send again.
+    assert proxy.post(CHAT, chat(), headers=AS["team-a"]).status_code == 200
+
+
+def test_a_requests_encoder_calls_are_bounded_by_batching_its_items(rig: Rig) -> None:
+    proxy = rig.start_proxy(max_encoder_calls=2, pd_media="keep")
+    assert proxy.post(CHAT, chat(*(image(i) for i in range(5)))).status_code == 200
+    calls = [body for stub in rig.encoders for body in stub.bodies()]
+    sizes = sorted(len(body["messages"][0]["content"]) for body in calls)
+    assert sizes == [2, 3]
+
+
+def test_encoder_calls_in_flight_are_bounded_across_requests(rig: Rig) -> None:
+    encoder = rig.encoders[0]
+    proxy = rig.start_proxy(
+        encoders=(rig.encoder_urls[0],), max_encoder_in_flight=1, pd_media="keep"
+    )
+    encoder.behaviour.delay_s = 0.2
+    answers: list[int] = []
+
+    def send(i: int) -> None:
+        answers.append(proxy.post(CHAT, chat(image(2 * i), image(2 * i + 1))).status_code)
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert answers == [200, 200, 200]
+    # Six calls, asked for at once by three requests, reached the encoder one at a time.
+    assert len(encoder.calls) == 6
+    assert encoder.peak == 1
