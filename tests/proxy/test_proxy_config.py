@@ -52,6 +52,14 @@ def test_flags_decode_into_the_config() -> None:
         (["--pd", "http://a:1", "--api-key-file", "/nonexistent/key"], "--api-key-file"),
         (["--pd", "http://a:1", "--workers", "0"], "--workers"),
         (["--pd", "http://a:1", "--workers", "100000"], "--workers"),
+        (["--pd", "http://a:1", "--max-uuid-chars", "0"], "--max-uuid-chars"),
+        (["--pd", "http://a:1", "--limit-mm-per-prompt", '{"smell": 1}'], "--limit-mm-per-prompt"),
+        (["--pd", "http://a:1", "--limit-mm-per-prompt", '{"image": -1}'], "--limit-mm-per-prompt"),
+        (["--pd", "http://a:1", "--max-encoder-calls", "0"], "--max-encoder-calls"),
+        (["--pd", "http://a:1", "--max-encoder-in-flight", "0"], "--max-encoder-in-flight"),
+        (["--pd", "http://a:1", "--max-tenant-in-flight", "0"], "--max-tenant-in-flight"),
+        (["--pd", "http://a:1", "--max-connections", "0"], "--max-connections"),
+        (["--pd", "http://a:1", "--body-timeout", "0"], "--body-timeout"),
     ],
 )
 def test_bad_flags_are_one_clear_config_error(flags: list[str], blamed: str) -> None:
@@ -69,6 +77,51 @@ def test_api_key_comes_from_its_file_or_the_environment_and_never_shows(tmp_path
     assert from_env.api_key == "from-env"
     assert _config("--pd", "http://a:1").api_key is None
     assert "from-env" not in repr(from_env) and "<hidden>" in repr(from_env)
+
+
+def test_a_key_file_maps_keys_to_tenants_and_never_shows(tmp_path: Path) -> None:
+    key_file = tmp_path / "keys"
+    key_file.write_text("# key tenant\n\nkey-a team-a\n  key-b   team-b  \nkey-c\n")
+    config = _config("--pd", "http://a:1", "--api-key-file", str(key_file))
+    assert config.keys() == {"key-a": "team-a", "key-b": "team-b", "key-c": "default"}
+    assert "key-a" not in repr(config) and "<3 hidden>" in repr(config)
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("", "empty"),
+        ("# only a comment\n", "empty"),
+        ("key-a team-a extra\n", "line 1"),
+        ("key-a team-a\nkey-a team-b\n", "twice"),
+        ("key-a bad/tenant\n", "tenant"),
+    ],
+)
+def test_a_bad_key_file_is_one_clear_config_error(tmp_path: Path, text: str, says: str) -> None:
+    key_file = tmp_path / "keys"
+    key_file.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        _config("--pd", "http://a:1", "--api-key-file", str(key_file))
+    assert str(info.value).startswith("--api-key-file") and says in str(info.value)
+
+
+def test_edge_flags_decode_into_the_config() -> None:
+    config = _config(
+        "--pd", "http://a:1", "--client-uuids", "tenant", "--max-uuid-chars", "64",
+        "--allow-client-embeds", "--tenant-isolation",
+        "--limit-mm-per-prompt", '{"image": 2, "video": 0}', "--max-encoder-calls", "3",
+        "--max-encoder-in-flight", "5", "--max-tenant-in-flight", "7",
+        "--max-connections", "9", "--body-timeout", "2.5",
+    )  # fmt: skip
+    assert (config.client_uuids, config.max_uuid_chars) == ("tenant", 64)
+    assert config.allow_client_embeds and config.tenant_isolation
+    assert config.limit_mm_per_prompt == {"image": 2, "video": 0}
+    assert (config.max_encoder_calls, config.max_encoder_in_flight) == (3, 5)
+    assert (config.max_tenant_in_flight, config.max_connections) == (7, 9)
+    assert config.body_timeout_s == 2.5
+    defaults = _config("--pd", "http://a:1")
+    assert (defaults.client_uuids, defaults.allow_client_embeds) == ("refuse", False)
+    assert not defaults.tenant_isolation
 
 
 def test_proxy_key_variable_does_not_upset_the_instance_config() -> None:
