@@ -161,9 +161,8 @@ def test_the_media_limit_defaults_to_vllms(rig: Rig) -> None:
 
 def test_with_tenant_isolation_each_tenant_salts_what_the_encoders_hash(rig: Rig) -> None:
     proxy = rig.start_proxy(tenant_isolation=True, api_keys=KEYS)
-    forged = {"image": {SALT_FIELD: tenant_salt("team-a"), "extra": 1}}
-    for tenant, fields in (("team-a", {}), ("team-b", {"media_io_kwargs": forged})):
-        response = proxy.post(CHAT, chat(IMAGE_A, AUDIO, **fields), headers=AS[tenant])
+    for tenant in ("team-a", "team-b"):
+        response = proxy.post(CHAT, chat(IMAGE_A, AUDIO), headers=AS[tenant])
         assert response.status_code == 200
     encoded = [body for stub in rig.encoders for body in stub.bodies()]
     assert len(encoded) == 4
@@ -172,17 +171,12 @@ def test_with_tenant_isolation_each_tenant_salts_what_the_encoders_hash(rig: Rig
         for body in encoded
     }
     salt_a, salt_b = tenant_salt("team-a"), tenant_salt("team-b")
-    # The client's own salt is overwritten; its other fields stay.
     assert salts == {(salt_a, salt_a), (salt_b, salt_b)}
-    assert any(body["media_io_kwargs"]["image"].get("extra") == 1 for body in encoded)
     # Media-free, prefill/decode takes the encoder's (salted) key as the image's uuid,
-    # unsalted; the audio keeps its media (the stub gives it no metadata), salted. With the
-    # client's own media_io_kwargs vLLM would hash a uuid with them, so all media is kept,
-    # and salted as the encoder's was.
-    free, kept = rig.prefill_decode[0].bodies()
-    assert free["messages"][0]["content"][0]["type"] == "image_embeds"
-    assert free["media_io_kwargs"] == {"audio": {SALT_FIELD: salt_a}}
-    assert kept["media_io_kwargs"]["image"] == {SALT_FIELD: salt_b, "extra": 1}
+    # unsalted; the audio keeps its media (the stub gives it no metadata), salted.
+    for body, salt in zip(rig.prefill_decode[0].bodies(), (salt_a, salt_b), strict=True):
+        assert body["messages"][0]["content"][0]["type"] == "image_embeds"
+        assert body["media_io_kwargs"] == {"audio": {SALT_FIELD: salt}}
 
 
 def test_with_tenant_isolation_kept_media_is_salted_as_the_encoder_was(rig: Rig) -> None:
@@ -194,9 +188,24 @@ def test_with_tenant_isolation_kept_media_is_salted_as_the_encoder_was(rig: Rig)
     assert sent["media_io_kwargs"]["image"][SALT_FIELD] == tenant_salt("team-b")
 
 
-def test_media_io_kwargs_that_cannot_be_salted_are_refused(rig: Rig) -> None:
-    proxy = rig.start_proxy(tenant_isolation=True)
-    refused_with(proxy, chat(IMAGE_A, media_io_kwargs={"image": 3}), "bad_request")
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"media_io_kwargs": {"image": {SALT_FIELD: tenant_salt("team-a")}}},
+        {"media_io_kwargs": {"image": 3}},
+        {"mm_processor_kwargs": {"max_pixels": 1 << 20}},
+    ],
+    ids=["forged_salt", "malformed", "processor_kwargs"],
+)
+def test_with_tenant_isolation_a_clients_own_mm_kwargs_are_refused(
+    rig: Rig, fields: dict[str, Any]
+) -> None:
+    proxy = rig.start_proxy(tenant_isolation=True, api_keys=KEYS)
+    before = proxy.metric("rejected_total", reason="client_mm_kwargs")
+    response = proxy.post(CHAT, chat(IMAGE_A, **fields), headers=AS["team-b"])
+    assert response.status_code == 400
+    assert "--tenant-isolation" in response.json()["error"]["message"]
+    assert proxy.metric("rejected_total", reason="client_mm_kwargs") == before + 1
     assert nothing_reached_a_backend(rig)
 
 

@@ -1,7 +1,8 @@
 """The proxy's edge before real `vllm serve` instances: no client decides another's embedding.
 
 An encoder (ec_producer, core 0) and a prefill/decode instance (ec_consumer, core 1) run
-the tiny Qwen2-VL, as in test_epd_e2e.py (the encoder may push to the instance, "pd0").
+the tiny Qwen2-VL, as in test_epd_e2e.py (the encoder may push to the instance, "pd0"),
+with `--trust-request-mm-kwargs` (which `--tenant-isolation` needs).
 `ecshare proxy` processes stand in front of them, each with an API-key file of two
 tenants (`team-a`, `team-b`) and `--limit-mm-per-prompt '{"image": 2}'`:
 
@@ -69,6 +70,8 @@ pytestmark = [pytest.mark.timeout(900), pytest.mark.vllm_serve]
 PUSH_NAME = "pd0"
 KEYS = {"team-a": "key-of-team-a-0123456789", "team-b": "key-of-team-b-0123456789"}
 LIMIT = '{"image": 2}'
+# The salt of --tenant-isolation is a per-request media_io_kwargs, which vLLM takes only so.
+TRUST = ("--trust-request-mm-kwargs",)
 
 
 @dataclass
@@ -90,6 +93,7 @@ def start_pair(tmp: Path, tiny_model: Path) -> Starting[tuple[Path, Path]]:
                 **keys.producer_config(), "region_bytes": 16 << 20,
                 "listen_port": port, "push_targets": [PUSH_NAME],
             },
+            extra_args=TRUST,
         ),
         tmp / "encoder.log",
     )  # fmt: skip
@@ -100,6 +104,7 @@ def start_pair(tmp: Path, tiny_model: Path) -> Starting[tuple[Path, Path]]:
                 **keys.consumer_config(), "region_bytes": 64 << 20,
                 "trusted_producers": [f"tcp://127.0.0.1:{port}"], "push_name": PUSH_NAME,
             },
+            extra_args=TRUST,
         ),
         tmp / "prefill_decode.log",
     )  # fmt: skip

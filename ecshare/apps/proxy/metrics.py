@@ -54,6 +54,7 @@ REJECT_REASONS = (
     "bad_uuid",
     "client_uuid",
     "client_embeds",
+    "client_mm_kwargs",
     "too_many_parts",
     "tenant_busy",
     "connections",

@@ -20,6 +20,10 @@ The rules, each refusal a 4xx that names the field and the option, counted by re
   to a key of the client's tenant (`tenants.scoped_uuid`), so a tenant can still refer to
   an item it sent before and to no one else's. A uuid longer than `--max-uuid-chars`, or
   not a string, is refused in every mode (`bad_uuid`).
+* **With tenant isolation**, a client's own `media_io_kwargs` or `mm_processor_kwargs`
+  (`client_mm_kwargs`): the proxy salts `media_io_kwargs` itself (`tenants`), which the
+  instances accept only with `--trust-request-mm-kwargs`; the client's are refused as
+  vLLM refuses them without it.
 * **Media items per request**: at most `--limit-mm-per-prompt` per modality (vLLM's flag
   and default; give the proxy what the instances are given), every occurrence counted as
   vLLM counts them; refused (`too_many_parts`) before any encoder is called.
@@ -59,6 +63,8 @@ MODALITY = {
     "video_url": "video",
     "video_embeds": "video",
 }
+# Per-request options vLLM hashes into an item's key (and refuses unless trusted).
+_HASHED_WITH_UUID = ("mm_processor_kwargs", "media_io_kwargs")
 EMBEDS = frozenset({"image_embeds", "audio_embeds", "video_embeds", "prompt_embeds"})
 # vLLM's limit for a modality that `--limit-mm-per-prompt` does not name.
 VLLM_DEFAULT_LIMIT = 999
@@ -197,26 +203,24 @@ def media_modalities(body: Mapping[str, Any]) -> set[str]:
 
 
 def salted(body: dict[str, Any], modalities: set[str], tenant: str) -> dict[str, Any]:
-    """`body` with `tenant`'s salt in the media_io_kwargs of each of `modalities` (see
-    `tenants`), over whatever the client put there; `body` itself when there is none."""
+    """`body` with `tenant`'s salt as the media_io_kwargs of each of `modalities` (see
+    `tenants`); `body` itself when there is none. A client's own `media_io_kwargs` or
+    `mm_processor_kwargs` are refused (`client_mm_kwargs`): the instances trust
+    per-request kwargs (`--trust-request-mm-kwargs`) for the salt's sake, and the proxy
+    refuses the client's as vLLM would have."""
+    for option in _HASHED_WITH_UUID:
+        if body.get(option):
+            raise ProxyError(
+                400,
+                f"{option}: with --tenant-isolation the proxy sets per-request media "
+                "options itself, and refuses a client's (as vLLM does without "
+                "--trust-request-mm-kwargs)",
+                reason="client_mm_kwargs",
+            )
     if not modalities:
         return body
-    given = body.get("media_io_kwargs")
-    if given is None:
-        given = {}
-    if not isinstance(given, dict) or not all(
-        isinstance(given.get(m, {}), dict) for m in modalities
-    ):
-        raise ProxyError(
-            400,
-            "media_io_kwargs must be an object of objects, one per modality",
-            reason="bad_request",
-        )
-    salt = tenant_salt(tenant)
-    kwargs = {**given}
-    for modality in sorted(modalities):
-        kwargs[modality] = {**given.get(modality, {}), SALT_FIELD: salt}
-    return {**body, "media_io_kwargs": kwargs}
+    salt = {SALT_FIELD: tenant_salt(tenant)}
+    return {**body, "media_io_kwargs": {modality: salt for modality in sorted(modalities)}}
 
 
 def _embeds_refused(what: str) -> ProxyError:

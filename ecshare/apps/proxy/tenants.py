@@ -29,9 +29,11 @@ the request's `mm_processor_kwargs` and the modality's `media_io_kwargs`
 (`MultiModalHasher.hash_kwargs`); vLLM's `cache_salt` enters only the prefix-cache block
 hashes, never the mm_hash. So the proxy salts the hash factors: it sets
 `media_io_kwargs[modality]["ecshare_tenant"] = tenant_salt(tenant)` for every modality
-whose media a request carries, overwriting whatever the client put there. vLLM's media
-loaders keep unknown `media_io_kwargs` to themselves (`ImageMediaIO(**kwargs)` stores
-them), and the hash covers them, so each tenant's key for the same content differs, at
+whose media a request carries (a client's own `media_io_kwargs` and
+`mm_processor_kwargs` are refused, `parts`). The instances must accept per-request
+kwargs (`vllm serve --trust-request-mm-kwargs`). vLLM's media loaders keep unknown
+`media_io_kwargs` to themselves (`ImageMediaIO(**kwargs)` stores them), and the hash
+covers them, so each tenant's key for the same content differs, at
 the encoder and on prefill/decode alike (they are sent the same salted request). A part
 sent to prefill/decode as its metadata only carries the encoder's (salted) mm_hash as
 its uuid and no salt for its modality, so that vLLM takes that uuid verbatim (push and
