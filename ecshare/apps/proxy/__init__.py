@@ -5,6 +5,9 @@ instances that share encoder outputs through ecshare. Layout, each module one jo
 
 * `config`: `ProxyConfig` and the `ecshare proxy` flags (no HTTP stack imported);
 * `errors`: `ProxyError` and the OpenAI-shaped error body;
+* `tenants`: the API-key file, each key's tenant, tenant-scoped uuids and salts;
+* `parts`: what a client may put in content parts (uuids, embeddings, how many items);
+* `edge`: the listening socket, with its connections capped;
 * `metrics`: the Prometheus metrics, in a registry per proxy;
 * `backends`: backend instances, picking one, ejecting and restoring them, health checks;
 * `fanout`: the encoder stage, finding media items, fanning them out, merging by mm_hash;
