@@ -6,12 +6,17 @@ real proxy in front of the stub backends; each refusal is counted by reason.
 
 from __future__ import annotations
 
+import signal
 import socket
+import subprocess
+import sys
 import threading
 from typing import Any
 
 import httpx
 from proxy_testing import Rig, chat, wait_until
+
+from ecshare.apps.ready import ProxyReady, parse_ready
 
 CHAT = "/v1/chat/completions"
 KEYS = {"key-of-team-a-0123": "team-a", "key-of-team-b-0123": "team-b"}
@@ -74,6 +79,33 @@ def test_connections_past_the_cap_are_answered_503_and_closed(rig: Rig) -> None:
     finally:
         for sock in held:
             sock.close()
+
+
+def test_the_ecshare_proxy_command_caps_connections_on_its_own_loop(rig: Rig) -> None:
+    """As operators run it: its own process and event loop (uvloop where installed)."""
+    cmd = [
+        sys.executable, "-m", "ecshare", "proxy", "--pd", *rig.pd_urls, "--port", "0",
+        "--max-connections", "1",
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        ready = parse_ready(proc.stdout.readline(), ProxyReady)
+        assert ready is not None
+        with connect(ready.url) as held:
+            assert request_on(held).startswith(b"HTTP/1.1 200")
+            with connect(ready.url) as extra:
+                assert read_answer(extra).startswith(b"HTTP/1.1 503")
+        metrics = ""
+        for _ in range(50):  # the held connection's close reaches the proxy
+            response = httpx.get(ready.url + "/metrics", timeout=15)
+            if response.status_code == 200:
+                metrics = response.text
+                break
+        assert 'ecshare_proxy_rejected_total{reason="connections"} 1.0' in metrics
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(15)
 
 
 def test_a_body_that_does_not_arrive_in_time_is_answered_408(rig: Rig) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import cast
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
@@ -32,9 +33,10 @@ class _Refusal(asyncio.Protocol):
     """Answers a connection past the cap with a 503 and closes it."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.WriteTransport)
-        transport.write(REFUSAL_RESPONSE)
-        transport.close()
+        # A stream transport (uvloop's are not asyncio's classes, so no isinstance).
+        writer = cast(asyncio.WriteTransport, transport)
+        writer.write(REFUSAL_RESPONSE)
+        writer.close()
 
 
 class CappedConnections:
