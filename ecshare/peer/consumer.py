@@ -980,6 +980,7 @@ class Consumer(NetworkThread):
                 transport=self._transport,
                 hello=self._hello,
                 count=self._count,
+                ended=self._session_ended,
             )
             self._links[endpoint] = link
         return link
@@ -1030,6 +1031,12 @@ class Consumer(NetworkThread):
             allowed=self._push_allowed() and link.pushes,
         )
 
+    def _session_ended(self, link: PeerLink) -> None:
+        """However a session ends (a dead peer, NO_SESSION, a new handshake, a close),
+        its push reservations wait for their writes' end, probed from now on; called
+        while the producer's agent is still loaded, which a probe keeps so."""
+        self._inbox.session_lost(self._push_link(link), time.monotonic())
+
     def _check_link(self, link: PeerLink, now: float) -> None:
         try:
             problem = link.tick(now)
@@ -1053,9 +1060,7 @@ class Consumer(NetworkThread):
     def _peer_failed(self, link: PeerLink, reason: FailureReason, detail: str, now: float) -> None:
         log.warning("peer %s failed (%s): %s", link.endpoint, reason.value, detail)
         self._count(f"peer_failures.{reason.value}")
-        # Before the link retires the producer's agent: a probe of it keeps it loaded.
-        self._inbox.session_lost(self._push_link(link), now)
-        link.quarantine(now, reason)
+        link.quarantine(now, reason)  # its session's reservations are orphaned first
         for t in list(self._transfers):
             if t.peer == link.endpoint:
                 self._move_on(t, reason, detail)  # a read in flight is fenced on the way
@@ -1063,12 +1068,13 @@ class Consumer(NetworkThread):
     def _on_message(self, link: PeerLink, msg: p.Message, now: float) -> None:
         link.heard(now)
         if isinstance(msg, p.FetchReply):
-            link.answered(msg.request_id)
+            session_id = link.answered(msg.request_id)
             transfers = link.pending.pop(msg.request_id, None)
             if transfers is None:
-                # A reply we stopped waiting for: give its grants straight back.
+                # A reply we stopped waiting for: give its grants straight back (if
+                # its session is still ours).
                 self._count("late_replies")
-                link.release([i.grant_id for i in msg.items if i.grant_id])
+                link.release([i.grant_id for i in msg.items if i.grant_id], session_id)
                 return
             by_hash = {t.mm_hash: t for t in transfers}
             self._answered(transfers, now)
@@ -1080,7 +1086,7 @@ class Consumer(NetworkThread):
                 t = by_hash.pop(item.mm_hash, None)
                 if t is None or t.state is not TransferState.REQUESTED:
                     if item.grant_id:
-                        link.release([item.grant_id])
+                        link.release([item.grant_id], session_id)
                     continue
                 self._on_item(link, t, item, now, reads)
             self._post_reads(link, reads)
@@ -1395,7 +1401,7 @@ class Consumer(NetworkThread):
             t.grant_id = item.grant_id
             if self._config.checksum != "none" and item.checksum is None:
                 # Silently accepting it would downgrade the integrity asked for.
-                link.release([item.grant_id])
+                link.release([item.grant_id], t.session_id)
                 self._count("checksum_missing")
                 self._move_on(
                     t, FailureReason.CHECKSUM_MISSING, f"{self._config.checksum} required"
@@ -1404,7 +1410,7 @@ class Consumer(NetworkThread):
             lease_s = item.lease_ms / 1000 or link.lease_s
             t.grant_lease(t.requested_at, lease_s)
             if t.give_up_at(_lease_margin(t.lease_s)) <= now:
-                link.release([item.grant_id])
+                link.release([item.grant_id], t.session_id)
                 self._count("grants_expired_on_arrival")
                 self._move_on(t, FailureReason.DEADLINE, "the grant's lease ended in transit")
                 return
@@ -1455,14 +1461,14 @@ class Consumer(NetworkThread):
         ):
             # A grant we cannot trust is never read.
             self._count("bad_grants")
-            link.release([t.grant_id])
+            link.release([t.grant_id], t.session_id)
             self._move_on(t, FailureReason.TRANSPORT, "grant extents invalid")
             return
         meta = EntryMeta(dtype=t.dtype or "uint8", shape=t.shape, checksum=t.checksum)
         try:
             dest = self._store.allocate(t.mm_hash, t.nbytes, meta)
         except EntryExists:
-            link.release([t.grant_id])
+            link.release([t.grant_id], t.session_id)
             existing = self._store.get(t.mm_hash)
             if (
                 existing is not None
@@ -1475,13 +1481,13 @@ class Consumer(NetworkThread):
                 self._move_on(t, FailureReason.LOCAL_STORE_FULL, "entry being written locally")
             return
         except (StoreFull, EntryTooLarge) as exc:
-            link.release([t.grant_id])
+            link.release([t.grant_id], t.session_id)
             self._move_on(t, FailureReason.LOCAL_STORE_FULL, str(exc))
             return
         except InvalidMeta as exc:
             # The grant disagrees with itself (dtype and shape against nbytes):
             # a grant we cannot trust, like one with bad extents.
-            link.release([t.grant_id])
+            link.release([t.grant_id], t.session_id)
             self._move_on(t, FailureReason.TRANSPORT, f"grant meta invalid: {exc}")
             return
         t.dest = dest
@@ -1592,7 +1598,7 @@ class Consumer(NetworkThread):
         t.read_handle = None
         link = self._links[t.candidates[t.peer_index]]
         if t.grant_id:  # a direct read has none
-            link.release([t.grant_id])
+            link.release([t.grant_id], t.session_id)
         if status.state is ReadState.FAILED:
             self._drop_dest(t)
             if status.failure is FailureKind.PEER_DISCONNECTED:
@@ -1752,8 +1758,7 @@ class Consumer(NetworkThread):
             self._release_handle(handle)
             self._store.abort(dest)
             return
-        link = self._links.get(t.peer or "")
-        self._fence(handle, dest, t.peer or "", link.session_id if link else "", t.grant_id)
+        self._fence(handle, dest, t.peer or "", t.session_id, t.grant_id)
 
     def _fence(
         self, handle: object, dest: Entry, endpoint: str, session_id: str, grant_id: str
@@ -1831,8 +1836,8 @@ class Consumer(NetworkThread):
             self._store.release_quarantined(f.dest)
             self._count("fenced_reads_ended")
             link = self._links.get(f.endpoint)
-            if link is not None and link.session_id == f.session_id:
-                link.release([f.grant_id])  # its pin can go before the lease ends
+            if link is not None:
+                link.release([f.grant_id], f.session_id)  # its pin can go before its lease
         self._fenced = keep
 
     # -- dispatch and expiry -----------------------------------------------------------------
@@ -1876,6 +1881,7 @@ class Consumer(NetworkThread):
         for t in chunk:
             t.move(TransferState.REQUESTED)
             t.request_id = request_id
+            t.session_id = link.session_id
             t.requested_at = now
             t.attempts += 1
         if self.phases is not None:
@@ -1899,7 +1905,7 @@ class Consumer(NetworkThread):
                 # A read in flight keeps its grant: it is fenced, and released when it ends.
                 link = self._links.get(t.peer or "")
                 if t.grant_id and link is not None and t.state is not TransferState.READING:
-                    link.release([t.grant_id])
+                    link.release([t.grant_id], t.session_id)
                 self._fail(
                     t, FailureReason.DEADLINE, f"no data within {t.deadline - t.started:.3f} s"
                 )
@@ -1928,6 +1934,11 @@ class Consumer(NetworkThread):
             if link is None or not link.renews or link.state is not PeerLinkState.READY:
                 for t in transfers:
                     t.renew_at = math.inf  # no renewal to be had: the lease decides
+                continue
+            for t in [t for t in transfers if t.session_id != link.session_id]:
+                t.renew_at = math.inf  # a grant of an ended session: its lease decides
+            transfers = [t for t in transfers if t.session_id == link.session_id]
+            if not transfers:
                 continue
             for t in transfers:
                 t.renew_sent = now

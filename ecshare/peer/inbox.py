@@ -16,11 +16,17 @@ one of these words that the write is over, and only these:
 - the producer's `PushDone`, which it sends only once its data plane has ended
   the write (DONE or FAILED on the handle it holds) or when it never posted one;
 - our own data plane's word that the producer cannot write any more: a probe
-  READ from it (1 byte, into the reservation itself) that fails.
-A push given up before then (its deadline, its session lost, our stop) is
-FENCED: the entry goes QUARANTINED, out of the index so that a pull can fetch
-the item into other blocks, and its blocks come back only on one of the words
-above. Where none ever comes they stay held: leaked and counted, never reused.
+  READ from it (1 byte, into the reservation itself), posted to the producer's
+  loaded agent, that the backend ends PEER_DISCONNECTED or NOT_FOUND (NIXL's
+  answer once it saw that endpoint fail).
+A push given up before then (its deadline, its session ended in any way, our
+stop) is FENCED: the entry goes QUARANTINED, out of the index so that a pull can
+fetch the item into other blocks, and its blocks come back only on one of the
+words above. A probe that fails for any other reason (the agent could not be
+loaded again, descriptors refused, a backend error) says nothing about the
+write: the reservation stays fenced, probed again later, and is counted leaked
+(`push_fences_leaked`) until a word comes. Where none ever comes they stay held:
+leaked and counted, never reused.
 
 Only the consumer's network thread calls in here, except `pending`.
 """
@@ -48,13 +54,15 @@ from ecshare.store import (
     Store,
     StoreFull,
 )
-from ecshare.transport.base import DataTransport, PeerInfo, ReadState, Segment
+from ecshare.transport.base import DataTransport, FailureKind, PeerInfo, ReadState, Segment
 
 log = logging.getLogger(__name__)
 
 # A fenced push whose producer's data plane still answers is probed again this often.
 _PROBE_INTERVAL_S: Final = 1.0
 _OVER_REMEMBERED: Final = 4096
+# A failed probe that is the backend's own word that the producer's endpoint is gone.
+_WRITE_ENDED: Final = frozenset({FailureKind.PEER_DISCONNECTED, FailureKind.NOT_FOUND})
 
 
 class ReservationState(enum.Enum):
@@ -92,6 +100,7 @@ class Reservation:
     next_probe: float = 0.0
     orphaned: bool = False  # its session is gone: only the data plane can end it now
     write_ended: bool = False  # the word came while a probe was out
+    leaked: bool = False  # a probe said nothing of the write: held until a word comes
 
     def move(self, new: ReservationState) -> None:
         if new not in _LEGAL[self.state]:
@@ -361,6 +370,14 @@ class Inbox:
         self._count("push_fenced", 1)
         self._ended(r, False)
 
+    def _inconclusive(self, r: Reservation, why: str) -> None:
+        """A probe said nothing of the write: the blocks stay fenced, counted leaked."""
+        self._count("push_probes_inconclusive", 1)
+        if not r.leaked:
+            r.leaked = True
+            self._count("push_fences_leaked", 1)
+            log.warning("push %s of %s stays fenced: %s", r.push_id, r.mm_hash, why)
+
     def _drop(self, r: Reservation) -> None:
         key = (r.endpoint, r.session_id, r.push_id)
         self._over_keys[key] = None
@@ -382,9 +399,11 @@ class Inbox:
                 return
             self._transport.release(r.probe)
             r.probe = None
-            if status.state is ReadState.FAILED:
+            if status.state is ReadState.FAILED and status.failure in _WRITE_ENDED:
                 self._count("push_probes_failed", 1)
                 r.write_ended = True
+            elif status.state is ReadState.FAILED:
+                self._inconclusive(r, f"probe failed: {status.detail}")
             if r.write_ended:
                 self._over(r)
                 return
@@ -399,7 +418,10 @@ class Inbox:
                 self._transport.add_peer(r.peer)
                 added = True
             except Exception as exc:
-                log.info("cannot load %s again to probe it: %s", r.agent, exc)
+                # A read of an agent not loaded fails here, not in the backend: no word.
+                self._inconclusive(r, f"cannot load {r.agent} again to probe it: {exc}")
+                r.next_probe = now + _PROBE_INTERVAL_S
+                return
         dest = r.entry.extents[0][0]
         r.probe = self._transport.read(r.agent, [Segment(dest, 0, 1)])
         self._count("push_probes", 1)

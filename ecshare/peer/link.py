@@ -13,6 +13,14 @@ session on ZMQ: the requests it had carried and not seen answered are sent again
 over ZMQ with their request ids (the producer answers a repeat from its reply
 cache, pinning nothing twice), and so are its unanswered Releases (releasing a
 released grant does nothing), so a lost lane costs a round trip, never a fetch.
+
+A grant is the session's that made it, and so are its Releases (DESIGN.md,
+invariant 4): `release` takes the session a grant was made on and drops the
+Releases of any other, and a new session (`connect`) drops every Release still
+queued, carried or unanswered from the one it replaces: that session's grants end
+with their leases, or with the producer process that made them. Every way a session
+ends is told to the consumer once (`ended`), so that nothing it held (push
+reservations) outlives it unseen.
 """
 
 from __future__ import annotations
@@ -52,6 +60,8 @@ Problem = tuple[FailureReason, str]
 # limits on the producer for that long, so once a producer refuses for load, the
 # link's Releases go at once and ahead of requests (`releases_ahead`).
 RELEASE_DELAY_S = 0.05
+# Requests remembered with their session past their timeout, for a late answer.
+_REQUESTS_REMEMBERED = 4096
 
 
 class PeerLinkState(enum.Enum):
@@ -71,9 +81,14 @@ class PeerLink:
         transport: DataTransport,
         hello: Callable[[str], p.Hello],
         count: Callable[[str], None] = lambda key: None,
+        ended: Callable[[PeerLink], None] = lambda link: None,
     ) -> None:
+        """`ended(link)`: the session `link.session_id` has just ended, for good; the
+        producer's agent is still loaded (a probe of it keeps it so)."""
         self.endpoint = endpoint
         self._count = count
+        self._ended = ended
+        self._ended_session = ""  # the last session `ended` was told of
         self._config = config
         self._pool = pool
         self._transport = transport
@@ -106,6 +121,9 @@ class PeerLink:
         self._sent_at: dict[str, float] = {}
         # Releases riding in a request not yet answered: queued again if it times out.
         self._carried: dict[str, list[str]] = {}
+        # The session each request of this session went out on, until answered (or the
+        # session is replaced): the session its grants belong to.
+        self._request_session: dict[str, str] = {}
         self._hello_at = 0.0
         # When the first ping the peer has not yet answered went out (0: none).
         self._unanswered_since = 0.0
@@ -136,6 +154,8 @@ class PeerLink:
         if self.client is None:
             self.client = self._pool.get(self.endpoint)
         self._close_lane(resend_requests=False)  # an old session's lane
+        self._end_session()
+        self._drop_releases()  # the old session's: its grants end with their leases
         self.session_id = uuid.uuid4().hex
         self._renewals.clear()  # answers of an old session never come on this one
         self.client.send(self._hello(self.session_id))
@@ -215,6 +235,7 @@ class PeerLink:
             if msg.code is p.ErrorCode.NO_SESSION:
                 # The producer restarted or expired us: a new handshake, same link.
                 log.info("producer %s lost our session; saying hello again", self.endpoint)
+                self._end_session()
                 self.state = PeerLinkState.IDLE
                 return None
             return (FailureReason.PEER_UNREACHABLE, f"{msg.code.value}: {msg.message}")
@@ -288,13 +309,13 @@ class PeerLink:
         self._quarantined_until = now + self._config.quarantine_s
         self.pending.clear()
         self._sent_at.clear()
-        self._carried.clear()
         self._renewals.clear()
-        self._releases.clear()  # the session is gone: the producer's leases end them
+        self._drop_releases()  # the session is gone: the producer's leases end them
 
     def close(self) -> None:
         # Its Releases go again ahead of the Bye: the producer ends the session, and
         # closes the lane unread, when the Bye comes.
+        self._end_session()
         self._close_lane(resend_requests=False)
         if self.client is not None:
             if self.session_id and self.state is PeerLinkState.READY:
@@ -308,6 +329,27 @@ class PeerLink:
         self.drop_peek()
         if self.state is not PeerLinkState.QUARANTINED:
             self.state = PeerLinkState.IDLE
+
+    def _end_session(self) -> None:
+        """Tell `ended` that the current session has ended (once per session)."""
+        if self.session_id and self._ended_session != self.session_id:
+            self._ended_session = self.session_id
+            self._ended(self)
+
+    def _drop_releases(self) -> None:
+        """Forget every Release of the current session not yet known to have arrived."""
+        dropped = len(self._releases) + sum(len(c) for c in self._carried.values())
+        dropped += sum(len(r.grant_ids) for r in self._lane_releases)
+        self._releases.clear()
+        self._carried.clear()
+        self._lane_releases.clear()
+        self._request_session.clear()
+        if dropped:
+            self._count_n("releases_dropped_with_session", dropped)
+
+    def _count_n(self, key: str, n: int) -> None:
+        for _ in range(n):
+            self._count(key)
 
     def drop_peek(self) -> None:
         """Close the reader of the producer's memory, if any: tags are READ from then on."""
@@ -333,6 +375,9 @@ class PeerLink:
         assert self.client is not None and self.state is PeerLinkState.READY
         self.pending[request_id] = transfers
         self._sent_at[request_id] = now
+        self._request_session[request_id] = self.session_id
+        if len(self._request_session) > _REQUESTS_REMEMBERED:  # requests never answered
+            del self._request_session[next(iter(self._request_session))]
         self.last_used = now
         releases: list[str] = []
         if self.releases_in_request:
@@ -373,7 +418,7 @@ class PeerLink:
             # next message (a second release of a grant does nothing).
             carried = self._carried.pop(rid, None)
             if carried:
-                self.release(carried)
+                self.release(carried, self.session_id)
         return out
 
     def heard(self, now: float) -> None:
@@ -384,16 +429,27 @@ class PeerLink:
         """When the oldest request still waiting for its answer was sent; 0.0: none."""
         return min(self._sent_at.values(), default=0.0)
 
-    def answered(self, request_id: str) -> None:
+    def answered(self, request_id: str) -> str:
+        """An answer to `request_id` came: the session it was sent on ("" if not this
+        link's current session, whose grants are then no longer ours to release)."""
         self._sent_at.pop(request_id, None)
         self._carried.pop(request_id, None)
         self._on_lane.pop(request_id, None)
+        return self._request_session.pop(request_id, "")
 
-    def release(self, grant_ids: list[str]) -> None:
-        """Queue Releases of grants whose reads have ended (see `RELEASE_DELAY_S`)."""
+    def release(self, grant_ids: list[str], session_id: str) -> None:
+        """Queue Releases of grants made on `session_id` whose reads have ended (see
+        `RELEASE_DELAY_S`). Those of another session than the current one are dropped:
+        their session has ended, and a grant id names a grant only on its own session."""
+        grant_ids = [g for g in grant_ids if g]
+        if not grant_ids:
+            return
+        if not session_id or session_id != self.session_id:
+            self._count_n("releases_dropped_stale", len(grant_ids))
+            return
         if not self._releases:
             self._releases_since = time.monotonic()
-        self._releases.extend(g for g in grant_ids if g)
+        self._releases.extend(grant_ids)
 
     def releases_ahead(self) -> None:
         """The producer refused for load: from now on queued Releases go out at once

@@ -11,6 +11,12 @@ read. A session ending (Bye, or heartbeats stopping) does not end its grants:
 a read may still be moving over the data plane while the control plane is
 cut, so they run to their leases (the consumer gives up before then).
 
+A Release ends only a grant of the process and session that made it (DESIGN.md,
+invariant 4): a grant id is never reused, not even by a later process on the same
+endpoint, since each carries this producer's random epoch; and a session's Release
+(or completion notice) names only that session's grants. A consumer's Releases that
+outlive a restart of ours match nothing here and are counted (`releases_unmatched`).
+
 Sessions that agreed to direct reads (`read.direct`) are also told, unasked,
 where each entry committed from then on lies, with its tag and (small ones) its
 digest (`Located`, made by `peer.locator.Locator`); such a consumer reads it with
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import secrets
 import select
 import threading
 import time
@@ -140,6 +147,8 @@ class Producer(NetworkThread):
         self._init_thread()
         self._sessions: dict[str, _Session] = {}
         self._grant_ids = itertools.count(1)
+        # Names this process in its grant ids: a restarted producer reuses no id.
+        self._epoch = secrets.token_hex(8)
         # Grants of ended sessions, left to run to their leases (session, grant id).
         # While any remain, reads may still be moving and need our progress.
         self._lingering: set[tuple[str, str]] = set()
@@ -666,7 +675,7 @@ class Producer(NetworkThread):
                 retry_after_ms=int(cfg.retry_max_backoff_s * 1000),
                 detail=f"session holds {session.pinned_bytes} pinned bytes, limit {cap}",
             )
-        grant_id = f"g{next(self._grant_ids)}"
+        grant_id = f"g{next(self._grant_ids)}.{self._epoch}"
         try:
             self._store.pin(req.mm_hash, session.owner, grant_id, cfg.lease_s)
         except NotReady:
@@ -731,13 +740,18 @@ class Producer(NetworkThread):
 
     def _release(self, session: _Session, grant_ids: list[str]) -> list[str]:
         released = []
+        unmatched = 0
         for grant_id in grant_ids:
             with self._lock:
                 if not session.forget(grant_id):
-                    continue  # another session's grant, or already released: no effect
+                    # Another session's or process's grant, or released already.
+                    unmatched += 1
+                    continue
             if self._store.unpin(session.owner, grant_id):
                 released.append(grant_id)
         self._add("released", len(released))
+        if unmatched:
+            self._add("releases_unmatched", unmatched)
         return released
 
     def _listen(self) -> None:

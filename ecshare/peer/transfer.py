@@ -134,6 +134,7 @@ class Transfer(msgspec.Struct, eq=False):
     retries_here: int = 0  # retryable refusals from the current peer
     not_before: float = 0.0  # backoff: do not request before this time
     request_id: str = ""
+    session_id: str = ""  # the session of its request: the one its grant is made on
     grant_id: str = ""
     nbytes: int = 0
     dtype: str = ""
@@ -184,6 +185,7 @@ class Transfer(msgspec.Struct, eq=False):
         self.tag = self.tag_offset = self.tag_slot = 0
         self.tag_read = False
         self.request_id = ""
+        self.session_id = ""
         self.grant_id = ""
         self.remote_extents = []
         self.read_handle = None
