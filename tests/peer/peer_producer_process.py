@@ -12,7 +12,10 @@ and then reads one command per line from stdin:
     push HASH NAME     push entry HASH to the consumer that accepts pushes as NAME
                        (answers at once; the push runs on)
     put HASH NBYTES    commit a new entry of synthetic bytes (its sessions that read
-                       directly are told where it lies)
+                       directly are told where it lies); a full region answers an error
+    remove HASH        drop an entry (now, or when its last pin goes)
+    hold / resume      stop / restart moving the data plane (reads from us over UCX
+                       TCP stand still) while the control plane goes on serving
     (EOF)              stop cleanly
 
 Each command answers with one JSON line, so a test can wait for it.
@@ -32,6 +35,7 @@ from ecshare.apps.bench.synthetic import fill_synthetic, synthetic_bytes
 from ecshare.apps.ready import ProducerReady, ServedEntry, print_ready
 from ecshare.config import add_config_arguments, load_config
 from ecshare.peer import Node, Producer, start_producer
+from ecshare.store import StoreError
 
 
 def _stats(node: Node, producer: Producer) -> dict[str, object]:
@@ -60,6 +64,7 @@ def main() -> int:
     stalling = threading.Event()
     on_grant = threading.Event()
     stall_s = [0.0]
+    held = threading.Event()
     real_progress = node.transport.progress
 
     def progress() -> list[tuple[str, bytes]]:
@@ -70,7 +75,7 @@ def main() -> int:
             stall.clear()
             stalling.set()
             time.sleep(stall_s[0])
-        return real_progress()
+        return [] if held.is_set() else real_progress()
 
     node.transport.progress = progress  # type: ignore[method-assign]
     served = tuple(ServedEntry(str(e["mm_hash"]), int(e["nbytes"])) for e in entries)
@@ -97,8 +102,14 @@ def main() -> int:
                 stall.set()
                 answer = {"armed": True}
             elif words[0] == "put":
-                node.store.put(words[1], synthetic_bytes(words[1], int(words[2])))
-                answer = {"put": words[1]}
+                try:
+                    node.store.put(words[1], synthetic_bytes(words[1], int(words[2])))
+                    answer = {"put": words[1]}
+                except StoreError as exc:
+                    answer = {"error": f"{type(exc).__name__}: {exc}"}
+            elif words[0] in ("hold", "resume"):
+                (held.set if words[0] == "hold" else held.clear)()
+                answer = {"held": held.is_set()}
             elif words[0] == "remove":
                 node.store.remove(words[1])
                 answer = {"removed": words[1]}

@@ -193,9 +193,7 @@ def test_releases_of_a_replaced_session_never_go_out_on_the_new_one() -> None:
     link.state = PeerLinkState.READY  # welcomed
     link._next_ping = time.monotonic() + 3600
 
-    assert [rid for rid, _ in link.expired_requests(link._config.request_timeout_s + 1.0)] == [
-        "r2"
-    ]
+    assert [rid for rid, _ in link.expired_requests(link._config.request_timeout_s + 1.0)] == ["r2"]
     link.release(["g3"], "s1")  # a read of the old session that ended just now
     link.request("r4", [p.ItemRequest("next")], [], 0.0)
     link.flush_releases()
@@ -209,7 +207,7 @@ def test_releases_of_a_replaced_session_never_go_out_on_the_new_one() -> None:
 
 def test_every_way_a_session_ends_is_told_once() -> None:
     ended: list[str] = []
-    link, wire = _ready_link(ended)
+    link, _wire = _ready_link(ended)
     assert link.on_message(p.Error(code=p.ErrorCode.NO_SESSION, message="gone"), 0.0) is None
     link.connect(0.0)  # a new handshake: the old session was told already
     assert ended == ["s1"]
