@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import select
+import socket
 import subprocess
 import sys
 import threading
@@ -395,6 +396,57 @@ def test_producer_sigkill_mid_push_leaves_no_block_reused_early_and_pull_still_w
     result = consumer.fetch([FetchItem(h2, pushed=True)], [again.address])[0].result(timeout=15)
     np.testing.assert_array_equal(stored_bytes(cnode, h2), expected(h2, n))
     assert not result.pushed
+
+
+def test_push_reservations_of_a_replaced_session_are_probed_and_none_leaks(
+    spawn_producer: SpawnProducer, make_consumer: MakeConsumer, keyring: Keyring
+) -> None:
+    """The producer is SIGKILLed mid-push and a new process takes its endpoint within
+    the heartbeat timeout: the consumer's session is not failed but replaced (the new
+    process answers NO_SESSION). The old session's reservation is fenced and probed
+    as on any other end of a session, and its blocks come back only once the probe
+    finds the old process gone: none leaks, none is written after it is freed."""
+    n = 16 << 20
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # Both sides outlast the restart: the session is replaced, never timed out.
+    slow = {"heartbeat_timeout_s": 30.0}
+    config = {**keyring.producer_config(), **TCP, **slow, "listen_port": port}
+    old = spawn_producer(synthetic=f"4096:1,{n}:1", config=config, hooks=True)
+    warm, h = sorted(old.sizes, key=old.sizes.__getitem__)
+    cnode, consumer = make_consumer(
+        keyring.consumer_config(), PUSH, TCP, slow, {"push_deadline_s": 30.0}
+    )
+    real_progress = cnode.transport.progress
+    held = [False]
+    cnode.transport.progress = lambda: [] if held[0] else real_progress()  # type: ignore[method-assign]
+    consumer.connect([old.address])
+    deadline = time.monotonic() + 10
+    while not ready(cnode.store, warm):
+        assert time.monotonic() < deadline, old.stderr()
+        old.command(f"push {warm} pd-0")
+        time.sleep(0.05)
+    held[0] = True
+    old.command(f"push {h} pd-0")
+    assert wait_until(lambda: consumer.push_pending(h), 5)
+    old.kill()
+    new = spawn_producer(synthetic="4096:1", config=config, hooks=True)
+    assert new.address == old.address
+    held[0] = False
+
+    # The consumer says hello to the new process; the old session's push is fenced.
+    assert wait_until(lambda: new.stats()["sessions"] == 1, 15), new.stderr()
+    assert wait_until(lambda: consumer.counter_snapshot().get("push_sessions_lost") == 1, 5)
+    assert wait_until(lambda: cnode.store.stats().quarantined == 0, 15), consumer.counter_snapshot()
+    counters = consumer.counter_snapshot()
+    assert not any(k.startswith("peer_failures") for k in counters), counters
+    assert counters["push_probes_failed"] >= 1 and counters["push_fenced_ended"] == 1
+    assert counters.get("push_fences_leaked", 0) == 0
+    assert consumer.fenced_pushes() == 0 and not ready(cnode.store, h)
+    time.sleep(0.3)
+    fill_region(cnode.store)
+    assert cnode.store.stats().canary_violations == 0
 
 
 def test_consumer_sigkill_mid_push_keeps_the_source_pinned_until_the_write_fails(

@@ -159,6 +159,14 @@ def add_chaos_arguments(parser: argparse.ArgumentParser) -> None:
         help="push traffic: this share of fetch batches (0 to 1) is also pushed by a "
         "producer to the consumer, and 'all' faults include those aimed at pushes",
     )
+    parser.add_argument(
+        "--heartbeat-timeout",
+        type=_positive(float),
+        default=None,
+        metavar="SECONDS",
+        help="every node's heartbeat timeout (default 1 s); longer than a producer's "
+        "restart, consumers see a killed producer's session replaced, not failed",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
         "--verbose-children",
@@ -209,6 +217,7 @@ def run_chaos_command(args: argparse.Namespace) -> int:
             large_read_bytes=args.large_read,
             verbose=args.verbose_children,
             push=args.push,
+            heartbeat_timeout_s=args.heartbeat_timeout or 0.0,
         )
     except ValueError as exc:
         print(f"ecshare chaos: {exc}", file=sys.stderr)
@@ -249,6 +258,8 @@ def _as_argv(args: argparse.Namespace) -> list[str]:
         out += ["--seed", str(args.seed)]
     if args.faults is not None:
         out += ["--faults", ",".join(args.faults) or "none"]
+    if args.heartbeat_timeout is not None:
+        out += ["--heartbeat-timeout", str(args.heartbeat_timeout)]
     if args.json:
         out.append("--json")
     if args.verbose_children:

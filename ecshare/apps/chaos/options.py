@@ -112,6 +112,10 @@ class ChaosOptions:
     # the consumer, which fetches them at the same time (announced as pushed or not)
     # or leaves them to later fetches. 0: no push, and consumers take none.
     push: float = 0.0
+    # > 0: every node's heartbeat timeout instead of TIMING's. Longer than a producer
+    # takes to restart, a consumer's session with a killed producer is not failed but
+    # replaced: the new process on the same port answers NO_SESSION.
+    heartbeat_timeout_s: float = 0.0
 
     def __post_init__(self) -> None:
         unknown = [k for k in self.faults if k not in (*FAULT_KINDS, *PUSH_KINDS)]
@@ -128,6 +132,8 @@ class ChaosOptions:
                 f"fault kind {pushy[0]} strikes push traffic, and this run pushes nothing "
                 "(--push SHARE)"
             )
+        if self.heartbeat_timeout_s < 0:
+            raise ValueError(f"heartbeat_timeout_s must be >= 0, got {self.heartbeat_timeout_s}")
         if self.ucx_tls not in UCX_TRANSPORTS:
             raise ValueError(
                 f"ucx_tls must be one of {', '.join(UCX_TRANSPORTS)}, got {self.ucx_tls!r}"

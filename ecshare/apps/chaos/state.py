@@ -92,6 +92,8 @@ class RunState:
             # A write after free (a read landing in blocks handed on) is counted.
             "store_canary": True,
         }
+        if options.heartbeat_timeout_s:
+            every_node["heartbeat_timeout_s"] = options.heartbeat_timeout_s
         self.producer_config = {
             **every_node,
             "region_bytes": options.producer_region_bytes,

@@ -1,0 +1,120 @@
+"""A push given up stays fenced until the write has ended, whatever else fails.
+
+A fenced reservation's blocks come back only on the write's own notification, the
+producer's PushDone, or our data plane's own word that the producer is gone (a probe
+READ of it that the backend ends PEER_DISCONNECTED). A probe that fails for any other
+reason (the producer's agent cannot be loaded again, a backend error) says nothing of
+the write, which may still land: the blocks stay fenced and are counted leaked, and
+they come back only once a word does come.
+
+On `LoopbackTransport` (the project's in-process data plane, held to NIXL's contract;
+see loopback_testing.py), whose own fault injection (`stall`, `fail_next`) makes a
+write stand still and a probe fail on demand; the control plane is real ZMQ through a
+`FaultProxy`. The one stand-in: loading the producer's agent is made to raise, as no
+real agent here can be made to refuse its own metadata on demand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from loopback_testing import MakeLoopConsumer, MakeLoopProducer
+from peer_testing import Keyring, wait_until
+
+from ecshare.apps.chaos.faultproxy import FaultProxy, Faults
+from ecshare.peer import Producer
+from ecshare.store import Store
+from ecshare.transport import FailureKind, PeerInfo, TransportError
+from ecshare.transport.loopback import Completion
+
+pytestmark = pytest.mark.timeout(60)
+
+PUSH = {"push_name": "pd-0", "store_canary": True, "push_deadline_s": 30.0}
+
+
+def _push_when_connected(producer: Producer, h: str) -> bool:
+    deadline_ok = wait_until(lambda: producer.push_names() == {"pd-0"}, 10)
+    return deadline_ok and producer.push(h, to="pd-0").result(timeout=10).pushed
+
+
+def _fill_region(store: Store) -> None:
+    """Hand every free block out once, so that the canary checks each of them."""
+    free = store.stats().free_blocks
+    if free:
+        store.abort(store.allocate("fill", free * store.block_size))
+
+
+@pytest.fixture
+def proxy_of() -> Iterator[list[FaultProxy]]:
+    proxies: list[FaultProxy] = []
+    yield proxies
+    for proxy in proxies:
+        proxy.close()
+
+
+@pytest.mark.parametrize("why", ["backend_error", "agent_not_loadable"])
+def test_a_probe_failing_for_another_reason_leaves_the_push_fenced_and_counted(
+    loop_producer: MakeLoopProducer,
+    loop_consumer: MakeLoopConsumer,
+    keyring: Keyring,
+    proxy_of: list[FaultProxy],
+    why: str,
+) -> None:
+    h, n = "fenced-1", 1 << 20
+    pnode, producer = loop_producer(
+        keyring.producer_config(), entries={"w": 4096, h: n}, completion=Completion.SYNC
+    )
+    proxy = FaultProxy("127.0.0.1", producer.port, faults=Faults(), seed=3)
+    proxy_of.append(proxy)
+    cnode, consumer = loop_consumer(keyring.consumer_config(), PUSH)
+    consumer.connect([proxy.address])
+    assert _push_when_connected(producer, "w")
+
+    if why == "backend_error":
+        # Every READ from the producer fails, for a reason that is not its being gone.
+        cnode.transport.fail_next(10_000, FailureKind.BACKEND, peer=pnode.transport.name)
+    else:
+        real_add_peer = cnode.transport.add_peer
+        loadable = [True]
+
+        def add_peer(info: PeerInfo) -> str:
+            if not loadable[0]:
+                raise TransportError(f"cannot load {info.agent_name}")
+            return real_add_peer(info)
+
+        cnode.transport.add_peer = add_peer  # type: ignore[method-assign]
+    cnode.transport.stall()  # the write into our region stands still
+    push = producer.push(h, to="pd-0")
+    assert wait_until(lambda: consumer.push_pending(h), 5)
+    if why == "agent_not_loadable":
+        loadable[0] = False
+
+    # The session is lost, and stays lost for a while: probes run, and say nothing.
+    proxy.hold(3.0)
+    assert wait_until(lambda: consumer.counter_snapshot().get("push_sessions_lost") == 1, 10)
+
+    def probed_or_over() -> bool:
+        c = consumer.counter_snapshot()
+        tries = c.get("push_probes", 0) + c.get("push_probes_inconclusive", 0)
+        return tries >= 3 or consumer.fenced_pushes() == 0
+
+    assert wait_until(probed_or_over, 10)
+    assert cnode.store.stats().quarantined == 1, sorted(consumer.counter_snapshot().items())
+    assert consumer.fenced_pushes() == 1
+    counters = consumer.counter_snapshot()
+    assert counters.get("push_probes_failed", 0) == 0
+    assert counters.get("push_fenced_ended", 0) == 0
+    assert counters["push_fences_leaked"] == 1 and counters["push_probes_inconclusive"] >= 1
+    assert not push.done()
+
+    # The write does land, then its own notification gives the blocks back.
+    if why == "agent_not_loadable":
+        loadable[0] = True
+    cnode.transport.resume()
+    assert push.result(timeout=15).pushed
+    assert wait_until(lambda: cnode.store.stats().quarantined == 0, 15)
+    assert consumer.counter_snapshot()["push_fences_ended_by_notice"] == 1
+    assert cnode.store.get(h) is None  # a fenced push never commits
+    _fill_region(cnode.store)
+    assert cnode.store.stats().canary_violations == 0
