@@ -253,7 +253,13 @@ class Located(_Message, frozen=True, kw_only=True, tag="located"):
 
 
 class Release(_Message, frozen=True, kw_only=True, tag="release"):
-    """Consumer -> producer: the reads of these grants have ended (or never started)."""
+    """Consumer -> producer: the reads of these grants have ended (or never started).
+
+    It ends only grants of `session_id` made by the producer process that answers it:
+    a grant id names its producer process (a random epoch in the id, so a restarted
+    producer reuses none), and a consumer sends a Release only on the session the
+    grant was made on. The id stays an opaque token on the wire (no new version).
+    """
 
     session_id: Token
     grant_ids: Annotated[list[Token], msgspec.Meta(min_length=1, max_length=MAX_BATCH_ITEMS)]
