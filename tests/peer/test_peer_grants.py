@@ -347,3 +347,30 @@ def test_releases_inside_a_request_free_pins_before_it_grants_and_only_once(
     assert producer.counters["duplicate_requests"] == 1
     assert node.store.stats().pins == 2
     assert second != mine
+
+
+def test_a_release_from_before_a_restart_never_ends_the_new_process_grants(
+    loop_producer: MakeLoopProducer, raw_session: MakeRawSession, keyring: Keyring
+) -> None:
+    """Two producer processes in turn (here: two producers of one test) grant the same
+    first grant of a session; the ids differ, so a Release carrying the first one's
+    ids, on a session of the second, ends nothing there and is counted."""
+    h = "granted-twice"
+    _, before = loop_producer(keyring.producer_config(), entries={h: MiB})
+    old = raw_session(before.address)
+    assert isinstance(old.hello(), p.Welcome)
+    old_id = granted(old.fetch("r1", h)).grant_id
+
+    node, after = loop_producer(keyring.producer_config(), entries={h: MiB})
+    new = raw_session(after.address)
+    assert isinstance(new.hello(), p.Welcome)
+    new_id = granted(new.fetch("r1", h)).grant_id
+    assert new_id != old_id  # each names the process that made it
+
+    reply = new.call(p.Release(session_id=new.session_id, grant_ids=[old_id]))
+    assert reply == p.Released(released=[])
+    assert after.counters["releases_unmatched"] == 1
+    assert node.store.pinned_entry(pin_owner(new.session_id), new_id) is not None
+    reply = new.call(p.Release(session_id=new.session_id, grant_ids=[new_id]))
+    assert reply == p.Released(released=[new_id])
+    assert node.store.stats().pins == 0
