@@ -981,6 +981,7 @@ class Consumer(NetworkThread):
                 hello=self._hello,
                 count=self._count,
                 ended=self._session_ended,
+                retire=self._retire_agent,
             )
             self._links[endpoint] = link
         return link
@@ -1036,6 +1037,12 @@ class Consumer(NetworkThread):
         its push reservations wait for their writes' end, probed from now on; called
         while the producer's agent is still loaded, which a probe keeps so."""
         self._inbox.session_lost(self._push_link(link), time.monotonic())
+
+    def _retire_agent(self, agent: str) -> None:
+        """A link is done with a producer's agent: unloaded, unless fenced pushes still
+        probe it (the inbox unloads it after them)."""
+        if not self._inbox.keeps(agent):
+            self._transport.remove_peer(agent)
 
     def _check_link(self, link: PeerLink, now: float) -> None:
         try:

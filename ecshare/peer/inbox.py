@@ -153,6 +153,10 @@ class Inbox:
         self._over_keys: collections.OrderedDict[tuple[str, str, str], None] = (
             collections.OrderedDict()
         )
+        # Producers' agents kept loaded for their orphaned reservations (how many each):
+        # a probe then goes to the endpoint the write may come from, never to an agent
+        # loaded anew, which may fail for reasons of its own.
+        self._kept: dict[str, int] = {}
 
     # -- any thread --------------------------------------------------------------------------
 
@@ -177,6 +181,10 @@ class Inbox:
     @property
     def busy(self) -> bool:
         return bool(self._all)
+
+    def keeps(self, agent: str) -> bool:
+        """The inbox keeps `agent` loaded for probes of orphaned reservations."""
+        return agent in self._kept
 
     def endpoints(self) -> set[str]:
         return {r.endpoint for r in self._all.values()}
@@ -281,6 +289,7 @@ class Inbox:
                 self._fence(r, "its session was lost")
             if r.state is ReservationState.FENCED and not r.orphaned:
                 r.orphaned = True
+                self._kept[r.agent] = self._kept.get(r.agent, 0) + 1
                 r.next_probe = 0.0
                 self._probe(r, now)
 
@@ -385,6 +394,12 @@ class Inbox:
             self._over_keys.popitem(last=False)
         self._all.pop(key, None)
         self._by_agent.pop((r.agent, r.push_id), None)
+        if r.orphaned and r.agent in self._kept:
+            self._kept[r.agent] -= 1
+            if not self._kept[r.agent]:
+                del self._kept[r.agent]
+                if not self._agent_loaded(r.agent):
+                    self._transport.remove_peer(r.agent)  # no link uses it any more
         if self._reserved.get(r.mm_hash) is r:
             del self._reserved[r.mm_hash]
 
@@ -399,6 +414,8 @@ class Inbox:
                 return
             self._transport.release(r.probe)
             r.probe = None
+            if status.state is ReadState.FAILED:
+                log.info("probe of %s failed: %s (%s)", r.agent, status.failure, status.detail)
             if status.state is ReadState.FAILED and status.failure in _WRITE_ENDED:
                 self._count("push_probes_failed", 1)
                 r.write_ended = True
@@ -413,7 +430,7 @@ class Inbox:
             return
         # The producer's agent may have been retired with its link: load it again.
         added = False
-        if not self._agent_loaded(r.agent):
+        if r.agent not in self._kept and not self._agent_loaded(r.agent):
             try:
                 self._transport.add_peer(r.peer)
                 added = True

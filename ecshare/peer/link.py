@@ -82,13 +82,16 @@ class PeerLink:
         hello: Callable[[str], p.Hello],
         count: Callable[[str], None] = lambda key: None,
         ended: Callable[[PeerLink], None] = lambda link: None,
+        retire: Callable[[str], None] | None = None,
     ) -> None:
         """`ended(link)`: the session `link.session_id` has just ended, for good; the
-        producer's agent is still loaded (a probe of it keeps it so)."""
+        producer's agent is still loaded. `retire(agent)`: the link is done with that
+        agent (default: the transport's `remove_peer`)."""
         self.endpoint = endpoint
         self._count = count
         self._ended = ended
         self._ended_session = ""  # the last session `ended` was told of
+        self._retire_with = retire
         self._config = config
         self._pool = pool
         self._transport = transport
@@ -191,9 +194,12 @@ class PeerLink:
                 return (FailureReason.INCOMPATIBLE, "the producer grants no lease")
             info = peer_info(dp)
             try:
-                self.agent = self._transport.add_peer(info)
+                agent = self._transport.add_peer(info)
             except Exception as exc:  # the transport names what it rejected
                 return (FailureReason.TRANSPORT, f"cannot load producer data plane: {exc}")
+            if self.agent and self.agent != agent:
+                self._retire(self.agent)  # a restarted producer's old agent
+            self.agent = agent
             self.peer_info = info
             self.pushes = p.CAP_PUSH in msg.capabilities
             self.region_size = dp.region_size
@@ -324,11 +330,14 @@ class PeerLink:
             self._pool.close(self.endpoint)
             self.client = None
         if self.agent:
-            self._transport.remove_peer(self.agent)
+            self._retire(self.agent)
             self.agent = ""
         self.drop_peek()
         if self.state is not PeerLinkState.QUARANTINED:
             self.state = PeerLinkState.IDLE
+
+    def _retire(self, agent: str) -> None:
+        (self._retire_with or self._transport.remove_peer)(agent)
 
     def _end_session(self) -> None:
         """Tell `ended` that the current session has ended (once per session)."""

@@ -3,15 +3,15 @@
 A fenced reservation's blocks come back only on the write's own notification, the
 producer's PushDone, or our data plane's own word that the producer is gone (a probe
 READ of it that the backend ends PEER_DISCONNECTED). A probe that fails for any other
-reason (the producer's agent cannot be loaded again, a backend error) says nothing of
-the write, which may still land: the blocks stay fenced and are counted leaked, and
-they come back only once a word does come.
+reason (descriptors refused, a backend error) says nothing of the write, which may
+still land: the blocks stay fenced and are counted leaked, and they come back only
+once a word does come. The producer's agent stays loaded for the probes (never
+loaded anew, which could fail for reasons of its own) until the last one is over.
 
 On `LoopbackTransport` (the project's in-process data plane, held to NIXL's contract;
 see loopback_testing.py), whose own fault injection (`stall`, `fail_next`) makes a
 write stand still and a probe fail on demand; the control plane is real ZMQ through a
-`FaultProxy`. The one stand-in: loading the producer's agent is made to raise, as no
-real agent here can be made to refuse its own metadata on demand.
+`FaultProxy`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from peer_testing import Keyring, wait_until
 from ecshare.apps.chaos.faultproxy import FaultProxy, Faults
 from ecshare.peer import Producer
 from ecshare.store import Store
-from ecshare.transport import FailureKind, PeerInfo, TransportError
+from ecshare.transport import FailureKind
 from ecshare.transport.loopback import Completion
 
 pytestmark = pytest.mark.timeout(60)
@@ -53,13 +53,13 @@ def proxy_of() -> Iterator[list[FaultProxy]]:
         proxy.close()
 
 
-@pytest.mark.parametrize("why", ["backend_error", "agent_not_loadable"])
+@pytest.mark.parametrize("kind", [FailureKind.BACKEND, FailureKind.INVALID])
 def test_a_probe_failing_for_another_reason_leaves_the_push_fenced_and_counted(
     loop_producer: MakeLoopProducer,
     loop_consumer: MakeLoopConsumer,
     keyring: Keyring,
     proxy_of: list[FaultProxy],
-    why: str,
+    kind: FailureKind,
 ) -> None:
     h, n = "fenced-1", 1 << 20
     pnode, producer = loop_producer(
@@ -71,27 +71,15 @@ def test_a_probe_failing_for_another_reason_leaves_the_push_fenced_and_counted(
     consumer.connect([proxy.address])
     assert _push_when_connected(producer, "w")
 
-    if why == "backend_error":
-        # Every READ from the producer fails, for a reason that is not its being gone.
-        cnode.transport.fail_next(10_000, FailureKind.BACKEND, peer=pnode.transport.name)
-    else:
-        real_add_peer = cnode.transport.add_peer
-        loadable = [True]
-
-        def add_peer(info: PeerInfo) -> str:
-            if not loadable[0]:
-                raise TransportError(f"cannot load {info.agent_name}")
-            return real_add_peer(info)
-
-        cnode.transport.add_peer = add_peer  # type: ignore[method-assign]
+    # Every READ from the producer fails, for a reason that is not its being gone.
+    producer_agent = pnode.transport.name
+    cnode.transport.fail_next(10_000, kind, peer=producer_agent)
     cnode.transport.stall()  # the write into our region stands still
     push = producer.push(h, to="pd-0")
     assert wait_until(lambda: consumer.push_pending(h), 5)
     # Posted: else a session lost first ends the offer unwritten, and its PushDone
     # (a word) rightly frees the blocks.
     assert wait_until(lambda: producer.counters["push_writes"] == 2, 5)
-    if why == "agent_not_loadable":
-        loadable[0] = False
 
     # The session is lost, and stays lost for a while: probes run, and say nothing.
     proxy.hold(3.0)
@@ -112,8 +100,7 @@ def test_a_probe_failing_for_another_reason_leaves_the_push_fenced_and_counted(
     assert not push.done()
 
     # The write does land, then its own notification gives the blocks back.
-    if why == "agent_not_loadable":
-        loadable[0] = True
+    assert producer_agent in cnode.transport.peers  # kept loaded for the probes
     cnode.transport.resume()
     assert push.result(timeout=15).pushed
     assert wait_until(lambda: cnode.store.stats().quarantined == 0, 15)
@@ -121,3 +108,9 @@ def test_a_probe_failing_for_another_reason_leaves_the_push_fenced_and_counted(
     assert cnode.store.get(h) is None  # a fenced push never commits
     _fill_region(cnode.store)
     assert cnode.store.stats().canary_violations == 0
+    # The last fence over, the agent goes with the link that no longer uses it, or
+    # stays with the link that does.
+    links = consumer.counter_snapshot()
+    assert wait_until(
+        lambda: (producer_agent in cnode.transport.peers) == bool(producer.push_names()), 10
+    ), links
