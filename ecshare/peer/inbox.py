@@ -428,7 +428,7 @@ class Inbox:
             return
         if not r.orphaned or now < r.next_probe:
             return
-        # The producer's agent may have been retired with its link: load it again.
+        # Kept loaded since the reservation was orphaned; were it gone anyway, load it.
         added = False
         if r.agent not in self._kept and not self._agent_loaded(r.agent):
             try:
