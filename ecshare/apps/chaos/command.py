@@ -165,7 +165,8 @@ def add_chaos_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="SECONDS",
         help="every node's heartbeat timeout (default 1 s); longer than a producer's "
-        "restart, consumers see a killed producer's session replaced, not failed",
+        "restart, consumers see a killed producer's session replaced, not failed (faults "
+        "timed past it, such as freeze_consumer_mid_read, then outlast --grace)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
