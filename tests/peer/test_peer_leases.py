@@ -183,7 +183,7 @@ def test_quarantine_releases_what_has_ended_and_says_bye(
         grant = granted(replies[0])
         assert producer.active_grants() == 1
 
-        link.release([grant.grant_id])  # its read ended; the release is still queued
+        link.release([grant.grant_id], link.session_id)  # its read ended; still queued
         link.quarantine(time.monotonic(), FailureReason.PEER_UNREACHABLE)
         assert link.state is PeerLinkState.QUARANTINED
         # Well before the producer's 1 s heartbeat timeout could have ended it.
