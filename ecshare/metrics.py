@@ -351,6 +351,10 @@ COUNTED: Final[tuple[Counted, ...]] = (
         "push_fenced_ended",
         "push_probes",
         "push_probes_failed",
+        "push_probes_inconclusive",
+        "push_fences_leaked",
+        "releases_dropped_stale",
+        "releases_dropped_with_session",
     ),
     # producer: one metric each
     Counted(_PS, "granted", "grants"),
@@ -372,6 +376,7 @@ COUNTED: Final[tuple[Counted, ...]] = (
         _PS,
         "internal_error",
         "unexpected_message",
+        "releases_unmatched",
         "status_requests",
         "replayed_ended_grants",
         "releases_in_requests",
