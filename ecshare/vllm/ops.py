@@ -19,11 +19,14 @@ import msgspec
 from ecshare.store import RegionHandle
 
 
-class TransferParam(msgspec.Struct, frozen=True, kw_only=True):
+class TransferParam(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """Where a consumer fetches one mm_hash: the `ec_transfer_params` of one item.
 
     It names a producer endpoint and what the entry is, never a memory address
     or data-plane metadata; those are exchanged only after authentication.
+    `modality` is the item's, as vLLM 0.34's own connectors publish it; params
+    without it (vLLM 0.32's shape) are accepted, params with another modality
+    than the request's item are not.
     """
 
     peer: str
@@ -31,6 +34,7 @@ class TransferParam(msgspec.Struct, frozen=True, kw_only=True):
     nbytes: int
     dtype: str
     shape: tuple[int, ...]
+    modality: str | None = None
 
 
 @dataclass(frozen=True)

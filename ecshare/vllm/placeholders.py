@@ -6,13 +6,15 @@ role "metadata"): for Qwen2-VL an image's `image_grid_thw`. An encoder publishes
 each item's `ec_transfer_params`, in the shape vLLM's own EC connectors use, so that vLLM's
 EPD tooling and `ecshare proxy` read them alike:
 
-    {mm_hash: {...where to fetch it..., "metadata": {"image_grid_thw": [1, 6, 8]},
-               "item_indices": [0]}}
+    {mm_hash: {...where to fetch it..., "modality": "image",
+               "metadata": {"image_grid_thw": [1, 6, 8]}, "item_indices": [0]}}
 
-`item_indices` are the item's positions in the request's `mm_features` (a repeated item
-has several). `metadata` is empty where the model declares no fields for the modality, or
-where the encoder no longer holds the processed item (a cache hit): that item can only be
-sent with its media. The fields are sizes, never addresses or layout.
+`modality` comes with where to fetch it (`ops.TransferParam`; vLLM 0.34's helper adds the
+same, 0.32's does not). `item_indices` are the item's positions in the request's
+`mm_features` (a repeated item has several). `metadata` is empty where the model declares
+no fields for the modality, or where the encoder no longer holds the processed item (a
+cache hit): that item can only be sent with its media. The fields are sizes, never
+addresses or layout.
 
 On the consuming side a request may then carry an item as metadata only (vLLM's EC
 consumer accepts that, `allow_missing_mm_embeddings`). Such an item has no input to encode

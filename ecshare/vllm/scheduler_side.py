@@ -7,10 +7,10 @@ request that the engine's own encoder cache still holds but the region lost
 and the entry becomes READY only once they report that copy done (`saves`).
 `request_finished` announces the request's READY entries and those whose copy
 ran in a step that has completed (waiting for their report briefly at most),
-each with the placeholder `metadata` and `item_indices` that let a proxy send
-prefill/decode the request without its media (`placeholders`). Where the
-request's own params ask for a push (`{"push_to": [...]}`), it pushes each
-item to the allowed names and says so in the item's params (`pushed_to`;
+each with its `modality` and the placeholder `metadata` and `item_indices` that
+let a proxy send prefill/decode the request without its media (`placeholders`).
+Where the request's own params ask for a push (`{"push_to": [...]}`), it pushes
+each item to the allowed names and says so in the item's params (`pushed_to`;
 `pushes`).
 
 Consumer role: `ensure_cache_available` fetches the items a request's
@@ -382,6 +382,7 @@ class SchedulerSide:
                 nbytes=entry.nbytes,
                 dtype=entry.meta.dtype,
                 shape=tuple(entry.meta.shape),
+                modality=feature.modality,
             )
             params[h] = {**msgspec.to_builtins(where), **items.get(h, {})}
             if push_to and self._pushes is not None:

@@ -233,7 +233,11 @@ class WaitingRequests:
     ) -> Fetch | None:
         param = decode_param(raw)
         refusal: str | None = None
-        if param is None or param.fingerprint != self._fingerprint:
+        if (
+            param is None
+            or param.fingerprint != self._fingerprint
+            or param.modality not in (None, feature.modality)
+        ):
             self._tally.add("params_unusable")
             refusal = "unusable ec_transfer_params"
         elif not self._settings.trusts(param.peer):

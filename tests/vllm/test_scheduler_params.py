@@ -120,6 +120,44 @@ def test_malformed_params_are_counted_and_the_item_encoded_locally(ec: EC, param
     assert "fetches_started" not in counts
 
 
+# -- modality --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", ["vllm_034", "vllm_032"])
+def test_params_with_or_without_modality_are_fetched_and_loaded(ec: EC, shape: str) -> None:
+    producer = ec.scheduler("ec_producer")
+    consumer = ec.scheduler("ec_consumer")
+    emb = embedding()
+    params = ec.encode(producer, "p1", "h-mod", emb)
+    assert params["h-mod"]["modality"] == "image"
+    if shape == "vllm_032":  # what vLLM 0.32's helper and earlier encoders publish
+        del params["h-mod"]["modality"]
+    consumer.add_request(ec.request("c1", "h-mod", params=params))
+
+    seen = run_until_done(ec, consumer, "c1", {"h-mod": emb})
+
+    assert seen == {"encoded": 0, "loaded": 1}
+    assert "params_unusable" not in ec.totals(consumer)
+
+
+@pytest.mark.parametrize("modality", ["audio", 5])
+def test_params_of_another_modality_are_counted_and_the_item_encoded_locally(
+    ec: EC, modality: object
+) -> None:
+    producer = ec.scheduler("ec_producer")
+    consumer = ec.scheduler("ec_consumer")
+    params = ec.encode(producer, "p1", "h-mod", embedding())
+    params["h-mod"] = {**params["h-mod"], "modality": modality}  # the request's item is an image
+    consumer.add_request(ec.request("c1", "h-mod", params=params))
+
+    seen = run_until_done(ec, consumer, "c1", {"h-mod": embedding()})
+
+    assert seen == {"encoded": 1, "loaded": 0}
+    counts = ec.totals(consumer)
+    assert counts["params_unusable"] == 1
+    assert "fetches_started" not in counts
+
+
 # -- sizes -----------------------------------------------------------------------------------
 
 

