@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -34,18 +35,28 @@ def stored(store: Store, entry: Entry) -> bytes:
     return b"".join(bytes(v) for v in store.views(entry))
 
 
-def send(plan: StepPlan, report: StepReport) -> None:
-    """Send `report` where `plan` tells the workers to, as a worker does."""
-    assert plan.report_to is not None
-    outbox = ReportOutbox(plan.report_to)
-    try:
+Send = Callable[[StepPlan, StepReport], None]
+
+
+@pytest.fixture
+def send() -> Iterator[Send]:
+    """Sends a report where a plan tells the workers to, as a worker does: from an outbox
+    kept open until the test ends (a worker's lives as long as it does), so that ZMQ has
+    connected and handed the report on whatever the load."""
+    opened: list[ReportOutbox] = []
+
+    def send_(plan: StepPlan, report: StepReport) -> None:
+        assert plan.report_to is not None
+        outbox = ReportOutbox(plan.report_to)
+        opened.append(outbox)
         outbox.send(report)
-    finally:
-        time.sleep(0.05)  # ZMQ hands the message on before the socket goes
+
+    yield send_
+    for outbox in opened:
         outbox.close()
 
 
-def test_finished_request_never_waits_for_a_late_report(ec: EC) -> None:
+def test_finished_request_never_waits_for_a_late_report(ec: EC, send: Send) -> None:
     producer = ec.scheduler("ec_producer", request_timeout_s=2.0)
     store = ec.side(producer).store
     emb = embedding()
@@ -69,7 +80,7 @@ def test_finished_request_never_waits_for_a_late_report(ec: EC) -> None:
     assert stored(store, entry) == as_bytes(emb)
 
 
-def test_an_idle_encoder_steps_on_until_a_late_reports_counts_are_taken(ec: EC) -> None:
+def test_an_idle_encoder_steps_on_until_a_late_reports_counts_are_taken(ec: EC, send: Send) -> None:
     """vLLM takes the connector's counts only in a step, and an engine with no request
     blocks for the next one: a report later than a finished request waits for would
     leave its counts unshown. The connector keeps the engine stepping
@@ -117,7 +128,7 @@ def test_an_idle_encoder_steps_on_until_a_late_reports_counts_are_taken(ec: EC) 
 
 
 def test_an_idle_encoder_steps_on_for_a_late_report_only_so_long(
-    ec: EC, monkeypatch: pytest.MonkeyPatch
+    ec: EC, send: Send, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Each empty step costs the engine most of a core: for a report later than
     STEP_ON_S after its save was planned, the engine goes idle, and the counts wait for
@@ -147,7 +158,7 @@ def test_an_idle_encoder_steps_on_for_a_late_report_only_so_long(
     assert ec.totals(producer).get("saved_items") == 2
 
 
-def test_late_report_of_an_abandoned_save_never_commits_a_new_one(ec: EC) -> None:
+def test_late_report_of_an_abandoned_save_never_commits_a_new_one(ec: EC, send: Send) -> None:
     timing = {
         "lease_s": 0.5,
         "fetch_deadline_base_s": 0.3,
