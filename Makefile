@@ -100,7 +100,6 @@ test-vllm034: $(V34STAMP)
 	VLLM_TARGET_DEVICE=cpu $(V34BIN)/python -m pytest -q -m "not vllm_serve" $(V34TESTS)
 
 config-doc: $(STAMP)
-	$(BIN)/python -m ecshare.config --write-readme README.md
 	$(BIN)/python -m ecshare.config --write-doc docs/CONFIG.md
 
 clean:

@@ -2,7 +2,7 @@
 
 `Config` is the single source of truth: vLLM's `ec_connector_extra_config` (a dict), the
 `ECSHARE_*` environment variables and the command line all decode into it, and the config
-reference in README.md is generated from it (`python -m ecshare.config --write-readme README.md`).
+reference, docs/CONFIG.md, is generated from it (`make config-doc`).
 
 Every check runs when a `Config` is constructed, so an invalid one cannot exist, and every
 bad value raises one error type, `ConfigError`, whose message names the key, the value and
@@ -15,7 +15,7 @@ flags typed by a person override both.
 Layout, each module depending only on those before it: errors (`ConfigError`), fields (reading
 a Struct's annotations and checking one value), decode (raw input to field values), schema
 (`Config` and its cross-field rules), sources (`load_config` and the CLI flags) and reference
-(the generated README section and `python -m ecshare.config`).
+(the generated docs/CONFIG.md and `python -m ecshare.config`).
 
 May import: ecshare.errors.
 """
@@ -27,14 +27,7 @@ from ecshare.config.fields import KiB as KiB
 from ecshare.config.fields import MiB as MiB
 from ecshare.config.fields import TiB as TiB
 from ecshare.config.fields import Z85Key as Z85Key
-from ecshare.config.reference import README_END as README_END
-from ecshare.config.reference import README_START as README_START
-from ecshare.config.reference import (
-    FieldDoc,
-    describe_fields,
-    render_reference_markdown,
-    update_readme_text,
-)
+from ecshare.config.reference import FieldDoc, describe_fields, render_reference_markdown
 from ecshare.config.reference import main as main
 from ecshare.config.schema import Config
 from ecshare.config.schema import Seconds as Seconds
@@ -50,7 +43,6 @@ __all__ = [
     "describe_fields",
     "load_config",
     "render_reference_markdown",
-    "update_readme_text",
 ]
 
 # Tracebacks name the error `ecshare.config.ConfigError`, as before the split. Only this class:

@@ -1,4 +1,4 @@
-"""`python -m ecshare.config`: print, write or check the README's config reference.
+"""`python -m ecshare.config`: print, write or check the config reference (docs/CONFIG.md).
 
 Only an entry point; the work is `ecshare.config.reference.main`.
 """

