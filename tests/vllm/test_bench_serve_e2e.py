@@ -47,12 +47,15 @@ if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("nixl") 
 from early_start import EarlyStart, Starting
 
 from ecshare.apps.ready import LaunchReady, parse_ready
-from ecshare.vllm.servers import VllmServer, read_metrics
+from ecshare.vllm.servers import VllmServer, read_by_label, read_metrics
 
-pytestmark = [pytest.mark.timeout(1200), pytest.mark.vllm_serve]
+pytestmark = [pytest.mark.timeout(1800), pytest.mark.vllm_serve]
 
 MODEL_NAME = "tiny"
 NUM_PROMPTS = 16  # few: CI has two cores; enough for a p99 that is not the maximum alone
+# Three vLLM instances may start up at once here (the launch's two and the plain one), on
+# two cores that other tests share: far slower than one alone.
+START_TIMEOUT_S = 600.0
 
 # What `vllm bench serve` runs (vllm/entrypoints/cli/benchmark/serve.py).
 BENCH_SERVE = (
@@ -114,7 +117,7 @@ class Launching:
     lines: list[str]
     ready: threading.Event
 
-    def info(self, timeout_s: float = 420.0) -> LaunchReady:
+    def info(self, timeout_s: float = START_TIMEOUT_S) -> LaunchReady:
         self.ready.wait(timeout_s)
         for line in self.lines:
             found = parse_ready(line, LaunchReady)
@@ -138,7 +141,7 @@ def start_launch(workdir: Path, model: Path, *flags: str) -> Launching:
         sys.executable, "-m", "ecshare", "launch", "--model", str(model),
         "--served-model-name", MODEL_NAME, "--port", "0",
         "--ec-extra-config", json.dumps({"region_bytes": 64 << 20}),
-        "--workdir", str(workdir), *flags,
+        "--workdir", str(workdir), "--ready-timeout", str(START_TIMEOUT_S), *flags,
     ]  # fmt: skip
     proc = subprocess.Popen(
         command,
@@ -205,7 +208,22 @@ def bench_launch(
     info = launching.info()
     result = run_bench_serve(info.url, model, tmp, name)
     (pd,) = info.prefill_decode
-    return result, read_metrics(pd)
+    counters = read_metrics(pd)
+    print(f"\n{name}: prefill/decode {how_items_came(pd, counters)}")
+    return result, counters
+
+
+def how_items_came(pd_url: str, counters: dict[str, float]) -> str:
+    """What the prefill/decode instance counted: items pushed, fetched and encoded there,
+    and the mean exposed latency (its scheduler asking to the item being local) by mode."""
+    sums = read_by_label(pd_url, "exposed_latency_seconds_sum", "mode")
+    counts = read_by_label(pd_url, "exposed_latency_seconds_count", "mode")
+    means = ", ".join(
+        f"{mode} {1000 * sums[mode] / n:.2f} ms x{n:.0f}" for mode, n in counts.items() if n
+    )
+    keys = ("media_free_items", "push_received", "fetched_items", "local_encodes")
+    items = ", ".join(f"{k} {counters.get(k + '_total', 0):.0f}" for k in keys)
+    return f"{items}; mean exposed latency: {means or 'none'}"
 
 
 def test_vllm_bench_serve_runs_against_epd_push_a_single_instance_and_epd_pull_with_no_failures(
@@ -216,7 +234,10 @@ def test_vllm_bench_serve_runs_against_epd_push_a_single_instance_and_epd_pull_w
 
     push = early_start.take(tmp_path_factory).value
     try:
-        plain_vllm.wait_ready()
+        # Every instance of the first runs is up before any runs, so that none shares the
+        # cores with a start-up.
+        push.info()
+        plain_vllm.wait_ready(START_TIMEOUT_S)
         results["epd_push"], pushed = bench_launch(push, model, tmp_path, "epd_push")
     finally:
         push.stop()
