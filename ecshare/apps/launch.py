@@ -196,9 +196,25 @@ def proxy_config(options: LaunchOptions, encoders: list[VllmServer], pd: list[Vl
     ]  # fmt: skip
     if options.api_key_file is not None:
         argv += ["--api-key-file", options.api_key_file]
+    limit = instances_mm_limit((encoders or pd)[0].spec.command())
+    if limit is not None:
+        # The proxy refuses up front what the instances would refuse after an encoder call.
+        argv += ["--limit-mm-per-prompt", limit]
     parser = argparse.ArgumentParser(prog="ecshare launch", add_help=False)
     add_proxy_arguments(parser)
     return config_from_args(parser.parse_args(argv))
+
+
+def instances_mm_limit(command: list[str]) -> str | None:
+    """The `--limit-mm-per-prompt` JSON an instance's command line ends up with (the last
+    one given wins, as in vLLM's parser), or None for vLLM's default."""
+    value = None
+    for i, arg in enumerate(command):
+        if arg == "--limit-mm-per-prompt" and i + 1 < len(command):
+            value = command[i + 1]
+        elif arg.startswith("--limit-mm-per-prompt="):
+            value = arg.split("=", 1)[1]
+    return value
 
 
 def preflight(
@@ -234,7 +250,9 @@ def _int(value: Any) -> int:
 
 def send_requests_here(url: str, model: str, api_key_file: str | None) -> str:
     """The lines that tell a person where to send requests, with a curl example."""
-    auth = f' -H "Authorization: Bearer $(cat {shlex.quote(api_key_file)})"' if api_key_file else ""
+    # The file's first key (a line is `KEY` or `KEY TENANT`, `#` starts a comment).
+    first_key = f"awk '!/^#/ && NF {{print $1; exit}}' {shlex.quote(api_key_file or '')}"
+    auth = f' -H "Authorization: Bearer $({first_key})"' if api_key_file else ""
     body = json.dumps(
         {"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16}
     )

@@ -282,20 +282,29 @@ def test_a_proxy_beyond_loopback_without_an_api_key_is_warned(tmp_path: Path) ->
 
 def test_the_api_key_file_reaches_the_proxy_and_the_curl_example(tmp_path: Path) -> None:
     key = tmp_path / "api.key"
-    key.write_text("secret\n")
+    key.write_text("# tenants\nsecret tenant-a\nother tenant-b\n")
     key.chmod(0o600)
-    options = _options("--api-key-file", str(key), "--pd", "2")
+    options = _options("--api-key-file", str(key), "--pd", "2", "--cpu")
     encoders, pd = plan_servers(options, tmp_path)
     problems, config = preflight(options, encoders, pd)
     # Nothing but the model is wrong (no model "m" is on this host).
     assert all(p.startswith("--model m: ") for p in problems), problems
-    assert config.api_key == "secret"
+    assert config.api_keys == {"secret": "tenant-a", "other": "tenant-b"}
     assert config.pd_push_names == ("pd0", "pd1")
+    # The proxy refuses up front what the instances would refuse: their own limit.
+    assert config.limit_mm_per_prompt == {"image": 2, "video": 0}
     line = send_requests_here("http://127.0.0.1:8080", "m", str(key))
     assert "send requests here: http://127.0.0.1:8080/v1/chat/completions" in line
     curl = shlex.split(line.splitlines()[1])
     assert curl[:2] == ["curl", "http://127.0.0.1:8080/v1/chat/completions"]
-    assert f"Authorization: Bearer $(cat {key})" in curl
+    # Pasted into a shell, it sends the file's first key (not its tenant, not a comment).
+    args = subprocess.run(
+        ["bash", "-c", 'curl() { printf "%s\\n" "$@"; }; ' + line.splitlines()[1]],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
+    assert "Authorization: Bearer secret" in args, args
     assert json.loads(curl[curl.index("-d") + 1])["model"] == "m"
 
 
