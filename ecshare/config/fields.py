@@ -5,7 +5,7 @@ default, whether it may be None, the plain type msgspec converts to, and the `_C
 its `Meta` declares (bounds, lengths, a pattern, and the `power_of_two` and `z85` extras that
 msgspec itself does not know). `_Field.check` converts one value and raises `ConfigError`
 naming the key, the value and what is allowed; the same constraints describe themselves in
-words for the error messages, the CLI help and the README. This module knows nothing about
+words for the error messages, the CLI help and docs/CONFIG.md. This module knows nothing about
 which fields `Config` has, so that the Struct can use it without a cycle.
 """
 
@@ -137,7 +137,7 @@ class _Constraints(NamedTuple):
         )
 
     def allowed(self) -> str:
-        """What is allowed, in words; used in error messages and in the README."""
+        """What is allowed, in words; used in error messages and in docs/CONFIG.md."""
         if "allowed" in self.extra:
             return str(self.extra["allowed"])
         if typing.get_origin(self.kind) is Literal:
@@ -312,7 +312,7 @@ def _flag(name: str) -> str:
 
 
 def _render_default(field: _Field) -> str:
-    """The default in Markdown, for the README and (backticks stripped) the CLI help."""
+    """The default in Markdown, for docs/CONFIG.md and (backticks stripped) the CLI help."""
     value = field.default
     if value is None:
         return "unset"

@@ -1,7 +1,7 @@
 """The `Config` Struct: every key an ecshare instance takes, and the rules across keys.
 
 Each field's annotation is its whole specification: type, bounds and description, from which
-fields.py derives the checks and reference.py the README. `Config.__post_init__` runs every
+fields.py derives the checks and reference.py docs/CONFIG.md. `Config.__post_init__` runs every
 field check and every cross-field `_Rule` in `_RULES`, so an invalid `Config` cannot exist;
 `from_dict`, `from_env` and `merged` decode into it through decode.py. Loading from all
 sources at once is in sources.py.
