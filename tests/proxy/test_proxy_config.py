@@ -48,7 +48,10 @@ def test_flags_decode_into_the_config() -> None:
         (["--pd", "http://a:1", "--encoder-timeout", "0"], "--encoder-timeout"),
         (["--pd", "http://a:1", "--pd-timeout", "nan"], "--pd-timeout"),
         (["--pd", "http://a:1", "--encoder-batch", "0"], "--encoder-batch"),
-        (["--pd", "http://a:1", "--max-body-mb", "0"], "--max-body-mb"),
+        (["--pd", "http://a:1", "--max-body-mb", "0"], "--max-body"),
+        (["--pd", "http://a:1", "--max-body", "100"], "--max-body"),
+        (["--pd", "http://a:1", "--max-body", "64MB"], "--max-body"),
+        (["--pd", "http://a:1", "--max-body", "1MiB", "--max-body-mb", "1"], "--max-body"),
         (["--pd", "http://a:1", "--api-key-file", "/nonexistent/key"], "--api-key-file"),
         (["--pd", "http://a:1", "--workers", "0"], "--workers"),
         (["--pd", "http://a:1", "--workers", "100000"], "--workers"),
@@ -66,6 +69,12 @@ def test_bad_flags_are_one_clear_config_error(flags: list[str], blamed: str) -> 
     with pytest.raises(ConfigError) as info:
         _config(*flags)
     assert str(info.value).startswith(blamed)
+
+
+def test_the_body_limit_takes_size_units_as_every_size_setting_does() -> None:
+    assert _config("--pd", "http://a:1", "--max-body", "512KiB").max_body_bytes == 512 << 10
+    assert _config("--pd", "http://a:1", "--max-body", "1.5MiB").max_body_bytes == 3 << 19
+    assert _config("--pd", "http://a:1").max_body_bytes == 64 << 20
 
 
 def test_api_key_comes_from_its_file_or_the_environment_and_never_shows(tmp_path: Path) -> None:

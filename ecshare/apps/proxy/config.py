@@ -24,10 +24,12 @@ import msgspec
 
 from ecshare.apps.proxy.tenants import DEFAULT_TENANT, check_tenants, read_key_file
 from ecshare.config import ConfigError
+from ecshare.config.fields import parse_size
 
 API_KEY_ENV = "ECSHARE_PROXY_API_KEY"
 MiB = 1 << 20
 MAX_WORKERS = 256
+DEFAULT_MAX_BODY_BYTES = 64 * MiB
 # A prefill/decode instance's push name, as ecshare's `push_name` allows it.
 _PUSH_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 # What a prefill/decode instance gets of a request's media once the encoders have answered.
@@ -53,7 +55,7 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     api_key: str | None = None
     # Keys, each to its tenant (`--api-key-file`, `tenants`); with `api_key`, both are taken.
     api_keys: dict[str, str] = {}
-    max_body_bytes: int = 64 * MiB
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     # Media items per encoder call: 1 sends each item alone, as vLLM's EPD examples do.
     encoder_batch_size: int = 1
     # Whole encoder call; past it the items are left to prefill/decode to encode locally.
@@ -145,9 +147,7 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
             if count < 1:
                 raise ConfigError(flag, f"got {count}, expected >= 1")
         if self.max_body_bytes < 1024:
-            raise ConfigError(
-                "--max-body-mb", f"got {self.max_body_bytes} bytes, expected >= 1 KiB"
-            )
+            raise ConfigError("--max-body", f"got {self.max_body_bytes} bytes, expected >= 1 KiB")
         if self.encoder_batch_size < 1:
             raise ConfigError("--encoder-batch", f"got {self.encoder_batch_size}, expected >= 1")
         if self.eject_after_failures < 1:
@@ -267,10 +267,15 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
     for flag, count, text in counts:
         parser.add_argument(flag, type=int, default=count, help=f"{text} ({count})")
     parser.add_argument(
+        "--max-body",
+        metavar="SIZE",
+        help=f"largest request body accepted: 64MiB, 512KiB ({d.max_body_bytes // MiB}MiB)",
+    )
+    parser.add_argument(
         "--max-body-mb",
         type=float,
-        default=d.max_body_bytes / MiB,
-        help=f"largest request body accepted, MiB ({d.max_body_bytes // MiB})",
+        default=None,
+        help="the same in MiB, a number (--max-body takes units)",
     )
     parser.add_argument(
         "--encoder-batch",
@@ -317,6 +322,20 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _max_body_bytes(args: argparse.Namespace) -> int:
+    """`--max-body SIZE` (units) or `--max-body-mb N`, not both; the default without either."""
+    if args.max_body is not None and args.max_body_mb is not None:
+        raise ConfigError("--max-body", "give --max-body or --max-body-mb, not both")
+    if args.max_body is not None:
+        try:
+            return parse_size(args.max_body)
+        except ValueError as exc:
+            raise ConfigError("--max-body", str(exc)) from None
+    if args.max_body_mb is not None:
+        return int(args.max_body_mb * MiB)
+    return DEFAULT_MAX_BODY_BYTES
+
+
 def config_from_args(
     args: argparse.Namespace, environ: Mapping[str, str] | None = None
 ) -> ProxyConfig:
@@ -331,7 +350,7 @@ def config_from_args(
         "port": args.port,
         "api_key": api_key,
         "api_keys": api_keys,
-        "max_body_bytes": int(args.max_body_mb * MiB),
+        "max_body_bytes": _max_body_bytes(args),
         "encoder_batch_size": args.encoder_batch,
         "encoder_timeout_s": args.encoder_timeout,
         "pd_timeout_s": args.pd_timeout,
