@@ -54,6 +54,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import hashlib
 import io
 import json
 import math
@@ -265,6 +266,9 @@ class SizeFigures:
     connector_s: list[float]
     raw_s: list[float]
     bytes_checked: int
+    # sha256 of the bytes the last sample's fetch and raw READ landed
+    connector_sha256: str
+    raw_sha256: str
     ecshare: dict[str, float] | None = None
 
 
@@ -290,6 +294,7 @@ def measure_size(
     conn_s: list[float] = []
     raw_s: list[float] = []
     checked = 0
+    conn_digest = raw_digest = ""
     for i in range(WARMUP + samples):
         seq = 2 * i
         key = f"item-{size}-{i}-{uuid.uuid4().hex[:6]}"
@@ -315,6 +320,7 @@ def measure_size(
         producer.ask("idle", key)
         got = consumer.rows[list(entry.block_ids)].reshape(-1)
         _check(got, _pattern(moved, seq), "the connector's fetch")
+        conn_digest = hashlib.sha256(got.tobytes()).hexdigest()
         # raw NIXL: new bytes over the same producer blocks, gap, one READ.
         producer.ask("refill", key, size, seq + 1)
         time.sleep(gap_s)
@@ -329,11 +335,12 @@ def measure_size(
         if status.state is not ReadState.DONE:
             raise RuntimeError(f"raw NIXL read failed: {status}")
         _check(raw_buf[:moved], _pattern(moved, seq + 1), "the raw read")
+        raw_digest = hashlib.sha256(raw_buf[:moved].tobytes()).hexdigest()
         checked += 2 * moved
         if i >= WARMUP:
             conn_s.append(t1 - t0)
             raw_s.append(r1 - r0)
-    return SizeFigures(size, moved, samples, conn_s, raw_s, checked)
+    return SizeFigures(size, moved, samples, conn_s, raw_s, checked, conn_digest, raw_digest)
 
 
 def _check(got: Bytes, want: Bytes, what: str) -> None:
@@ -508,6 +515,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "moved_bytes": f.moved_bytes,
                 "samples": f.samples,
                 "bytes_checked": f.bytes_checked,
+                "connector_sha256": f.connector_sha256,
+                "raw_sha256": f.raw_sha256,
                 "connector_p50_ms": _ms(f.connector_s, 50),
                 "connector_p99_ms": _ms(f.connector_s, 99),
                 "raw_p50_ms": _ms(f.raw_s, 50),
