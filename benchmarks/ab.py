@@ -131,10 +131,17 @@ def _latency_64k(result: Result) -> float | None:
 
 
 def _push_figure(
-    field: str, sizes: Callable[[int], bool], worst: str
+    field: str, sizes: Callable[[int], bool], worst: str, delay_ms: float
 ) -> Callable[[Result], float | None]:
+    """The worst push row's `field` at hop `delay_ms` (a result of one hop names it at
+    the top; one of several hops, on each row)."""
+
     def figure(result: Result) -> float | None:
-        values = [r[field] for r in _rows(result, "push") if sizes(r["size_bytes"])]
+        values = [
+            r[field]
+            for r in _rows(result, "push")
+            if sizes(r["size_bytes"]) and r.get("delay_ms", result["delay_ms"]) == delay_ms
+        ]
         return (_min_or_none if worst == "min" else _max_or_none)(values)
 
     return figure
@@ -197,7 +204,7 @@ TARGETS: tuple[Target, ...] = (
         "pipeline-2ms",
         "push in time, 4.3 MiB, 2 ms hop",
         "share",
-        _push_figure("pushed_in_time", lambda n: n == _ITEM, "min"),
+        _push_figure("pushed_in_time", lambda n: n == _ITEM, "min", 2.0),
         lambda v: v >= _pipeline.TARGET_IN_TIME_2MS,
         f">= {_pipeline.TARGET_IN_TIME_2MS}",
     ),
@@ -205,7 +212,7 @@ TARGETS: tuple[Target, ...] = (
         "pipeline-2ms",
         "push exposed p50, 4.3 MiB, 2 ms hop",
         "ms",
-        _push_figure("exposed_p50_ms", lambda n: n == _ITEM, "max"),
+        _push_figure("exposed_p50_ms", lambda n: n == _ITEM, "max", 2.0),
         lambda v: v <= _pipeline.TARGET_EXPOSED_P50_MS,
         f"<= {_pipeline.TARGET_EXPOSED_P50_MS}",
     ),
@@ -213,7 +220,7 @@ TARGETS: tuple[Target, ...] = (
         "pipeline-5ms",
         "push in time, <= 4.3 MiB, 5 ms hop",
         "share",
-        _push_figure("pushed_in_time", lambda n: n <= _ITEM, "min"),
+        _push_figure("pushed_in_time", lambda n: n <= _ITEM, "min", 5.0),
         lambda v: v >= _pipeline.TARGET_IN_TIME_5MS,
         f">= {_pipeline.TARGET_IN_TIME_5MS}",
     ),

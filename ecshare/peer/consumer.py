@@ -388,7 +388,7 @@ class Consumer(NetworkThread):
         self._latency_counts = [0] * (len(LATENCY_BUCKETS_S) + 1)
         self._latency_sum_s = 0.0
         # Per-item timestamps of each step (see peer/phases.py); off unless set.
-        self.phases: PhaseLog | None = None
+        self._phases: PhaseLog | None = None
         self._woke_at = 0.0  # with phases: when the loop's poll last returned
         # Typical time from sending a request to reading its answer (see `_spin_until`).
         self._reply_s = 0.0
@@ -412,6 +412,16 @@ class Consumer(NetworkThread):
         # Exposed latency per mode (pushed, pulled), in LATENCY_BUCKETS_S buckets.
         self._exposed = {m: [0] * (len(LATENCY_BUCKETS_S) + 1) for m in EXPOSED_MODES}
         self._exposed_sum = dict.fromkeys(EXPOSED_MODES, 0.0)
+
+    @property
+    def phases(self) -> PhaseLog | None:
+        """Per-item timestamps of each step of a fetch and a push (peer/phases.py)."""
+        return self._phases
+
+    @phases.setter
+    def phases(self, log: PhaseLog | None) -> None:
+        self._phases = log
+        self._inbox.phases = log
 
     # -- engine-facing -----------------------------------------------------------------------
 
@@ -1312,6 +1322,9 @@ class Consumer(NetworkThread):
             self._count("push_offers_off_session")  # no session to answer on: dropped
             return
         reply = self._inbox.on_offer(self._push_link(link), msg, now)
+        if self.phases is not None:
+            self.phases.mark(msg.mm_hash, "c_offer_woke", self._woke_at)
+            self.phases.mark(msg.mm_hash, "reserved")
         link.client.send(reply)
         reserved = self._inbox.reserved(msg.mm_hash)
         if reply.status is p.PushStatus.ACCEPTED:

@@ -43,6 +43,7 @@ from typing import Final
 from ecshare import protocol as p
 from ecshare.config import Config
 from ecshare.peer.notices import PUSH_NOTICE
+from ecshare.peer.phases import PhaseLog
 from ecshare.store import (
     Entry,
     EntryExists,
@@ -157,6 +158,8 @@ class Inbox:
         # a probe then goes to the endpoint the write may come from, never to an agent
         # loaded anew, which may fail for reasons of its own.
         self._kept: dict[str, int] = {}
+        # Per-item timestamps of each step of a push (see peer/phases.py); off unless set.
+        self.phases: PhaseLog | None = None
 
     # -- any thread --------------------------------------------------------------------------
 
@@ -246,6 +249,8 @@ class Inbox:
         if r is None:
             self._count("push_done_after_end" if key in self._over_keys else "push_unknown_done", 1)
             return
+        if self.phases is not None:
+            self.phases.mark(r.mm_hash, "c_done")
         if r.state is ReservationState.FENCED:
             self._count("push_fences_ended_by_done", 1)
         if msg.written:
@@ -264,6 +269,8 @@ class Inbox:
         if r is None:
             self._count("push_unknown_notifications", 1)
             return True
+        if self.phases is not None:
+            self.phases.mark(r.mm_hash, "c_notice")
         if r.state is ReservationState.FENCED:
             self._count("push_fences_ended_by_notice", 1)
         self._written(r)
@@ -349,6 +356,8 @@ class Inbox:
         r.move(ReservationState.COMMITTED)
         self._drop(r)
         self._store.commit(r.entry, holds=self._holds_for(r.mm_hash))
+        if self.phases is not None:
+            self.phases.mark(r.mm_hash, "committed")
         self._count("push_committed", 1)
         self._count("push_committed_bytes", r.entry.nbytes)
         self._ended(r, True)

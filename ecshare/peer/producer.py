@@ -159,7 +159,7 @@ class Producer(NetworkThread):
         self._counters_lock = threading.Lock()
         self.started_at = time.time()
         # Per-item timestamps of each step (see peer/phases.py); off unless set.
-        self.phases: PhaseLog | None = None
+        self._phases: PhaseLog | None = None
         self._woke_at = 0.0  # with phases: when the loop's poll last returned
         # Shared with a Consumer over the same transport: each takes its own notices.
         self._notices = Notices.of(transport)
@@ -171,6 +171,17 @@ class Producer(NetworkThread):
         # nobody granted gets no progress from it.
         self._direct = config.direct_reads and transport.self_progressing
         self._locator = Locator(store, self._wake_up)
+
+    @property
+    def phases(self) -> PhaseLog | None:
+        """Per-item timestamps of each step of a fetch and a push (peer/phases.py)."""
+        return self._phases
+
+    @phases.setter
+    def phases(self, log: PhaseLog | None) -> None:
+        self._phases = log
+        if self._pusher is not None:
+            self._pusher.phases = log
 
     # -- engine-facing -----------------------------------------------------------------------
 
@@ -437,7 +448,7 @@ class Producer(NetworkThread):
             return p.HeartbeatAck(seq=msg.seq)
         if isinstance(msg, p.PushReply):
             if self._pusher is not None:
-                self._pusher.on_reply(session.session_id, msg)
+                self._pusher.on_reply(session.session_id, msg, self._woke_at)
             return None
         if isinstance(msg, p.Bye):
             self._end_session(session, "bye", keep_leases=True)

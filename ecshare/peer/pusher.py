@@ -36,6 +36,7 @@ from typing import Final
 from ecshare import protocol as p
 from ecshare.config import Config
 from ecshare.peer.notices import PUSH_NOTICE
+from ecshare.peer.phases import PhaseLog
 from ecshare.store import EntryState, NotFound, NotReady, Store
 from ecshare.transport.base import ReadState, WritingTransport, pair_segments
 
@@ -137,13 +138,18 @@ class Pusher:
         self._targets: dict[str, PushTarget] = {}  # session id -> target
         # (user, push name) -> PushDones whose session ended before the write did.
         self._unreported: dict[tuple[str, str], collections.deque[p.PushDone]] = {}
+        # Per-item timestamps of each step of a push (see peer/phases.py); off unless set.
+        self.phases: PhaseLog | None = None
 
     # -- any thread --------------------------------------------------------------------------
 
     def request(self, mm_hash: str, to: str) -> Future[PushOutcome]:
         future: Future[PushOutcome] = Future()
         future.set_running_or_notify_cancel()
-        self._requests.append((mm_hash, to, future, time.monotonic()))  # deque: thread-safe
+        asked = time.monotonic()
+        if self.phases is not None:
+            self.phases.mark(mm_hash, "push_call", asked)
+        self._requests.append((mm_hash, to, future, asked))  # deque: thread-safe
         return future
 
     @property
@@ -215,8 +221,12 @@ class Pusher:
         for push in self._pushes.values():
             self._store.renew(push.owner, push.push_id, self._config.lease_s)
 
-    def on_reply(self, session_id: str, msg: p.PushReply) -> None:
+    def on_reply(self, session_id: str, msg: p.PushReply, woke_at: float = 0.0) -> None:
+        """`woke_at`: when the loop's poll returned with it (for `phases` only)."""
         push = self._pushes.get(msg.push_id)
+        if self.phases is not None and push is not None:
+            self.phases.mark(push.mm_hash, "p_reply_woke", woke_at)
+            self.phases.mark(push.mm_hash, "reply_read")
         if push is None or push.target.session_id != session_id:
             if msg.status is p.PushStatus.ACCEPTED:
                 # A reservation for a push we no longer write: let its blocks go.
@@ -257,6 +267,8 @@ class Pusher:
 
     def _start(self, mm_hash: str, to: str, future: Future[PushOutcome], asked: float) -> None:
         self._count("push_requests", 1)
+        if self.phases is not None:
+            self.phases.mark(mm_hash, "p_picked")
         running = self._single.get((to, mm_hash))
         if running is not None:
             self._count("push_joined", 1)
@@ -287,6 +299,8 @@ class Pusher:
         push.offered_at = time.monotonic()
         self._pushes[push_id] = push
         self._single[(to, mm_hash)] = push
+        if self.phases is not None:
+            self.phases.mark(mm_hash, "offer_sent")
         target.send(
             p.PushOffer(
                 session_id=target.session_id,
@@ -323,6 +337,8 @@ class Pusher:
         push.handle = self._transport.write(
             push.target.agent, segments, PUSH_NOTICE + push.push_id.encode()
         )
+        if self.phases is not None:
+            self.phases.mark(push.mm_hash, "write_posted")
         self._count("push_writes", 1)
         self._poll_write(push)
 
@@ -330,6 +346,8 @@ class Pusher:
         status = self._transport.poll(push.handle)
         if status.state is ReadState.PENDING:
             return
+        if self.phases is not None:
+            self.phases.mark(push.mm_hash, "write_done")
         self._transport.release(push.handle)
         push.handle = None
         if status.state is ReadState.DONE:
@@ -371,6 +389,8 @@ class Pusher:
                 written=state is PushState.PUSHED,
                 detail=detail[:4000],
             )
+            if self.phases is not None:
+                self.phases.mark(push.mm_hash, "done_sent")
             if push.session_gone or not push.target.send(done):
                 self._report_later(push.target, done)
         if state is not PushState.PUSHED:

@@ -28,7 +28,25 @@ def _load_ab() -> ModuleType:
 
 def _pipeline_result(in_time: float, p50_ms: float) -> dict[str, Any]:
     row = {"size_bytes": 4_505_600, "mode": "push", "pushed_in_time": in_time}
-    return {"rows": [{**row, "exposed_p50_ms": p50_ms}]}
+    return {"delay_ms": 2.0, "rows": [{**row, "exposed_p50_ms": p50_ms}]}
+
+
+def test_a_run_of_several_hops_is_judged_by_the_rows_of_each_hop() -> None:
+    ab = _load_ab()
+    row = {"size_bytes": 4_505_600, "mode": "push"}
+    both = {
+        "delay_ms": 2.0,
+        "rows": [
+            {**row, "delay_ms": 2.0, "pushed_in_time": 0.5, "exposed_p50_ms": 0.9},
+            {**row, "delay_ms": 5.0, "pushed_in_time": 1.0, "exposed_p50_ms": 0.1},
+        ],
+    }
+    figures = {t.name: t.figure(both) for t in ab.TARGETS if t.bench.startswith("pipeline")}
+    assert figures == {
+        "push in time, 4.3 MiB, 2 ms hop": 0.5,
+        "push exposed p50, 4.3 MiB, 2 ms hop": 0.9,
+        "push in time, <= 4.3 MiB, 5 ms hop": 1.0,
+    }
 
 
 def test_only_a_target_met_before_and_missed_after_is_a_regression() -> None:

@@ -10,6 +10,7 @@ import pytest
 
 pytest.importorskip("nixl._api")
 
+from ecshare.apps.bench.pipeline import PUSH_STEPS
 from ecshare.apps.cli import build_parser
 
 pytestmark = pytest.mark.timeout(240)
@@ -54,12 +55,57 @@ def test_pipeline_bench_prints_push_and_pull_rows_and_pushes_in_time() -> None:
             "exposed_p99_ms",
             "pushed_in_time",
             "samples",
+            "delay_ms",
+            "landed_p50_ms",
+            "landed_p90_ms",
+            "steps_ms",
+            "late_steps_ms",
         }
         assert row["samples"] == SAMPLES
+        assert row["delay_ms"] == 200
         assert 0 < row["exposed_p50_ms"] <= row["exposed_p99_ms"]
     for size in (65536, 100003):
-        assert rows[(size, "push")]["pushed_in_time"] == 1.0
-        assert rows[(size, "pull")]["pushed_in_time"] == 0.0
+        push, pull = rows[(size, "push")], rows[(size, "pull")]
+        assert push["pushed_in_time"] == 1.0
+        assert pull["pushed_in_time"] == 0.0
+        # Every step of every push was marked, on both sides, and none went back in time.
+        assert list(push["steps_ms"]) == [name for _, name in PUSH_STEPS]
+        assert all(ms >= 0 for ms in push["steps_ms"].values())
+        assert push["late_steps_ms"] == {}  # every push was in time: no late one to show
+        assert 0 < push["landed_p50_ms"] <= push["landed_p90_ms"] < 200
+        assert pull["steps_ms"] == {} and pull["landed_p50_ms"] == 0
+
+
+def test_pipeline_bench_measures_each_hop_of_a_list_in_one_run() -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ecshare",
+            "bench",
+            "pipeline",
+            "--json",
+            "--sizes",
+            "64KiB",
+            "--delay-ms",
+            "150,200",
+            "--samples",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout)
+    assert result["delays_ms"] == [150, 200] and result["delay_ms"] == 150
+    assert sorted((r["delay_ms"], r["mode"]) for r in result["rows"]) == [
+        (150, "pull"),
+        (150, "push"),
+        (200, "pull"),
+        (200, "push"),
+    ]
+    assert all(r["pushed_in_time"] == 1.0 for r in result["rows"] if r["mode"] == "push")
 
 
 @pytest.mark.parametrize("flag", [["--out", "results"], ["--quiet"]])

@@ -62,6 +62,10 @@ _percent = _float_in("a percentage", 0, 1e6, "{text} is not a percentage from 0 
 _gap_ms = _float_in("milliseconds", 0, 10_000, "{text} ms is not between 0 and 10000")
 
 
+def _delays_ms(text: str) -> list[float]:
+    return [_gap_ms(part.strip()) for part in text.split(",")]
+
+
 def _common(
     parser: argparse.ArgumentParser, sizes: bool, samples: str, *, files: bool = True
 ) -> None:
@@ -144,10 +148,11 @@ def add_bench_arguments(bench: argparse.ArgumentParser) -> None:
     _common(pipeline, True, "requests per size and mode", files=False)
     pipeline.add_argument(
         "--delay-ms",
-        type=_gap_ms,
-        default=2.0,
-        metavar="MS",
-        help="the proxy hop plus the PD's preprocessing, simulated (default 2)",
+        type=_delays_ms,
+        default=[2.0],
+        metavar="MS[,MS...]",
+        help="the proxy hop plus the PD's preprocessing, simulated; several, comma-separated, "
+        "are measured one after the other in one run (default 2)",
     )
     pipeline.add_argument(
         "--ucx-tls", default="", metavar="TLS", help="UCX transports (e.g. tcp; default: UCX's)"

@@ -16,7 +16,18 @@ real consumer (the prefill/decode instance, in this process):
 Pull is the same request without step 1's push. ``pushed_in_time`` is the share of
 push requests whose item was already local when the scheduler asked. Each size is
 measured push and pull interleaved, request by request, so both see the same
-machine.
+machine. Several hops (``--delay-ms 2,5``) are measured one after the other in one
+run, between the same two processes; each row names its hop.
+
+The 2 ms hop is the tight case; 5 ms is closer to a real one: an HTTP hop through
+the proxy on one host plus the PD's media-free preprocessing (tokenising and
+placeholder expansion) takes a few milliseconds on server hardware.
+
+Both processes record per-step timestamps of every push (`ecshare.peer.phases`)
+on the host's one monotonic clock, so each push row also says where a push's
+time goes, from the entry turning READY to its commit at the PD: the median of
+each step over all pushes, and over the late ones alone (those not yet local
+when the scheduler asked), which shows the step that made them late.
 """
 
 from __future__ import annotations
@@ -38,6 +49,7 @@ import numpy as np
 from ecshare.config import Config
 from ecshare.control import generate_keypair
 from ecshare.peer import FetchItem, Node, start_consumer, start_producer
+from ecshare.peer.phases import PhaseLog
 
 __all__ = ["PipelineRow", "measure_pipeline", "run_pipeline_bench"]
 
@@ -55,6 +67,21 @@ TARGET_IN_TIME_5MS: Final = 0.98
 PUSH_NAME: Final = "pd-bench"
 FINGERPRINT: Final = "ecshare-bench-pipeline"
 _WARMUP: Final = 3
+# The marks of one push, in the order they happen, and the step that ends at each
+# (see ecshare/peer/phases.py): the producer's and the consumer's on one time line.
+PUSH_STEPS: Final = (
+    ("push_call", "Producer.push call"),
+    ("p_picked", "wake producer thread"),
+    ("offer_sent", "pin, send offer"),
+    ("c_offer_woke", "offer to consumer thread"),
+    ("reserved", "reserve"),
+    ("p_reply_woke", "reply to producer thread"),
+    ("reply_read", "read reply"),
+    ("write_posted", "WRITE call"),
+    ("write_done", "WRITE to DONE"),
+    ("c_word", "word to consumer"),
+    ("committed", "check, commit"),
+)
 
 
 class PipelineRow(msgspec.Struct, frozen=True):
@@ -64,13 +91,22 @@ class PipelineRow(msgspec.Struct, frozen=True):
     exposed_p99_ms: float
     pushed_in_time: float  # share of requests whose item was local when asked (push only)
     samples: int
+    delay_ms: float = DEFAULT_DELAY_MS
+    # Push only: from the entry turning READY to its commit at the PD (p50, p90), and
+    # the median milliseconds of each step (PUSH_STEPS), over all pushes and over the
+    # late ones alone; their sum is close to, not equal to, the median total.
+    landed_p50_ms: float = 0.0
+    landed_p90_ms: float = 0.0
+    steps_ms: dict[str, float] = {}
+    late_steps_ms: dict[str, float] = {}
 
 
 class PipelineResult(msgspec.Struct, frozen=True):
     bench: str
-    delay_ms: float
+    delay_ms: float  # the first hop measured; each row names its own
     ucx_tls: str
     rows: list[PipelineRow]
+    delays_ms: list[float] = []
 
 
 # -- the encoder process -----------------------------------------------------------------------
@@ -80,6 +116,7 @@ def _encoder_main(conn: Connection, settings: dict[str, Any]) -> None:
     """Child: a real Producer; on each command an encoder output turns READY (and is pushed)."""
     node = Node.create(Config.from_dict(settings), "producer")
     producer = start_producer(node, fingerprint=FINGERPRINT)
+    phases = producer.phases = PhaseLog()
     try:
         conn.send(producer.address)
         while True:
@@ -87,11 +124,14 @@ def _encoder_main(conn: Connection, settings: dict[str, Any]) -> None:
             if cmd == "encode":
                 mm_hash, nbytes, push_to = arg
                 node.store.put(mm_hash, np.full(nbytes, len(mm_hash) % 251, dtype=np.uint8))
+                phases.mark(mm_hash, "ready")
                 if push_to:
                     producer.push(mm_hash, to=push_to)
                 conn.send(None)  # the encoder's answer: it does not wait for the push
             elif cmd == "counters":
                 conn.send(dict(producer.counters))
+            elif cmd == "marks":
+                conn.send(phases.take())
             elif cmd == "stop":
                 break
     finally:
@@ -136,17 +176,85 @@ def _percentile(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
+def _by_key(records: Sequence[tuple[str, str, float]]) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    for key, phase, at in records:
+        out.setdefault(key, {}).setdefault(phase, at)  # the first of each
+    return out
+
+
+def _steps_ms(marks: Sequence[dict[str, float]]) -> dict[str, float]:
+    """The median milliseconds of each step of PUSH_STEPS, from "ready" on."""
+    out: dict[str, float] = {}
+    before = "ready"
+    for mark, name in PUSH_STEPS:
+        spans = [m[mark] - m[before] for m in marks if mark in m and before in m]
+        if spans:
+            out[name] = round(statistics.median(spans) * 1000, 4)
+        before = mark
+    return out
+
+
+def _push_marks(
+    producer: Sequence[tuple[str, str, float]], consumer: Sequence[tuple[str, str, float]]
+) -> dict[str, dict[str, float]]:
+    """Each push's marks of both processes on one time line, by mm_hash."""
+    marks = _by_key(producer)
+    for key, own in _by_key(consumer).items():
+        marks.setdefault(key, {}).update(own)
+    for m in marks.values():
+        words = [m[w] for w in ("c_notice", "c_done") if w in m]
+        if words:
+            m["c_word"] = min(words)  # the write's notification or PushDone, the first
+    return marks
+
+
+def _rows_of(
+    size: int,
+    delay_ms: float,
+    exposed: dict[str, list[float]],
+    in_time: dict[str, bool],
+    marks: dict[str, dict[str, float]],
+) -> list[PipelineRow]:
+    rows = []
+    pushes = [marks.get(h, {}) for h in in_time]
+    late = [marks.get(h, {}) for h, ok in in_time.items() if not ok]
+    landed = [m["committed"] - m["ready"] for m in pushes if "committed" in m and "ready" in m]
+    landed_p50 = round(statistics.median(landed) * 1000, 4) if landed else 0.0
+    landed_p90 = round(_percentile(landed, 0.9) * 1000, 4) if landed else 0.0
+    for mode in ("push", "pull"):
+        values = exposed[mode]
+        push = mode == "push"
+        rows.append(
+            PipelineRow(
+                size_bytes=size,
+                mode=mode,
+                exposed_p50_ms=round(statistics.median(values) * 1000, 4),
+                exposed_p99_ms=round(_percentile(values, 0.99) * 1000, 4),
+                pushed_in_time=round(sum(in_time.values()) / len(values), 4) if push else 0.0,
+                samples=len(values),
+                delay_ms=delay_ms,
+                landed_p50_ms=landed_p50 if push else 0.0,
+                landed_p90_ms=landed_p90 if push else 0.0,
+                steps_ms=_steps_ms(pushes) if push else {},
+                late_steps_ms=_steps_ms(late) if push else {},
+            )
+        )
+    return rows
+
+
 def measure_pipeline(
     sizes: Sequence[int] = SIZES,
     samples: int = 40,
-    delay_s: float = DEFAULT_DELAY_MS / 1000,
+    delay_s: float | Sequence[float] = DEFAULT_DELAY_MS / 1000,
     ucx_tls: str = "",
 ) -> list[PipelineRow]:
-    """Push and pull rows for each size, `samples` requests each (after a warm-up)."""
+    """Push and pull rows for each hop and size, `samples` requests each (after a warm-up)."""
+    delays = [delay_s] if isinstance(delay_s, int | float) else list(delay_s)
     if samples < 1:
         raise ValueError(f"samples must be at least 1, got {samples}")
-    if not 0 <= delay_s <= 10:
-        raise ValueError(f"the delay must be between 0 and 10 s, not {delay_s}")
+    if not delays or not all(0 <= d <= 10 for d in delays):
+        raise ValueError(f"each delay must be between 0 and 10 s, not {delays}")
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     region = max(256 * MiB, 8 * max(sizes))
     region += -region % MiB
@@ -176,42 +284,37 @@ def measure_pipeline(
             )
             node = Node.create(config, "consumer")
             consumer = start_consumer(node, fingerprint=FINGERPRINT)
+            phases = consumer.phases = PhaseLog()
             consumer.connect([encoder.address])
             seq = 0
-            for size in sizes:
-                exposed: dict[str, list[float]] = {"push": [], "pull": []}
-                in_time = 0
-                for i in range(_WARMUP + samples):
-                    for mode in ("push", "pull"):
-                        seq += 1
-                        h = f"pipe-{size}-{seq}"
-                        encoder.call(("encode", (h, size, PUSH_NAME if mode == "push" else "")))
-                        time.sleep(delay_s)  # the proxy hop and the PD's preprocessing
-                        asked = time.perf_counter()
-                        future = consumer.fetch(
-                            [FetchItem(h, nbytes=size, pushed=mode == "push")], [encoder.address]
-                        )[0]
-                        result = future.result(timeout=30)
-                        took = time.perf_counter() - asked
-                        if i < _WARMUP:
-                            continue
-                        exposed[mode].append(took)
-                        if mode == "push" and result.pushed and result.peer == "local":
-                            in_time += 1
-                for mode in ("push", "pull"):
-                    values = exposed[mode]
-                    rows.append(
-                        PipelineRow(
-                            size_bytes=size,
-                            mode=mode,
-                            exposed_p50_ms=round(statistics.median(values) * 1000, 4),
-                            exposed_p99_ms=round(_percentile(values, 0.99) * 1000, 4),
-                            pushed_in_time=round(in_time / samples, 4) if mode == "push" else 0.0,
-                            samples=len(values),
-                        )
-                    )
+            for delay in delays:
+                for size in sizes:
+                    exposed: dict[str, list[float]] = {"push": [], "pull": []}
+                    in_time: dict[str, bool] = {}  # each measured push: local when asked
+                    for i in range(_WARMUP + samples):
+                        for mode in ("push", "pull"):
+                            seq += 1
+                            h = f"pipe-{size}-{seq}"
+                            push_to = PUSH_NAME if mode == "push" else ""
+                            encoder.call(("encode", (h, size, push_to)))
+                            time.sleep(delay)  # the proxy hop and the PD's preprocessing
+                            asked = time.perf_counter()
+                            future = consumer.fetch(
+                                [FetchItem(h, nbytes=size, pushed=mode == "push")],
+                                [encoder.address],
+                            )[0]
+                            result = future.result(timeout=30)
+                            took = time.perf_counter() - asked
+                            if i < _WARMUP:
+                                continue
+                            exposed[mode].append(took)
+                            if mode == "push":
+                                in_time[h] = result.pushed and result.peer == "local"
+                    marks = _push_marks(encoder.call(("marks", None)), phases.take())
+                    rows += _rows_of(size, delay * 1000, exposed, in_time, marks)
         finally:
             if consumer is not None:
+                consumer.phases = None
                 consumer.stop()
             if node is not None:
                 node.close()
@@ -227,21 +330,39 @@ def _size_name(size: int) -> str:
     return f"{size >> 10} KiB"
 
 
-def format_table(rows: Sequence[PipelineRow], delay_ms: float) -> str:
-    lines = [
-        f"exposed latency at the PD, push against pull ({delay_ms:g} ms proxy hop + preprocessing)",
-        f"{'size':>9} {'pull p50':>9} {'pull p99':>9} {'push p50':>9} {'push p99':>9} "
-        f"{'in time':>8} {'pull/push p50':>14}",
-    ]
-    by = {(r.size_bytes, r.mode): r for r in rows}
-    for size in dict.fromkeys(r.size_bytes for r in rows):
-        pull, push = by[(size, "pull")], by[(size, "push")]
-        ratio = pull.exposed_p50_ms / push.exposed_p50_ms if push.exposed_p50_ms else float("inf")
-        lines.append(
-            f"{_size_name(size):>9} {pull.exposed_p50_ms:>7.3f}ms {pull.exposed_p99_ms:>7.3f}ms "
-            f"{push.exposed_p50_ms:>7.3f}ms {push.exposed_p99_ms:>7.3f}ms "
-            f"{push.pushed_in_time:>7.0%} {ratio:>13.1f}x"
-        )
+def format_table(rows: Sequence[PipelineRow]) -> str:
+    lines: list[str] = []
+    for delay in dict.fromkeys(r.delay_ms for r in rows):
+        if lines:
+            lines.append("")
+        lines += [
+            f"exposed latency at the PD, push against pull "
+            f"({delay:g} ms proxy hop + preprocessing)",
+            f"{'size':>9} {'pull p50':>9} {'pull p99':>9} {'push p50':>9} {'push p99':>9} "
+            f"{'in time':>8} {'pull/push p50':>14} {'landed p50':>11} {'p90':>8}",
+        ]
+        by = {(r.size_bytes, r.mode): r for r in rows if r.delay_ms == delay}
+        for size in dict.fromkeys(s for s, _ in by):
+            pull, push = by[(size, "pull")], by[(size, "push")]
+            ratio = (
+                pull.exposed_p50_ms / push.exposed_p50_ms if push.exposed_p50_ms else float("inf")
+            )
+            lines.append(
+                f"{_size_name(size):>9} {pull.exposed_p50_ms:>7.3f}ms "
+                f"{pull.exposed_p99_ms:>7.3f}ms {push.exposed_p50_ms:>7.3f}ms "
+                f"{push.exposed_p99_ms:>7.3f}ms "
+                f"{push.pushed_in_time:>7.0%} {ratio:>13.1f}x "
+                f"{push.landed_p50_ms:>9.3f}ms {push.landed_p90_ms:>6.3f}ms"
+            )
+        lines.append("  where a push's time goes, READY to committed (ms, p50 of all; of the late)")
+        for size in dict.fromkeys(s for s, _ in by):
+            push = by[(size, "push")]
+            steps = ", ".join(
+                f"{name} {ms:.3f}"
+                + (f" ({push.late_steps_ms[name]:.3f})" if name in push.late_steps_ms else "")
+                for name, ms in push.steps_ms.items()
+            )
+            lines.append(f"  {_size_name(size):>9}: {steps}")
     return "\n".join(lines)
 
 
@@ -249,19 +370,22 @@ def run_pipeline_bench(
     json_output: bool = False,
     quick: bool = False,
     sizes: Sequence[int] | None = None,
-    delay_ms: float = DEFAULT_DELAY_MS,
+    delay_ms: float | Sequence[float] = DEFAULT_DELAY_MS,
     ucx_tls: str = "",
     samples: int | None = None,
 ) -> int:
+    delays = [delay_ms] if isinstance(delay_ms, int | float) else list(delay_ms)
     rows = measure_pipeline(
         sizes=list(sizes or SIZES),
         samples=samples or (10 if quick else 40),
-        delay_s=delay_ms / 1000,
+        delay_s=[d / 1000 for d in delays],
         ucx_tls=ucx_tls,
     )
     if json_output:
-        result = PipelineResult(bench="pipeline", delay_ms=delay_ms, ucx_tls=ucx_tls, rows=rows)
+        result = PipelineResult(
+            bench="pipeline", delay_ms=delays[0], ucx_tls=ucx_tls, rows=rows, delays_ms=delays
+        )
         sys.stdout.write(msgspec.json.encode(result).decode() + "\n")
     else:
-        sys.stdout.write(format_table(rows, delay_ms) + "\n")
+        sys.stdout.write(format_table(rows) + "\n")
     return 0
