@@ -348,6 +348,8 @@ class Producer(NetworkThread):
                 woken = self._waker.fileno() in events  # zmq.Poller reports it by descriptor
                 if woken:
                     self._waker.clear()
+                    if pusher is not None:
+                        pusher.offer_requested()
                 # zmq.Poller reports the ROUTER while messages wait (level, not edge), so a
                 # pass woken by a lane alone skips the empty ROUTER read (tens of us cold).
                 if woken or self._server.socket in events:

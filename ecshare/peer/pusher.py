@@ -201,10 +201,15 @@ class Pusher:
         still = any(t.agent == target.agent for t in self._targets.values())
         return "" if still else target.agent
 
-    def step(self, now: float) -> None:
+    def offer_requested(self) -> None:
+        """Offer what `request` queued: first thing once woken, as each push's write
+        waits on its offer's answer."""
         while self._requests:
             mm_hash, to, future, asked = self._requests.popleft()
             self._start(mm_hash, to, future, asked)
+
+    def step(self, now: float) -> None:
+        self.offer_requested()
         self.poll()
         timeout = self._config.request_timeout_s
         for push in list(self._pushes.values()):

@@ -97,6 +97,7 @@ class PipelineRow(msgspec.Struct, frozen=True):
     # late ones alone; their sum is close to, not equal to, the median total.
     landed_p50_ms: float = 0.0
     landed_p90_ms: float = 0.0
+    asked_p50_ms: float = 0.0  # from READY to the scheduler's ask: the time a push has
     steps_ms: dict[str, float] = {}
     late_steps_ms: dict[str, float] = {}
 
@@ -222,6 +223,8 @@ def _rows_of(
     landed = [m["committed"] - m["ready"] for m in pushes if "committed" in m and "ready" in m]
     landed_p50 = round(statistics.median(landed) * 1000, 4) if landed else 0.0
     landed_p90 = round(_percentile(landed, 0.9) * 1000, 4) if landed else 0.0
+    asked = [m["asked"] - m["ready"] for m in pushes if "asked" in m and "ready" in m]
+    asked_p50 = round(statistics.median(asked) * 1000, 4) if asked else 0.0
     for mode in ("push", "pull"):
         values = exposed[mode]
         push = mode == "push"
@@ -236,6 +239,7 @@ def _rows_of(
                 delay_ms=delay_ms,
                 landed_p50_ms=landed_p50 if push else 0.0,
                 landed_p90_ms=landed_p90 if push else 0.0,
+                asked_p50_ms=asked_p50 if push else 0.0,
                 steps_ms=_steps_ms(pushes) if push else {},
                 late_steps_ms=_steps_ms(late) if push else {},
             )
@@ -299,6 +303,7 @@ def measure_pipeline(
                             encoder.call(("encode", (h, size, push_to)))
                             time.sleep(delay)  # the proxy hop and the PD's preprocessing
                             asked = time.perf_counter()
+                            phases.mark(h, "asked")
                             future = consumer.fetch(
                                 [FetchItem(h, nbytes=size, pushed=mode == "push")],
                                 [encoder.address],
@@ -357,12 +362,13 @@ def format_table(rows: Sequence[PipelineRow]) -> str:
         lines.append("  where a push's time goes, READY to committed (ms, p50 of all; of the late)")
         for size in dict.fromkeys(s for s, _ in by):
             push = by[(size, "push")]
+            lines.append(f"  {_size_name(size):>9}: READY to asked {push.asked_p50_ms:.3f}")
             steps = ", ".join(
                 f"{name} {ms:.3f}"
                 + (f" ({push.late_steps_ms[name]:.3f})" if name in push.late_steps_ms else "")
                 for name, ms in push.steps_ms.items()
             )
-            lines.append(f"  {_size_name(size):>9}: {steps}")
+            lines.append(f"  {'':>9}  {steps}")
     return "\n".join(lines)
 
 
