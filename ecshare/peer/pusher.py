@@ -45,6 +45,10 @@ log = logging.getLogger(__name__)
 PUSH_OWNER_PREFIX: Final = "push:"
 # PushDones kept for consumers whose session ended before the write did.
 _UNREPORTED_PER_CONSUMER: Final = 1024
+# A write still moving when its call returns is polled this long, napping between,
+# before the loop goes on (see `Pusher._write`).
+_WRITE_WAIT_S: Final = 0.0005
+_WRITE_NAP_S: Final = 0.00005
 
 
 class PushState(enum.Enum):
@@ -345,7 +349,15 @@ class Pusher:
         if self.phases is not None:
             self.phases.mark(push.mm_hash, "write_posted")
         self._count("push_writes", 1)
-        self._poll_write(push)
+        # A write that the call did not end (a small one over cma, any over TCP) ends
+        # within a fraction of a millisecond; polled only by the loop's passes, its end
+        # is seen late, and the consumer's commit waits for the PushDone it sends.
+        until = time.monotonic() + _WRITE_WAIT_S
+        while True:
+            self._poll_write(push)
+            if push.handle is None or time.monotonic() >= until:
+                return
+            time.sleep(_WRITE_NAP_S)
 
     def _poll_write(self, push: _Push) -> None:
         status = self._transport.poll(push.handle)
