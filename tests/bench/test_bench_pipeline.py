@@ -69,9 +69,10 @@ def test_pipeline_bench_prints_push_and_pull_rows_and_pushes_in_time() -> None:
         push, pull = rows[(size, "push")], rows[(size, "pull")]
         assert push["pushed_in_time"] == 1.0
         assert pull["pushed_in_time"] == 0.0
-        # Every step of every push was marked, on both sides, and none went back in time.
+        # Every step of every push was marked, on both sides, and none went back in time
+        # but the consumer's word, whose notification may beat the producer's poll of DONE.
         assert list(push["steps_ms"]) == [name for _, name in PUSH_STEPS]
-        assert all(ms >= 0 for ms in push["steps_ms"].values())
+        assert all(ms >= 0 for k, ms in push["steps_ms"].items() if k != "word to consumer")
         assert push["late_steps_ms"] == {}  # every push was in time: no late one to show
         assert 0 < push["landed_p50_ms"] <= push["landed_p90_ms"] < push["asked_p50_ms"]
         assert pull["steps_ms"] == {} and pull["landed_p50_ms"] == 0

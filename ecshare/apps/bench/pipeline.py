@@ -69,6 +69,8 @@ FINGERPRINT: Final = "ecshare-bench-pipeline"
 _WARMUP: Final = 3
 # The marks of one push, in the order they happen, and the step that ends at each
 # (see ecshare/peer/phases.py): the producer's and the consumer's on one time line.
+# The consumer's word (the write's notification or PushDone, the first) may come
+# before the producer's poll sees the write DONE: that step can be negative.
 PUSH_STEPS: Final = (
     ("push_call", "Producer.push call"),
     ("p_picked", "wake producer thread"),
