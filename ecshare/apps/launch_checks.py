@@ -12,12 +12,12 @@ from __future__ import annotations
 import errno
 import os
 import re
-import socket
 import stat
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ecshare.apps.ops.network_checks import bind_error
 from ecshare.config import ConfigError, load_config
 
 # A Hugging Face hub id: NAME or ORG/NAME.
@@ -128,15 +128,9 @@ def check_ports(fixed: Sequence[tuple[str, str, int, str]]) -> list[str]:
 
 
 def _bind_error(host: str, port: int) -> str:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    try:
-        with socket.socket(family, socket.SOCK_STREAM) as sock:
-            # As a server binds: a port in TIME_WAIT is free, one that someone listens on is not.
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((host.strip("[]"), port))
-            sock.listen(1)
-    except OSError as exc:
-        if exc.errno == errno.EADDRINUSE:
-            return f"already in use (see: ss -ltnp 'sport = :{port}')"
-        return exc.strerror or str(exc)
-    return ""
+    exc = bind_error(host, port)
+    if exc is None:
+        return ""
+    if exc.errno == errno.EADDRINUSE:
+        return f"already in use (see: ss -ltnp 'sport = :{port}')"
+    return exc.strerror or str(exc)

@@ -18,18 +18,26 @@ def check_ports(config: Config, producers: list[str], timeout_s: float) -> list[
     return out
 
 
-def _check_bind(name: str, host: str, port: int, key: str) -> Check:
-    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    if port == 0:
-        return Check(name=name, status="ok", finding=f"{key} 0: a free port on {host} is picked")
+def bind_error(host: str, port: int) -> OSError | None:
+    """Why a server could not listen on host:port now, or None if it could. Bound as
+    libzmq and aiohttp bind: a port in TIME_WAIT is free, one that someone listens on is not."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
         with socket.socket(family, socket.SOCK_STREAM) as sock:
-            # As libzmq binds: a port in TIME_WAIT is free, one that someone listens on is not.
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((host.strip("[]"), port))
             sock.listen(1)
     except OSError as exc:
+        return exc
+    return None
+
+
+def _check_bind(name: str, host: str, port: int, key: str) -> Check:
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    if port == 0:
+        return Check(name=name, status="ok", finding=f"{key} 0: a free port on {host} is picked")
+    exc = bind_error(host, port)
+    if exc is not None:
         if exc.errno == errno.EADDRINUSE:
             return Check(
                 name=name,
