@@ -42,6 +42,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from ab_sporadic import _export  # noqa: E402  (a ref's tree, exported with git archive)
 
 from ecshare.apps.bench import fetch as _fetch  # noqa: E402  (the after tree's definitions)
 from ecshare.apps.bench import pipeline as _pipeline  # noqa: E402
@@ -233,16 +236,6 @@ TARGETS: tuple[Target, ...] = (
         f"<= {_proxy.TARGET_P50_OVERHEAD_MS}",
     ),
 )
-
-
-def _export(ref: str, into: Path) -> Path:
-    """The tree of `ref`, as files under `into` (no checkout is touched)."""
-    into.mkdir(parents=True)
-    archive = subprocess.run(
-        ["git", "-C", str(ROOT), "archive", "--format=tar", ref], capture_output=True, check=True
-    ).stdout
-    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
-    return into
 
 
 def run_one(
