@@ -206,6 +206,11 @@ def _push_marks(
     for key, own in _by_key(consumer).items():
         marks.setdefault(key, {}).update(own)
     for m in marks.values():
+        # A thread whose poll had already returned when the message was sent read it
+        # without waking for it: its wake took no time, not a negative one.
+        for woke, sent in (("c_offer_woke", "offer_sent"), ("p_reply_woke", "reserved")):
+            if woke in m and sent in m:
+                m[woke] = max(m[woke], m[sent])
         words = [m[w] for w in ("c_notice", "c_done") if w in m]
         if words:
             m["c_word"] = min(words)  # the write's notification or PushDone, the first
