@@ -140,6 +140,16 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
             "an error naming it.",
         ),
     ] = 0
+    events_port: Annotated[
+        Annotated[int, Meta(ge=0, le=65535)] | None,
+        Meta(
+            description="TCP port (on listen_host) where this instance publishes its item "
+            "events (an entry stored, an entry gone) for a proxy's item directory, under "
+            "CURVE with this instance's server key (its client key on a consume-only "
+            "instance); only admin_keys / admin_keys_file may subscribe. 0 picks a free "
+            "port. Unset: no events.",
+        ),
+    ] = None
     direct_reads: Annotated[
         bool,
         Meta(
@@ -700,6 +710,13 @@ _RULES: tuple[_Rule, ...] = (
         "a port other than listen_port",
         "",
         lambda c: not c.lane_port or c.lane_port != c.listen_port,
+    ),
+    _Rule(
+        "events_port",
+        "listen_port",
+        "a port other than listen_port",
+        "",
+        lambda c: not c.events_port or c.events_port != c.listen_port,
     ),
 )
 

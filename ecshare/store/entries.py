@@ -24,7 +24,8 @@ blocks go back only when its writer says the read has ended. A read that never
 ends keeps them for good: leaked and counted, never reused.
 
 With ``on_free``/``on_allocate`` hooks (the store's debug canary) the table
-calls them under its lock with the runs being freed or handed out.
+calls them under its lock with the runs being freed or handed out; with
+``on_leave``, with each READY entry that leaves the index (evicted or doomed).
 
 Tags. Each allocation gets a tag, a number no other allocation of this table
 gets. With a ``tags`` array (one word per block, in memory peers can read) the
@@ -251,6 +252,7 @@ class EntryTable:
         clock: Callable[[], float] = time.monotonic,
         on_free: Callable[[Sequence[Run]], None] | None = None,
         on_allocate: Callable[[Sequence[Run]], None] | None = None,
+        on_leave: Callable[[Entry], None] | None = None,
         tags: npt.NDArray[np.uint64] | None = None,
     ) -> None:
         if block_size & (block_size - 1) or not MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE:
@@ -268,6 +270,7 @@ class EntryTable:
         self._quarantined_blocks = 0
         self._on_free = on_free
         self._on_allocate = on_allocate
+        self._on_leave = on_leave
         if tags is not None and len(tags) < capacity_blocks:
             raise ValueError(f"{len(tags)} tag words for {capacity_blocks} blocks")
         self._tags = tags
@@ -460,6 +463,7 @@ class EntryTable:
             else:
                 self._lru_discard(entry)
                 self._fire(entry, "evict")
+            self._left(entry)
             return True
 
     def evict_bytes(self, nbytes: int) -> int:
@@ -682,6 +686,12 @@ class EntryTable:
             self._alloc.free(entry.runs)
             self._bytes_used -= entry.nbytes
 
+    def _left(self, entry: Entry) -> None:
+        # A READY entry left the index: whoever mirrors the index hears it under the lock,
+        # so never after a newer entry of the same mm_hash was committed.
+        if self._on_leave is not None:
+            self._on_leave(entry)
+
     def _live(self, mm_hash: str, expect: Entry | None) -> Entry:
         entry = self._entries.get(mm_hash)
         if entry is None or (expect is not None and entry is not expect):
@@ -705,6 +715,7 @@ class EntryTable:
             self._lru_blocks -= victim.nblocks
             del self._entries[mm_hash]
             self._fire(victim, "evict")
+            self._left(victim)
             self._evictions += 1
             freed += victim.nblocks
         return freed

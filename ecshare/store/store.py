@@ -137,10 +137,13 @@ class Store:
             clock=clock,
             on_free=self._fill_canary if canary else None,
             on_allocate=self._check_canary if canary else None,
+            on_leave=self._left,
             tags=tag_words,
         )
         # Told of each entry that turns READY, on the committing thread (`watch_commits`).
         self._watchers: tuple[Callable[[Entry], None], ...] = ()
+        # Told of each READY entry that leaves the index, under the table's lock.
+        self._leave_watchers: tuple[Callable[[Entry], None], ...] = ()
 
     @property
     def region(self) -> Region:
@@ -253,6 +256,28 @@ class Store:
             self._watchers = tuple(w for w in self._watchers if w is not watcher)
 
         return stop
+
+    def watch_removals(self, watcher: Callable[[Entry], None]) -> Callable[[], None]:
+        """Call `watcher(entry)` for each READY entry that leaves the index (evicted, or
+        removed while pinned) from now on; returns the call that stops it.
+
+        It runs under the entry table's lock, so it sees removals in the order they
+        happen and before any later commit of the same mm_hash: it must be quick, must
+        not raise and must not call back into this store.
+        """
+        self._leave_watchers = (*self._leave_watchers, watcher)
+
+        def stop() -> None:
+            self._leave_watchers = tuple(w for w in self._leave_watchers if w is not watcher)
+
+        return stop
+
+    def _left(self, entry: Entry) -> None:
+        for watcher in self._leave_watchers:
+            try:
+                watcher(entry)
+            except Exception:  # the removal stands whatever a watcher does
+                log.exception("removal watcher failed for %s", entry.mm_hash)
 
     def _committed(self, entry: Entry) -> Entry:
         for watcher in self._watchers:
