@@ -127,6 +127,7 @@ class ItemFeed:
         self._waker = Waker()
         self._stopping = False
         self._zap: ZapRegistration | None = None
+        self._allow_list = AllowList(subscribers, server="ecshare item feed")
         context = context if context is not None else zmq.Context.instance()
         sock: zmq.Socket[bytes] = context.socket(zmq.XPUB)
         try:
@@ -135,9 +136,7 @@ class ItemFeed:
             # Every subscription reaches us, so that each one gets a snapshot.
             sock.setsockopt(zmq.XPUB_VERBOSE, 1)
             if keys is not None:
-                self._zap = register_allow_list(
-                    context, AllowList(subscribers, server="ecshare item feed")
-                )
+                self._zap = register_allow_list(context, self._allow_list)
                 sock.setsockopt(zmq.CURVE_SERVER, 1)
                 sock.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
                 sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.public)
@@ -217,14 +216,9 @@ class ItemFeed:
                 if snapshot or now >= next_snapshot:
                     self._send_snapshot()
                     next_snapshot = now + self._snapshot_s
-                elif batch:
-                    pass
-                elif now - last_sent >= self._heartbeat_s:
-                    with self._lock:
-                        seq = self._seq
-                    self._send(ItemHeartbeat(self.incarnation, seq))
-                    self._stats["heartbeats"] += 1
-                else:
+                elif not batch and now - last_sent >= self._heartbeat_s:
+                    self._send_heartbeat()
+                elif not batch:
                     continue
                 last_sent = now
         except zmq.ContextTerminated:
@@ -242,28 +236,40 @@ class ItemFeed:
             except zmq.Again:
                 return wanted
             if frame[:1] == b"\x01":
-                self._stats["subscriptions"] += 1
+                with self._lock:
+                    self._stats["subscriptions"] += 1
                 wanted = True
 
     def _send_snapshot(self) -> None:
         with self._lock:
             snapshot = ItemSnapshot(self.incarnation, self._seq, tuple(self._held.items()))
         self._send(snapshot)
-        self._stats["snapshots"] += 1
+        with self._lock:
+            self._stats["snapshots"] += 1
+
+    def _send_heartbeat(self) -> None:
+        with self._lock:
+            seq = self._seq
+        self._send(ItemHeartbeat(self.incarnation, seq))
+        with self._lock:
+            self._stats["heartbeats"] += 1
 
     def _send(self, message: FeedMessage) -> None:
         try:
             self._socket.send(encode(message), zmq.NOBLOCK)
-            self._stats["sent"] += 1
+            counter = "sent"
         except zmq.Again:  # XPUB drops at a subscriber's high-water mark rather than block
-            self._stats["dropped"] += 1
+            counter = "dropped"
+        with self._lock:  # the engine's threads count too
+            self._stats[counter] += 1
 
     # -- owner side -------------------------------------------------------------------------
 
     def stats(self) -> dict[str, int]:
-        """Counters: events, dropped, sent, snapshots, heartbeats, subscriptions."""
+        """Counters: events, dropped, sent, snapshots, heartbeats, subscriptions, and
+        refused (subscribers whose key is not on the allow-list)."""
         with self._lock:
-            return dict(self._stats)
+            return {**self._stats, "refused": self._allow_list.rejected}
 
     def held(self) -> dict[str, int]:
         """The mirror of the store's index (mm_hash -> nbytes), a copy."""
