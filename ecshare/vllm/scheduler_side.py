@@ -26,7 +26,9 @@ and every worker report is keyed by a grant id, never by mm_hash alone, and no
 entry of another shape than the model computes is loaded (`shapes`).
 
 The engine-facing calls never block: fetches, reports and commits happen on
-other threads, and the scheduler thread only reads their outcomes.
+other threads, and the scheduler thread only reads their outcomes. With
+`events_port` set, the region's item events (an entry stored, an entry gone) go
+to a proxy's item directory (`ecshare.peer.items`).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from ecshare import protocol as p
 from ecshare.config import Config
 from ecshare.metrics import SampleChanges, read_samples
 from ecshare.peer import Consumer, Node, Producer, start_consumer, start_producer
+from ecshare.peer.items import ItemFeed, feed_from_config
 from ecshare.store import EntryMeta, EntryState, Store
 from ecshare.vllm.metrics import CORE_METRICS
 from ecshare.vllm.ops import LoadOp, StepPlan, StepReport, TransferParam
@@ -122,7 +125,10 @@ class SchedulerSide:
         # vLLM drops the worker metadata of an encode-only instance; its workers
         # report on a side channel instead (see `reports`).
         self._listener: ReportListener | None = None
+        self._feed: ItemFeed | None = None
         try:
+            # Started before anything can commit, so that its mirror starts exact.
+            self._feed = feed_from_config(self._store, config)
             if produce and not consume:
                 self._listener = ReportListener(self._apply_saves)
             if produce:
@@ -173,6 +179,11 @@ class SchedulerSide:
     def store(self) -> Store:
         """This instance's store (its region's entries), for tests and tools."""
         return self._store
+
+    @property
+    def feed(self) -> ItemFeed | None:
+        """This instance's item events (`events_port`), for tests and tools."""
+        return self._feed
 
     @property
     def fingerprint(self) -> str:
@@ -427,4 +438,7 @@ class SchedulerSide:
         if self._listener is not None:
             self._listener.close()
             self._listener = None
+        if self._feed is not None:
+            self._feed.close()
+            self._feed = None
         self._node.close()
