@@ -6,6 +6,10 @@ it is refused or a health check fails, and after `eject_after` consecutive faile
 (`GET /health` answering 200) brings it back. Calls go to the healthy backend with the
 fewest calls in flight, ties taken in turn, so one slow instance does not collect a queue
 while another idles.
+
+Backends join and leave while the proxy runs (`add`, `remove`; `discovery` decides when):
+one that joins is out of rotation until its first health check passes, and one that
+leaves gets no new calls, while those already under way finish.
 """
 
 from __future__ import annotations
@@ -74,6 +78,32 @@ class BackendPool:
     def __len__(self) -> int:
         return len(self.backends)
 
+    def get(self, url: str) -> Backend | None:
+        url = url.rstrip("/")
+        return next((b for b in self.backends if b.url == url), None)
+
+    def add(self, url: str) -> Backend | None:
+        """A new backend, out of rotation until a health check passes; None if already here."""
+        if self.get(url) is not None:
+            return None
+        backend = Backend(url, self.role)
+        backend.healthy = False
+        self.backends = (*self.backends, backend)
+        self._metrics.backend_up.labels(self.role, backend.url).set(0)
+        log.warning("%s %s joined; in rotation once healthy", self.role, backend.url)
+        return backend
+
+    def remove(self, url: str) -> Backend | None:
+        """Take `url` out for good (calls under way finish); None if it is not here."""
+        backend = self.get(url)
+        if backend is None:
+            return None
+        self.backends = tuple(b for b in self.backends if b is not backend)
+        backend.healthy = False
+        self._metrics.backend_up.labels(self.role, backend.url).set(0)
+        log.warning("%s %s left", self.role, backend.url)
+        return backend
+
     def healthy(self) -> list[Backend]:
         return [b for b in self.backends if b.healthy]
 
@@ -128,9 +158,9 @@ class BackendPool:
 
     async def check(self, session: aiohttp.ClientSession, timeout_s: float) -> None:
         """Health-check every backend at once; eject the failing, restore the passing."""
-        await asyncio.gather(*(self._check_one(session, b, timeout_s) for b in self.backends))
+        await asyncio.gather(*(self.check_one(session, b, timeout_s) for b in self.backends))
 
-    async def _check_one(
+    async def check_one(
         self, session: aiohttp.ClientSession, backend: Backend, timeout_s: float
     ) -> None:
         timeout = aiohttp.ClientTimeout(total=timeout_s)
@@ -140,7 +170,8 @@ class BackendPool:
                 ok, why = resp.status == 200, f"health check answered {resp.status}"
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             ok, why = False, f"health check failed: {describe(exc)}"
-        self._set(backend, ok, why)
+        if any(b is backend for b in self.backends):  # not one that left meanwhile
+            self._set(backend, ok, why)
 
 
 async def watch_health(

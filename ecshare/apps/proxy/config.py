@@ -100,10 +100,25 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_connections: int = 1024
     # Longest time a request body may take to arrive.
     body_timeout_s: float = 30.0
+    # Membership and the item directory (`discovery`, `directory`, `feeds`).
+    events_port: int | None = None  # where every instance publishes its item events
+    events_key_file: str | None = None  # the proxy's CURVE secret key for the feeds
+    events_encoder_key: str | None = None  # the key encoders publish under (Z85 or file)
+    events_pd_key: str | None = None  # prefill/decode's; unset: events_encoder_key
+    events_timeout_s: float = 5.0  # a feed silent this long is forgotten
+    directory_max_items: int = 1_000_000
+    admin_key: str | None = None  # for /v1/members; unset: no registration endpoint
+    discover_encoders: str | None = None  # NAME:PORT, resolved every discover_interval_s
+    discover_pd: str | None = None
+    discover_interval_s: float = 10.0
 
     def __post_init__(self) -> None:
-        if not self.prefill_decode:
-            raise ConfigError("--pd", "at least one prefill/decode URL is required")
+        if not self.prefill_decode and self.discover_pd is None and self.admin_key is None:
+            raise ConfigError(
+                "--pd",
+                "at least one prefill/decode URL is required (or --discover-pd, "
+                "or --admin-key-file to register them)",
+            )
         for flag, urls in (("--encoder", self.encoders), ("--pd", self.prefill_decode)):
             for url in urls:
                 _check_url(flag, url)
@@ -166,6 +181,7 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
         ):
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(flag, f"got {value!r}, expected a positive number of seconds")
+        _check_membership(self)
 
     def keys(self) -> dict[str, str]:
         """Every API key, each to its tenant; empty when no key is asked."""
@@ -175,11 +191,12 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
         return keys
 
     def __repr__(self) -> str:
-        secret = ("api_key", "api_keys")
+        secret = ("api_key", "api_keys", "admin_key")
         shown: dict[str, Any] = {
             f: getattr(self, f) for f in self.__struct_fields__ if f not in secret
         }
         shown["api_key"] = None if self.api_key is None else "<hidden>"
+        shown["admin_key"] = None if self.admin_key is None else "<hidden>"
         shown["api_keys"] = f"<{len(self.api_keys)} hidden>"
         return "ProxyConfig(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
 
@@ -190,6 +207,108 @@ def _check_url(flag: str, url: str) -> None:
         raise ConfigError(flag, f"got {url!r}, expected a base URL such as http://host:8000")
     if parts.path not in ("", "/") or parts.query or parts.fragment:
         raise ConfigError(flag, f"got {url!r}, expected a base URL without a path")
+
+
+def _check_membership(c: ProxyConfig) -> None:
+    if c.events_port is not None:
+        if not 1 <= c.events_port <= 65535:
+            raise ConfigError("--events-port", f"got {c.events_port}, expected 1..65535")
+        if c.events_key_file is None or c.events_encoder_key is None:
+            raise ConfigError(
+                "--events-port",
+                "the item feeds are CURVE-authenticated: give --events-key (the proxy's "
+                "secret key file) and --events-encoder-key (the key instances publish under)",
+            )
+    if not (math.isfinite(c.events_timeout_s) and c.events_timeout_s > 0):
+        raise ConfigError("--events-timeout", f"got {c.events_timeout_s!r}, expected > 0 s")
+    if not (math.isfinite(c.discover_interval_s) and c.discover_interval_s > 0):
+        raise ConfigError("--discover-interval", f"got {c.discover_interval_s!r}, expected > 0")
+    if c.directory_max_items < 1:
+        raise ConfigError("--directory-max-items", f"got {c.directory_max_items}, expected >= 1")
+    if c.admin_key is not None and len(c.admin_key.strip()) < 16:
+        raise ConfigError("--admin-key-file", "the admin key is shorter than 16 characters")
+    for flag, target in (
+        ("--discover-encoders", c.discover_encoders),
+        ("--discover-pd", c.discover_pd),
+    ):
+        if target is not None:
+            split_target(flag, target)
+
+
+def split_target(flag: str, target: str) -> tuple[str, int]:
+    """NAME:PORT of a `--discover-*` flag."""
+    name, _, port = target.rpartition(":")
+    if not name or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError(flag, f"got {target!r}, expected NAME:PORT (a DNS name and a port)")
+    return name, int(port)
+
+
+def _add_membership_arguments(parser: argparse.ArgumentParser) -> None:
+    d = ProxyConfig(prefill_decode=("http://x",))
+    parser.add_argument(
+        "--events-port",
+        type=int,
+        help="port on which every instance publishes its item events (their events_port); "
+        "turns on the item directory",
+    )
+    parser.add_argument("--events-key", help="the proxy's CURVE secret key file for the feeds")
+    parser.add_argument(
+        "--events-encoder-key", help="public key (Z85 or file) encoders publish events under"
+    )
+    parser.add_argument(
+        "--events-pd-key",
+        help="public key prefill/decode instances publish under [default: --events-encoder-key]",
+    )
+    parser.add_argument(
+        "--events-timeout",
+        type=float,
+        default=d.events_timeout_s,
+        help=f"forget what a silent instance held after this many seconds ({d.events_timeout_s:g})",
+    )
+    parser.add_argument(
+        "--directory-max-items",
+        type=int,
+        default=d.directory_max_items,
+        help=f"most (instance, item) entries the directory keeps ({d.directory_max_items})",
+    )
+    parser.add_argument(
+        "--admin-key-file",
+        help="file holding the key that POST/DELETE /v1/members needs; unset: no registration",
+    )
+    parser.add_argument(
+        "--discover-encoders", metavar="NAME:PORT", help="encoders: each address NAME resolves to"
+    )
+    parser.add_argument(
+        "--discover-pd", metavar="NAME:PORT", help="prefill/decode: each address NAME resolves to"
+    )
+    parser.add_argument(
+        "--discover-interval",
+        type=float,
+        default=d.discover_interval_s,
+        help=f"seconds between DNS lookups ({d.discover_interval_s:g})",
+    )
+
+
+def _membership_values(args: argparse.Namespace) -> dict[str, Any]:
+    admin_key = None
+    if args.admin_key_file is not None:
+        try:
+            with open(args.admin_key_file, encoding="utf-8") as f:
+                admin_key = f.read().strip()
+        except OSError as exc:
+            raise ConfigError("--admin-key-file", f"cannot read it: {exc}") from None
+    return {
+        "events_port": args.events_port,
+        "events_key_file": args.events_key,
+        "events_encoder_key": args.events_encoder_key,
+        "events_pd_key": args.events_pd_key,
+        "events_timeout_s": args.events_timeout,
+        "directory_max_items": args.directory_max_items,
+        "admin_key": admin_key,
+        "discover_encoders": args.discover_encoders,
+        "discover_pd": args.discover_pd,
+        "discover_interval_s": args.discover_interval,
+    }
 
 
 def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
@@ -320,6 +439,7 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
         help="forward ec_transfer_params that clients write into request bodies (by default "
         "they are dropped and counted: they would choose where prefill/decode fetches from)",
     )
+    _add_membership_arguments(parser)
 
 
 def _max_body_bytes(args: argparse.Namespace) -> int:
@@ -372,6 +492,7 @@ def config_from_args(
         "max_tenant_in_flight": args.max_tenant_in_flight,
         "max_connections": args.max_connections,
         "body_timeout_s": args.body_timeout,
+        **_membership_values(args),
     }
     return ProxyConfig(**values)
 

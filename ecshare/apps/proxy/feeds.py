@@ -62,6 +62,7 @@ class DirectoryFeeds:
         self._own_context = context is None
         self._clock = clock
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._ending: set[asyncio.Task[None]] = set()  # cancelled, closing their socket
         self._stats = {"bad_messages": 0, "resync_requests": 0}
 
     def watch(self, backend: str, address: str, *, encoder: bool, server_key: bytes | None) -> None:
@@ -92,20 +93,21 @@ class DirectoryFeeds:
         task = self._tasks.pop(backend, None)
         if task is not None:
             task.cancel()
+            self._ending.add(task)
+            task.add_done_callback(self._ending.discard)
         self.directory.unwatch(backend)
 
     def stats(self) -> dict[str, int]:
         return dict(self._stats)
 
     async def close(self) -> None:
-        tasks = list(self._tasks.values())
         for backend in list(self._tasks):
             self.unwatch(backend)
-        for task in tasks:
+        for task in list(self._ending):
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         if self._own_context:
-            self._context.term()
+            self._context.destroy(linger=0)
 
     async def _pump(self, backend: str, sock: zmq.asyncio.Socket) -> None:
         asked = -float("inf")

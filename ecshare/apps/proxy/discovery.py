@@ -1,0 +1,344 @@
+"""Membership at run time: backends join and leave through registration and DNS discovery.
+
+A backend is a member while at least one source holds it: the command line ("static"), a
+registration (`POST /v1/members`, `DELETE /v1/members`, with the admin key; without one
+configured the routes do not exist), or a DNS name (`discover`: every address the name
+resolves to, each on the given port, which is what a Kubernetes headless Service gives).
+When its last source lets go, it leaves its pool and the item directory forgets what it
+held. A new member is out of rotation until its first health check passes, and its item
+feed is watched from the start.
+
+Every join, leave and refusal is counted (`stats`) and logged. A DNS lookup that fails
+changes nothing (counted): only a successful answer without an address removes members.
+
+Each proxy worker keeps its own membership: registrations reach the one worker that
+answers them, while discovery is seen by all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import socket
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Final, Literal
+
+import aiohttp
+import msgspec
+from aiohttp import web
+from yarl import URL
+
+from ecshare.apps.proxy.backends import ENCODER, PREFILL_DECODE, BackendPool, describe
+from ecshare.apps.proxy.config import ProxyConfig, split_target
+from ecshare.apps.proxy.directory import ItemDirectory
+from ecshare.apps.proxy.feeds import DirectoryFeeds, events_address
+from ecshare.control import load_keypair, load_public_key
+
+log = logging.getLogger(__name__)
+
+STATIC: Final = "static"
+REGISTERED: Final = "registered"
+MAX_MEMBERS_PER_ROLE: Final = 1024
+MAX_URL_CHARS: Final = 2048
+
+Resolver = Callable[[str], Awaitable[list[str]]]
+
+
+class Member(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A registration's body."""
+
+    role: Literal["encoder", "prefill_decode"]
+    url: str
+
+
+def base_url(url: str) -> str | None:
+    """`url` as a backend's base URL (http/https, a host, no path or credentials), or None."""
+    if len(url) > MAX_URL_CHARS:
+        return None
+    try:
+        parsed = URL(url)
+    except (ValueError, TypeError):
+        return None
+    if parsed.scheme not in ("http", "https") or not parsed.host or parsed.user:
+        return None
+    if parsed.path not in ("", "/") or parsed.query_string or parsed.fragment:
+        return None
+    return url.rstrip("/")
+
+
+class Membership:
+    """Which backends are members, by which sources; joins and leaves pools and the feeds."""
+
+    def __init__(
+        self,
+        pools: Mapping[str, BackendPool],
+        *,
+        health_timeout_s: float,
+        directory: ItemDirectory | None = None,
+        feeds: DirectoryFeeds | None = None,
+        events_port: int | None = None,
+        server_keys: Mapping[str, bytes | None] | None = None,
+    ) -> None:
+        self._pools = pools
+        self._health_timeout_s = health_timeout_s
+        self.directory = directory if directory is not None else ItemDirectory()
+        self._feeds = feeds
+        self._events_port = events_port
+        self._server_keys = dict(server_keys or {})
+        self._session: aiohttp.ClientSession | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._sources: dict[tuple[str, str], set[str]] = {}
+        self._stats = dict.fromkeys(
+            ("joined", "left", "refused", "unauthorized", "dns_failures"), 0
+        )
+
+    async def start(
+        self,
+        session: aiohttp.ClientSession,
+        discovery: Mapping[str, tuple[str, int]] | None = None,
+        *,
+        interval_s: float = 10.0,
+        resolve: Resolver | None = None,
+    ) -> None:
+        """In the proxy's loop: take the pools' backends as members from the command line,
+        watch their feeds, and start discovering each role's (NAME, PORT) of `discovery`."""
+        self._session = session
+        for role, pool in self._pools.items():
+            for backend in pool.backends:
+                self._sources.setdefault((role, backend.url), set()).add(STATIC)
+                self._watch(role, backend.url)
+        loop = asyncio.get_running_loop()
+        for role, (name, port) in (discovery or {}).items():
+            self._tasks.append(
+                loop.create_task(
+                    discover(
+                        self,
+                        role,
+                        name,
+                        port,
+                        interval_s=interval_s,
+                        resolve=resolve or resolve_addresses,
+                    ),
+                    name=f"ecshare-discover {role}",
+                )
+            )
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+        if self._feeds is not None:
+            await self._feeds.close()
+
+    async def join(self, role: str, url: str, source: str) -> bool:
+        """Hold `url` in `role` by `source`; True when it is new to the pool."""
+        pool = self._pools[role]
+        sources = self._sources.get((role, url))
+        if sources is not None:
+            sources.add(source)
+            return False
+        if len(pool) >= MAX_MEMBERS_PER_ROLE:
+            self._stats["refused"] += 1
+            log.warning("%s %s refused: %d members already", role, url, len(pool))
+            return False
+        backend = pool.add(url)
+        if backend is None:  # in the pool, but not ours to track: leave it be
+            return False
+        self._sources[(role, url)] = {source}
+        self._stats["joined"] += 1
+        log.info("%s %s joined (%s)", role, url, source)
+        self._watch(role, url)
+        if self._session is not None:
+            await pool.check_one(self._session, backend, self._health_timeout_s)
+        return True
+
+    def leave(self, role: str, url: str, source: str) -> bool:
+        """Let go of `url` by `source`; True when that was its last source and it left."""
+        sources = self._sources.get((role, url))
+        if sources is None or source not in sources:
+            return False
+        sources.discard(source)
+        if sources:
+            return False
+        del self._sources[(role, url)]
+        self._pools[role].remove(url)
+        if self._feeds is not None:
+            self._feeds.unwatch(url)
+        else:
+            self.directory.unwatch(url)
+        self._stats["left"] += 1
+        log.info("%s %s left (%s); its items are forgotten", role, url, source)
+        return True
+
+    def held_by(self, source: str) -> dict[str, set[str]]:
+        """The URLs `source` holds, per role."""
+        out: dict[str, set[str]] = {role: set() for role in self._pools}
+        for (role, url), sources in self._sources.items():
+            if source in sources:
+                out[role].add(url)
+        return out
+
+    def members(self) -> list[dict[str, Any]]:
+        return [
+            {"role": role, "url": url, "sources": sorted(sources)}
+            for (role, url), sources in sorted(self._sources.items())
+        ]
+
+    def stats(self) -> dict[str, int]:
+        """Counters: joined, left, refused, unauthorized, dns_failures; the directory's and
+        its feeds' under `directory_*` and `feeds_*`."""
+        out = dict(self._stats)
+        out.update({f"directory_{k}": v for k, v in self.directory.stats().items()})
+        if self._feeds is not None:
+            out.update({f"feeds_{k}": v for k, v in self._feeds.stats().items()})
+        return out
+
+    def count(self, what: str) -> None:
+        self._stats[what] += 1
+
+    def _watch(self, role: str, url: str) -> None:
+        if self._feeds is None or self._events_port is None:
+            self.directory.watch(url, encoder=role == ENCODER)
+            return
+        try:
+            address = events_address(url, self._events_port)
+            self._feeds.watch(
+                url, address, encoder=role == ENCODER, server_key=self._server_keys.get(role)
+            )
+        except ValueError as exc:  # a key or address that cannot be used: no hints from it
+            log.warning("item directory: cannot watch %s: %s", url, exc)
+
+
+async def resolve_addresses(name: str) -> list[str]:
+    """Every address `name` resolves to (A and AAAA records), sorted."""
+    infos = await asyncio.get_running_loop().getaddrinfo(name, None, type=socket.SOCK_STREAM)
+    return sorted({str(info[4][0]) for info in infos})
+
+
+async def discover(
+    membership: Membership,
+    role: str,
+    name: str,
+    port: int,
+    *,
+    interval_s: float,
+    resolve: Resolver = resolve_addresses,
+    scheme: str = "http",
+) -> None:
+    """Keep `role`'s members from `name` equal to its addresses on `port`, every
+    `interval_s`, until cancelled."""
+    source = f"dns:{name}:{port}"
+    while True:
+        try:
+            addresses = await resolve(name)
+        except asyncio.CancelledError:
+            raise
+        except (OSError, UnicodeError) as exc:
+            membership.count("dns_failures")
+            log.warning(
+                "discovery: %s did not resolve (%s); members unchanged", name, describe(exc)
+            )
+        else:
+            wanted = {
+                f"{scheme}://[{a}]:{port}" if ":" in a else f"{scheme}://{a}:{port}"
+                for a in addresses
+            }
+            held = membership.held_by(source)[role]
+            for url in sorted(wanted - held):
+                await membership.join(role, url, source)
+            for url in sorted(held - wanted):
+                membership.leave(role, url, source)
+        await asyncio.sleep(interval_s)
+
+
+def member_routes(membership: Membership, admin_key: str) -> list[web.RouteDef]:
+    """`GET`, `POST` and `DELETE /v1/members`, each needing `Authorization: Bearer <admin_key>`."""
+    expected = admin_key.encode()
+
+    def authorized(request: web.Request) -> bool:
+        given = request.headers.get("Authorization", "")
+        token = given[7:] if given.startswith("Bearer ") else ""
+        ok = hmac.compare_digest(token.encode(), expected)
+        if not ok:
+            membership.count("unauthorized")
+            log.warning("members: refused a request without the admin key from %s", request.remote)
+        return ok
+
+    async def body(request: web.Request) -> Member | web.Response:
+        try:
+            member = msgspec.json.decode(await request.read(), type=Member)
+        except msgspec.DecodeError as exc:
+            membership.count("refused")
+            return web.json_response({"error": f"bad member: {exc}"}, status=400)
+        url = base_url(member.url)
+        if url is None:
+            membership.count("refused")
+            return web.json_response(
+                {"error": "url must be a base URL such as http://host:8000"}, status=400
+            )
+        return Member(member.role, url)
+
+    async def listing(request: web.Request) -> web.Response:
+        if not authorized(request):
+            return web.json_response({"error": "admin key required"}, status=401)
+        return web.json_response({"members": membership.members(), "stats": membership.stats()})
+
+    async def register(request: web.Request) -> web.Response:
+        if not authorized(request):
+            return web.json_response({"error": "admin key required"}, status=401)
+        member = await body(request)
+        if isinstance(member, web.Response):
+            return member
+        joined = await membership.join(member.role, member.url, REGISTERED)
+        return web.json_response({"joined": joined})
+
+    async def unregister(request: web.Request) -> web.Response:
+        if not authorized(request):
+            return web.json_response({"error": "admin key required"}, status=401)
+        member = await body(request)
+        if isinstance(member, web.Response):
+            return member
+        return web.json_response({"left": membership.leave(member.role, member.url, REGISTERED)})
+
+    return [
+        web.get("/v1/members", listing),
+        web.post("/v1/members", register),
+        web.delete("/v1/members", unregister),
+    ]
+
+
+def membership_from_config(config: ProxyConfig, pools: Mapping[str, BackendPool]) -> Membership:
+    """The membership, item directory and feeds `config` asks for (`start` it in the loop)."""
+    directory = ItemDirectory(max_items=config.directory_max_items)
+    feeds = None
+    server_keys: dict[str, bytes | None] = {}
+    if config.events_port is not None:
+        assert config.events_key_file is not None and config.events_encoder_key is not None
+        keys = load_keypair(config.events_key_file)
+        encoder_key = load_public_key(config.events_encoder_key)
+        pd_key = load_public_key(config.events_pd_key) if config.events_pd_key else encoder_key
+        server_keys = {ENCODER: encoder_key, PREFILL_DECODE: pd_key}
+        feeds = DirectoryFeeds(directory, keys=keys, timeout_s=config.events_timeout_s)
+    return Membership(
+        pools,
+        health_timeout_s=config.health_timeout_s,
+        directory=directory,
+        feeds=feeds,
+        events_port=config.events_port,
+        server_keys=server_keys,
+    )
+
+
+def discovery_from_config(config: ProxyConfig) -> dict[str, tuple[str, int]]:
+    """Each role's (NAME, PORT) to discover."""
+    out = {}
+    if config.discover_encoders is not None:
+        out[ENCODER] = split_target("--discover-encoders", config.discover_encoders)
+    if config.discover_pd is not None:
+        out[PREFILL_DECODE] = split_target("--discover-pd", config.discover_pd)
+    return out
