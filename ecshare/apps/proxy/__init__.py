@@ -10,6 +10,9 @@ instances that share encoder outputs through ecshare. Layout, each module one jo
 * `edge`: the listening socket, with its connections capped;
 * `metrics`: the Prometheus metrics, in a registry per proxy;
 * `backends`: backend instances, picking one, ejecting and restoring them, health checks;
+* `directory`: which backend holds which item now (a passive core fed by item events);
+* `feeds`: the CURVE subscriptions to the instances' item events that feed the directory;
+* `discovery`: membership at run time: registration (`/v1/members`) and DNS discovery;
 * `fanout`: the encoder stage, finding media items, fanning them out, merging by mm_hash;
 * `forward`: the prefill/decode stage, relaying whole and streamed answers;
 * `app`: the routes and the guard (API key, errors, metrics) around them;
@@ -17,8 +20,8 @@ instances that share encoder outputs through ecshare. Layout, each module one jo
 
 It imports neither vllm nor torch.
 
-May import: anything in ecshare (it uses only ecshare.config and ecshare.apps.ready,
-and speaks HTTP to the engines).
+May import: anything in ecshare (it uses only ecshare.config, ecshare.apps.ready,
+ecshare.control's keys and ecshare.peer.items' wire, and speaks HTTP to the engines).
 """
 
 from ecshare.apps.proxy.config import ProxyConfig, add_proxy_arguments, config_from_args
