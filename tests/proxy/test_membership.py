@@ -8,22 +8,29 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 from aiohttp import web
 from test_directory_feed import BACKEND, Child, children, claims, keys, start  # noqa: F401
 
+from ecshare.apps.cli import build_parser
 from ecshare.apps.proxy.backends import ENCODER, PREFILL_DECODE, BackendPool
+from ecshare.apps.proxy.config import ProxyConfig, config_from_args
 from ecshare.apps.proxy.directory import ItemDirectory
 from ecshare.apps.proxy.discovery import (
     Membership,
     base_url,
+    discovery_from_config,
     member_routes,
     resolve_addresses,
 )
 from ecshare.apps.proxy.feeds import DirectoryFeeds
 from ecshare.apps.proxy.metrics import ProxyMetrics
+from ecshare.config import ConfigError
+from ecshare.control import KeyPair
 from ecshare.peer.items import ItemSnapshot
 
 ADMIN_KEY = "an-admin-key-of-some-length"
@@ -209,3 +216,59 @@ def test_base_url_takes_only_a_backends_base() -> None:
     assert base_url("https://[::1]:8000") == "https://[::1]:8000"
     for bad in ("http://h:1/x", "http://h:1?q=1", "ws://h:1", "http://:1", "x" * 3000):
         assert base_url(bad) is None
+
+
+def _config(*flags: str) -> ProxyConfig:
+    return config_from_args(build_parser().parse_args(["proxy", *flags]), {})
+
+
+def test_membership_flags_decode_into_the_config_and_the_admin_key_never_shows(
+    tmp_path: Path,
+) -> None:
+    admin = tmp_path / "admin"
+    admin.write_text(ADMIN_KEY + "\n")
+    instance = KeyPair.generate()
+    config = _config(
+        "--events-port", "5800",
+        "--events-key", str(tmp_path / "proxy.key_secret"),
+        "--events-encoder-key", instance.public_text,
+        "--events-timeout", "3",
+        "--directory-max-items", "1000",
+        "--admin-key-file", str(admin),
+        "--discover-pd", "pd.ns.svc.cluster.local:8000",
+        "--discover-interval", "2",
+    )  # fmt: skip
+    assert (config.events_port, config.events_timeout_s, config.directory_max_items) == (
+        5800,
+        3.0,
+        1000,
+    )
+    assert config.events_pd_key is None and config.events_encoder_key == instance.public_text
+    assert config.admin_key == ADMIN_KEY
+    assert config.prefill_decode == ()  # they will be discovered
+    assert discovery_from_config(config) == {PREFILL_DECODE: ("pd.ns.svc.cluster.local", 8000)}
+    assert ADMIN_KEY not in repr(config)
+
+
+@pytest.mark.parametrize(
+    ("flags", "blamed"),
+    [
+        (["--pd", "http://pd:1", "--events-port", "5800"], "--events-port"),
+        (["--pd", "http://pd:1", "--discover-encoders", "enc.svc"], "--discover-encoders"),
+        (["--pd", "http://pd:1", "--discover-pd", "pd.svc:99999"], "--discover-pd"),
+        (["--pd", "http://pd:1", "--events-timeout", "0"], "--events-timeout"),
+        (["--pd", "http://pd:1", "--directory-max-items", "0"], "--directory-max-items"),
+        ([], "--pd"),
+    ],
+)
+def test_bad_membership_flags_are_one_clear_config_error(flags: list[str], blamed: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        _config(*flags)
+    assert blamed in str(caught.value)
+
+
+def test_a_short_admin_key_is_refused(tmp_path: Path) -> None:
+    admin = tmp_path / "admin"
+    admin.write_text("short\n")
+    with pytest.raises(ConfigError, match="--admin-key-file"):
+        _config("--pd", "http://pd:1", "--admin-key-file", str(admin))
