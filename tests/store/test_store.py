@@ -425,6 +425,43 @@ def test_commit_watchers_see_each_entry_that_turns_ready_and_nothing_else(
     assert written_now is not None and written_now.state is EntryState.READY
 
 
+def test_removal_watchers_hear_each_ready_entry_leave_before_its_key_is_stored_again(
+    store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    seen: list[tuple[str, str]] = []
+
+    def broken(entry: Entry) -> None:
+        raise RuntimeError("a watcher that fails")
+
+    stop = store.watch_removals(lambda e: seen.append(("gone", e.mm_hash)))
+    stop_broken = store.watch_removals(broken)
+    store.watch_commits(lambda e: seen.append(("ready", e.mm_hash)))
+    store.put("removed", payload(10))
+    store.put("pinned", payload(10))
+    store.pin("pinned", "reader", "g1", lease_s=60.0)
+    assert store.remove("removed")
+    assert store.remove("pinned")  # doomed while pinned: out of the index at once
+    store.put("pinned", payload(10))  # the same key, a new entry
+    store.abort(store.allocate("aborted", 5))  # never READY: never heard of
+    # LRU eviction: filling the region evicts the oldest unpinned READY entry.
+    store.put("big", payload((store.stats().total_blocks - 1) * BLOCK))
+    stop_broken()
+    stop()
+    store.remove("big")
+
+    assert seen == [
+        ("ready", "removed"),
+        ("ready", "pinned"),
+        ("gone", "removed"),
+        ("gone", "pinned"),
+        ("ready", "pinned"),
+        ("gone", "pinned"),
+        ("ready", "big"),
+    ]
+    # A failing watcher is logged; the removal stands all the same.
+    assert "removal watcher failed" in caplog.text
+
+
 def test_tags_mark_an_entrys_blocks_while_they_are_its_own(region: Region) -> None:
     store = Store(region, BLOCK, tags=True)
     capacity = store.stats().total_blocks
