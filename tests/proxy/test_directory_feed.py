@@ -107,14 +107,17 @@ def test_directory_resyncs_to_exactly_what_a_real_feed_holds_after_lost_events(
     child = start(children, keys, queue_max=2)
 
     async def run() -> None:
-        directory = ItemDirectory()
+        # Two proxy workers, each with its own subscription, end with the same picture.
+        directory, other = ItemDirectory(), ItemDirectory()
         feeds = DirectoryFeeds(directory, keys=keys["proxy"], resync_s=0.2)
-        feeds.watch(
-            BACKEND,
-            events_address(BACKEND, child.port),
-            encoder=True,
-            server_key=keys["instance"].public,
-        )
+        other_feeds = DirectoryFeeds(other, keys=keys["proxy"], resync_s=0.2)
+        for f in (feeds, other_feeds):
+            f.watch(
+                BACKEND,
+                events_address(BACKEND, child.port),
+                encoder=True,
+                server_key=keys["instance"].public,
+            )
         await until(lambda: directory.synced(BACKEND), "synced")
         child("put a")
         child("put b")
@@ -134,7 +137,11 @@ def test_directory_resyncs_to_exactly_what_a_real_feed_holds_after_lost_events(
         heartbeats = child("state")["stats"]["heartbeats"]
         await until(lambda: child("state")["stats"]["heartbeats"] >= heartbeats + 2, "beats")
         assert directory.synced(BACKEND) and claims(directory, everything) == {"b"}
+        await until(
+            lambda: other.synced(BACKEND) and claims(other, everything) == {"b"}, "the other too"
+        )
         await feeds.close()
+        await other_feeds.close()
 
     asyncio.run(run())
 
