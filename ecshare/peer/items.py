@@ -299,7 +299,13 @@ def feed_from_config(store: Store, config: Config) -> ItemFeed | None:
         return None
     keys: KeyPair | None = None
     subscribers: frozenset[bytes] = frozenset()
-    if not config.insecure:
+    if config.insecure:
+        log.warning(
+            "ecshare: item events on port %s without CURVE: anyone who can reach "
+            "it may subscribe (insecure=true)",
+            config.events_port,
+        )
+    else:
         secret = config.server_secret_key_file or config.client_secret_key_file
         if not secret:
             raise ControlConfigError(
