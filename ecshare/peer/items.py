@@ -190,7 +190,8 @@ class ItemFeed:
             self._stats["dropped"] += 1  # the sequence number is spent: a gap downstream
             return
         self._queue.append(ItemEvent(self.incarnation, self._seq, kind, mm_hash, nbytes))
-        self._waker.wake()
+        if len(self._queue) == 1:  # the thread drains it whole: one wake per batch is enough
+            self._waker.wake()
 
     # -- the feed's thread ------------------------------------------------------------------
 
