@@ -108,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     from ecshare.apps.bench.media_ttft import add_media_ttft_parser
 
     add_media_ttft_parser(bench)
+    from ecshare.apps.bench.serve import add_serve_parser
+
+    add_serve_parser(bench)
 
     from ecshare.apps.chaos.command import add_chaos_arguments
 
@@ -223,6 +226,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from ecshare.apps.bench.media_ttft import run_media_ttft_bench
 
         return run_media_ttft_bench(args)
+    if args.command == "bench" and args.bench_command == "serve":
+        from ecshare.apps.bench.serve import run_serve_bench
+
+        return run_serve_bench(args)
     if args.command == "bench":
         from ecshare.apps.bench.commands import run_bench
 

