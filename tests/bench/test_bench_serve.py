@@ -19,12 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from ecshare.apps.bench.serve import (
-    ModeResult,
-    proxy_routing_modes,
-    ratios,
-    routing_modes,
-)
+from ecshare.apps.bench.serve import proxy_routing_modes, routing_modes
+from ecshare.apps.bench.serve_report import ModeResult, ratios
 from ecshare.apps.bench.serve_workload import (
     Workload,
     WorkloadSpec,

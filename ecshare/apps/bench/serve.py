@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
 import random
 import subprocess
@@ -38,10 +37,18 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
+from ecshare.apps.bench.serve_report import (
+    ModeResult,
+    Result,
+    Snapshot,
+    mode_result,
+    print_result,
+    ratios,
+)
 from ecshare.apps.bench.serve_workload import (
     Workload,
     WorkloadSpec,
@@ -61,71 +68,13 @@ from ecshare.vllm.servers import (
     read_metrics,
 )
 
-if TYPE_CHECKING:
-    from ecshare.apps.bench.serve_client import Record
-
 __all__ = ["add_serve_parser", "routing_modes", "run_serve_bench"]
 
 MODEL_DIR = Path(".work/tiny-qwen2vl")
 REGION_BYTES = 64 << 20
 PROXY_PREFIX = "ecshare_proxy_"
 START_TIMEOUT_S = 600.0
-REQUEST_TIMEOUT_S = 300.0
 QUICK = {"chats": 2, "turns": 4, "active_chats": 2, "rate": 2.0, "max_tokens": 4}
-
-
-class ModeResult(msgspec.Struct, kw_only=True):
-    routing: str
-    requests: int
-    failed: int
-    checked: int  # answers compared with the plain instance's
-    wrong: int
-    encoder_calls: float  # requests the encoders finished (vLLM's counter)
-    encoder_calls_per_request: float
-    encoded_items: float  # encoder outputs stored (ecshare's saved_items)
-    bytes_moved: float  # pulled + pushed into prefill/decode regions
-    fetched_bytes: float
-    pushed_bytes: float
-    local_encodes: float  # items prefill/decode encoded itself
-    ttft_first_p50_ms: float | None
-    ttft_first_p99_ms: float | None
-    ttft_later_p50_ms: float | None
-    ttft_later_p99_ms: float | None
-    requests_per_s: float
-    encoder_round_trip_ms: float | None  # the proxy's mean encoder stage
-    route_reasons: dict[str, float]  # ecshare_proxy_route_total, where the proxy counts it
-    encoder_calls_saved: float | None
-    errors: list[str]
-
-
-class Ratios(msgspec.Struct, kw_only=True):
-    encoder_calls_ratio: float  # reuse / load, per request
-    encoder_calls_bound: float  # (1 - reuse) + 0.05
-    encoder_calls_met: bool
-    later_ttft_p50_gain_ms: float  # load - reuse
-    encoder_round_trip_ms: float
-    later_ttft_met: bool
-
-
-class Result(msgspec.Struct, kw_only=True):
-    bench: str = "serve"
-    chats: int
-    turns: int
-    reuse_target: float
-    reuse: float  # achieved by the workload
-    zipf: float
-    rate: float
-    arrivals: str
-    seed: int
-    max_tokens: int
-    check_share: float
-    encoders: int
-    prefill_decode: int
-    media_parts: int
-    distinct_images: int
-    modes: list[ModeResult]
-    ratios: Ratios | None
-    problems: list[str]
 
 
 def add_serve_parser(bench: argparse.ArgumentParser) -> None:
@@ -476,20 +425,13 @@ def _previous(workload: Workload) -> list[int | None]:
     return out
 
 
-class _Snapshot(msgspec.Struct):
-    encoders: dict[str, float]  # vLLM's and ecshare's samples, summed over the encoders
-    prefill_decode: dict[str, float]
-    proxy: dict[str, float]
-    route: dict[str, float]
-
-
-def _snapshot(ready: LaunchReady, proxy: str, settle_from: _Snapshot | None = None) -> _Snapshot:
+def _snapshot(ready: LaunchReady, proxy: str, settle_from: Snapshot | None = None) -> Snapshot:
     """The counters now; with `settle_from`, once the encoders' and prefill/decode's counts
     of finished requests have stopped moving (vLLM records a step's stats after it
     streams the step's outputs)."""
 
-    def take() -> _Snapshot:
-        return _Snapshot(
+    def take() -> Snapshot:
+        return Snapshot(
             _summed(ready.encoders),
             _summed(ready.prefill_decode),
             read_metrics(proxy, PROXY_PREFIX),
@@ -517,149 +459,6 @@ def _summed(urls: tuple[str, ...]) -> dict[str, float]:
     return out
 
 
-def _finished(s: _Snapshot) -> tuple[float, float]:
+def _finished(s: Snapshot) -> tuple[float, float]:
     key = "request_success_total"
     return s.encoders.get(key, 0.0), s.prefill_decode.get(key, 0.0)
-
-
-def _delta(after: dict[str, float], before: dict[str, float], *names: str) -> float:
-    """The change of the first of `names` present (a counter's name with or without
-    `_total`), 0 when none is."""
-    for name in names:
-        for key in (name, name + "_total"):
-            if key in after:
-                return after[key] - before.get(key, 0.0)
-    return 0.0
-
-
-def percentile_ms(values: list[float], q: float) -> float | None:
-    """The nearest-rank `q` quantile of `values` (seconds), in milliseconds; None if empty."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = max(1, math.ceil(q * len(ordered)))
-    return round(ordered[rank - 1] * 1e3, 2)
-
-
-def mode_result(
-    mode: str,
-    workload: Workload,
-    records: list[Record],
-    reference: list[list[int] | None],
-    before: _Snapshot,
-    after: _Snapshot,
-) -> ModeResult:
-    """One mode's figures from its records and the counters around its run."""
-    n = len(records)
-    failed = [r for r in records if r.error is not None]
-    checked = [
-        (r, ref)
-        for r, ref in zip(records, reference, strict=True)
-        if ref is not None and r.error is None
-    ]
-    wrong = sum(1 for r, ref in checked if r.tokens != ref)
-    first = [
-        r.ttft_s
-        for r, t in zip(records, workload.requests, strict=True)
-        if t.turn == 0 and r.ttft_s is not None
-    ]
-    later = [
-        r.ttft_s
-        for r, t in zip(records, workload.requests, strict=True)
-        if t.turn > 0 and r.ttft_s is not None
-    ]
-    ok = [r for r in records if r.error is None]
-    span = max((r.ended_s for r in records), default=0.0) - min(
-        (r.sent_s for r in records), default=0.0
-    )
-    calls = _delta(after.encoders, before.encoders, "request_success")
-    fetched = _delta(after.prefill_decode, before.prefill_decode, "ecshare_fetched_bytes")
-    pushed = _delta(after.prefill_decode, before.prefill_decode, "ecshare_pushed_in_bytes")
-    stage_n = _delta(after.proxy, before.proxy, "encode_seconds_count")
-    stage_s = _delta(after.proxy, before.proxy, "encode_seconds_sum")
-    reasons = {k: v - before.route.get(k, 0.0) for k, v in after.route.items()}
-    saved = None
-    if any(k.startswith("encoder_calls_saved") for k in after.proxy):
-        saved = _delta(after.proxy, before.proxy, "encoder_calls_saved")
-    return ModeResult(
-        routing=mode, requests=n, failed=len(failed), checked=len(checked), wrong=wrong,
-        encoder_calls=calls, encoder_calls_per_request=round(calls / n, 4) if n else 0.0,
-        encoded_items=_delta(after.encoders, before.encoders, "ecshare_saved_items"),
-        bytes_moved=fetched + pushed, fetched_bytes=fetched, pushed_bytes=pushed,
-        local_encodes=_delta(after.prefill_decode, before.prefill_decode, "ecshare_local_encodes"),
-        ttft_first_p50_ms=percentile_ms(first, 0.5), ttft_first_p99_ms=percentile_ms(first, 0.99),
-        ttft_later_p50_ms=percentile_ms(later, 0.5), ttft_later_p99_ms=percentile_ms(later, 0.99),
-        requests_per_s=round(len(ok) / span, 3) if span > 0 else 0.0,
-        encoder_round_trip_ms=round(stage_s / stage_n * 1e3, 2) if stage_n else None,
-        route_reasons=reasons, encoder_calls_saved=saved,
-        errors=sorted({r.error for r in failed if r.error})[:5],
-    )  # fmt: skip
-
-
-def ratios(modes: list[ModeResult], reuse: float) -> Ratios | None:
-    """The issue's two ratios, reuse routing against load routing; None without both."""
-    by = {m.routing: m for m in modes}
-    load, on = by.get("load"), by.get("reuse")
-    if load is None or on is None or not load.encoder_calls_per_request:
-        return None
-    if load.ttft_later_p50_ms is None or on.ttft_later_p50_ms is None:
-        return None
-    ratio = on.encoder_calls_per_request / load.encoder_calls_per_request
-    bound = (1.0 - reuse) + 0.05
-    gain = load.ttft_later_p50_ms - on.ttft_later_p50_ms
-    trip = load.encoder_round_trip_ms or 0.0
-    return Ratios(
-        encoder_calls_ratio=round(ratio, 4), encoder_calls_bound=round(bound, 4),
-        encoder_calls_met=ratio <= bound, later_ttft_p50_gain_ms=round(gain, 2),
-        encoder_round_trip_ms=trip, later_ttft_met=gain >= trip,
-    )  # fmt: skip
-
-
-def print_result(result: Result) -> None:
-    print(
-        f"bench serve: {result.chats} chats x {result.turns} turns, reuse {result.reuse:.2f} "
-        f"(target {result.reuse_target:.2f}), zipf {result.zipf:g}, {result.rate:g} req/s "
-        f"{result.arrivals}, {result.max_tokens} tokens, {result.encoders} encoder(s), "
-        f"{result.prefill_decode} prefill/decode, {result.media_parts} media parts over "
-        f"{result.distinct_images} images"
-    )
-    head = (
-        "routing",
-        "enc/req",
-        "encoded",
-        "MiB moved",
-        "TTFT1 p50",
-        "p99",
-        "TTFTn p50",
-        "p99",
-        "req/s",
-        "enc ms",
-        "wrong",
-        "failed",
-    )
-    print("".join(f"{h:>10}" for h in head))
-    for m in result.modes:
-        cells = (
-            m.routing, f"{m.encoder_calls_per_request:.2f}", f"{m.encoded_items:g}",
-            f"{m.bytes_moved / (1 << 20):.2f}", _ms(m.ttft_first_p50_ms), _ms(m.ttft_first_p99_ms),
-            _ms(m.ttft_later_p50_ms), _ms(m.ttft_later_p99_ms), f"{m.requests_per_s:.2f}",
-            _ms(m.encoder_round_trip_ms), f"{m.wrong}/{m.checked}", str(m.failed),
-        )  # fmt: skip
-        print("".join(f"{c:>10}" for c in cells))
-        for error in m.errors:
-            print(f"  {m.routing}: {error}")
-    r = result.ratios
-    if r is not None:
-        print(
-            f"encoder calls, reuse / load: {r.encoder_calls_ratio:.2f} (bound "
-            f"{r.encoder_calls_bound:.2f}: {'met' if r.encoder_calls_met else 'NOT met'}); "
-            f"later-turn TTFT p50 gain {r.later_ttft_p50_gain_ms:.1f} ms against the encoder "
-            f"round trip {r.encoder_round_trip_ms:.1f} ms: "
-            f"{'met' if r.later_ttft_met else 'NOT met'}"
-        )
-    for problem in result.problems:
-        print(f"note: {problem}")
-
-
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f}"
