@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from ecshare.apps.bench.serve import proxy_routing_modes, routing_modes
-from ecshare.apps.bench.serve_report import ModeResult, ratios
+from ecshare.apps.bench.serve_client import Record
+from ecshare.apps.bench.serve_report import ModeResult, Round, Snapshot, mode_result, ratios
 from ecshare.apps.bench.serve_workload import (
     Workload,
     WorkloadSpec,
@@ -150,10 +151,11 @@ def test_routing_modes_follow_what_the_proxy_knows() -> None:
 
 def _mode(routing: str, calls: float, later_ms: float, trip_ms: float | None) -> ModeResult:
     return ModeResult(
-        routing=routing, requests=10, failed=0, checked=10, wrong=0, encoder_calls=calls,
+        routing=routing, rounds=1, requests=10, failed=0, checked=10, wrong=0, encoder_calls=calls,
         encoder_calls_per_request=calls / 10, encoded_items=calls, bytes_moved=0.0,
         fetched_bytes=0.0, pushed_bytes=0.0, local_encodes=0.0, ttft_first_p50_ms=50.0,
         ttft_first_p99_ms=60.0, ttft_later_p50_ms=later_ms, ttft_later_p99_ms=later_ms,
+        ttft_later_p50_by_round_ms=[later_ms],
         requests_per_s=1.0, encoder_round_trip_ms=trip_ms, route_reasons={},
         encoder_calls_saved=None, errors=[],
     )  # fmt: skip
@@ -167,6 +169,51 @@ def test_ratios_hold_reuse_routing_to_the_issue_bounds() -> None:
     assert met.encoder_calls_ratio == pytest.approx(0.55)
     missed = ratios([load, _mode("reuse", 12, 80.0, None)], 0.5)
     assert missed is not None and not missed.encoder_calls_met and not missed.later_ttft_met
+
+
+def _snapshot(encoder_calls: float, pushed: float, stage_s: float, stage_n: float) -> Snapshot:
+    return Snapshot(
+        encoders={"request_success_total": encoder_calls, "ecshare_saved_items_total": 1.0},
+        prefill_decode={"ecshare_pushed_in_bytes": pushed, "ecshare_fetched_bytes_total": 0.0},
+        proxy={"encode_seconds_sum": stage_s, "encode_seconds_count": stage_n},
+        route={},
+    )
+
+
+def test_mode_figures_pool_rounds_and_count_wrong_and_failed_answers() -> None:
+    workload = build_workload(WorkloadSpec(chats=1, turns=2, reuse=0.5))
+    assert [r.turn for r in workload.requests] == [0, 1]
+    rounds = [
+        Round(
+            [Record(0.0, 0.1, 0.5, [1, 2]), Record(1.0, 0.3, 1.5, [3, 4])],
+            [[1, 2], [3, 4]],
+            _snapshot(10, 0, 1.0, 2),
+            _snapshot(13, 6144, 1.2, 4),
+        ),
+        Round(
+            [Record(0.0, 0.2, 0.5, [1, 2]), Record(1.0, None, 2.0, [], error="HTTP 500: x")],
+            [None, [3, 4]],
+            _snapshot(13, 6144, 1.2, 4),
+            _snapshot(15, 12288, 1.4, 6),
+        ),
+        Round(
+            [Record(0.0, 0.1, 0.5, [9, 9]), Record(1.0, 0.5, 1.0, [3, 4])],
+            [[1, 2], [3, 4]],
+            _snapshot(15, 12288, 1.4, 6),
+            _snapshot(15, 12288, 1.4, 6),
+        ),
+    ]
+    figures = mode_result("load", workload, rounds)
+    assert (figures.requests, figures.failed, figures.checked, figures.wrong) == (6, 1, 4, 1)
+    assert figures.encoder_calls == 5 and figures.encoder_calls_per_request == pytest.approx(
+        5 / 6, abs=1e-4
+    )
+    assert figures.bytes_moved == 12288 and figures.pushed_bytes == 12288
+    assert figures.encoder_round_trip_ms == pytest.approx(100.0)
+    assert figures.ttft_first_p50_ms == pytest.approx(100.0)
+    assert figures.ttft_later_p50_by_round_ms == [300.0, None, 500.0]
+    assert figures.requests_per_s == pytest.approx(5 / 4.5, abs=1e-3)  # spans 1.5, 2, 1 s
+    assert figures.errors == ["HTTP 500: x"]
 
 
 def test_bad_options_start_nothing() -> None:

@@ -44,6 +44,7 @@ import msgspec
 from ecshare.apps.bench.serve_report import (
     ModeResult,
     Result,
+    Round,
     Snapshot,
     mode_result,
     print_result,
@@ -128,6 +129,12 @@ def add_serve_parser(bench: argparse.ArgumentParser) -> None:
         help="routing modes to run, comma-separated, in order: load, reuse (`ecshare proxy "
         "--routing`); auto: both where the proxy has the flag, else load (auto)",
     )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="runs of the workload per mode, interleaved, each over images of its own (1)",
+    )
     p.add_argument("--encoders", type=int, default=1, help="encoder instances (1)")
     p.add_argument("--pd", type=int, default=1, help="prefill/decode instances (1)")
     p.add_argument("--no-push", dest="push", action="store_false", help="launch --no-push")
@@ -178,8 +185,8 @@ def run_serve_bench(args: argparse.Namespace) -> int:
     problems = spec.problems()
     if not 0.0 < args.check_share <= 1.0:
         problems.append(f"--check-share {args.check_share} is not in (0, 1]")
-    if args.encoders < 1 or args.pd < 1 or max_tokens < 1:
-        problems.append("--encoders, --pd and --max-tokens must each be at least 1")
+    if min(args.encoders, args.pd, max_tokens, args.rounds) < 1:
+        problems.append("--encoders, --pd, --max-tokens and --rounds must each be at least 1")
     try:
         modes = routing_modes(args.routing, proxy_routing_modes())
     except ValueError as exc:
@@ -200,7 +207,7 @@ def run_serve_bench(args: argparse.Namespace) -> int:
         workdir = args.workdir or Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
         run = _Deployment(model, workdir, args.encoders, args.pd, args.push, spec.max_images, say)
-        result = run.measure(workload, modes, max_tokens, args.check_share)
+        result = run.measure(workload, modes, args.rounds, max_tokens, args.check_share)
     if args.json:
         print(msgspec.json.encode(result).decode())
     else:
@@ -219,7 +226,12 @@ class _Deployment:
         self.limit = json.dumps({"image": images, "video": 0})
 
     def measure(
-        self, workload: Workload, modes: list[str], max_tokens: int, check_share: float
+        self,
+        workload: Workload,
+        modes: list[str],
+        rounds: int,
+        max_tokens: int,
+        check_share: float,
     ) -> Result:
         from ecshare.apps.bench.serve_client import reference_tokens  # aiohttp: only here
 
@@ -241,27 +253,38 @@ class _Deployment:
             ready = _wait_launch(launch, START_TIMEOUT_S)
             rng = random.Random(f"check/{workload.spec.seed}")
             checked = [rng.random() < check_share for _ in workload.requests]
-            bodies = {m: _bodies(workload, m, max_tokens) for m in modes}
+            # Round r runs the modes in turn, in reverse on odd rounds, each over images of
+            # its own (run name "MODE-r"), so that neither mode always goes first.
+            plan = [
+                (mode, f"{mode}-{r}")
+                for r in range(rounds)
+                for mode in (modes if r % 2 == 0 else modes[::-1])
+            ]
+            bodies = {run: _bodies(workload, run, max_tokens) for _, run in plan}
             self.say(
-                f"reference answers from the plain instance ({sum(checked) * len(modes)} "
+                f"reference answers from the plain instance ({sum(checked) * len(plan)} "
                 "requests) ..."
             )
             reference = {
-                m: asyncio.run(
+                run: asyncio.run(
                     reference_tokens(
                         plain.url,
-                        [b if c else None for b, c in zip(bodies[m], checked, strict=True)],
+                        [b if c else None for b, c in zip(bodies[run], checked, strict=True)],
                     )
                 )
-                for m in modes
+                for _, run in plan
             }
             plain.stop()  # its core is the launch's now
-            for mode in modes:
+            done: dict[str, list[Round]] = {mode: [] for mode in modes}
+            for mode, run in plan:
                 self.say(
-                    f"routing {mode}: {len(workload.requests)} requests at "
-                    f"{workload.spec.rate:g}/s ..."
+                    f"{run}: {len(workload.requests)} requests at {workload.spec.rate:g}/s, "
+                    f"routing {mode} ..."
                 )
-                results.append(self._run_mode(ready, mode, workload, bodies[mode], reference[mode]))
+                done[mode].append(
+                    self._run_mode(ready, mode, run, bodies[run], reference[run], workload)
+                )
+            results = [mode_result(mode, workload, done[mode]) for mode in modes]
         finally:
             plain.stop()
             _stop(launch)
@@ -276,7 +299,8 @@ class _Deployment:
             zipf=workload.spec.zipf, rate=workload.spec.rate, arrivals=workload.spec.arrivals,
             seed=workload.spec.seed, max_tokens=max_tokens, check_share=check_share,
             encoders=self.encoders, prefill_decode=self.pd,
-            media_parts=workload.media_parts, distinct_images=workload.distinct_images,
+            rounds=rounds, media_parts=workload.media_parts,
+            distinct_images=workload.distinct_images,
             modes=results, ratios=ratios(results, workload.reuse), problems=problems,
         )  # fmt: skip
 
@@ -298,16 +322,18 @@ class _Deployment:
         self,
         ready: LaunchReady,
         mode: str,
-        workload: Workload,
+        run: str,
         bodies: list[dict[str, Any]],
         reference: list[list[int] | None],
-    ) -> ModeResult:
+        workload: Workload,
+    ) -> Round:
+        """One run through a proxy of its own, routing by `mode`."""
         from ecshare.apps.bench.serve_client import send_all
 
         proxy, url = self._start_proxy(ready, mode)
         try:
             # One request sets up the instances' sessions with this proxy; not measured.
-            warm = random_image_url(image_seed(workload.spec.seed, f"warm-{mode}", 0))
+            warm = random_image_url(image_seed(workload.spec.seed, f"warm-{run}", 0))
             warm_body = {
                 **bodies[0],
                 "messages": [
@@ -328,7 +354,7 @@ class _Deployment:
             after = _snapshot(ready, url, settle_from=before)
         finally:
             _stop(proxy)
-        return mode_result(mode, workload, records, reference, before, after)
+        return Round(records, reference, before, after)
 
     def _start_proxy(self, ready: LaunchReady, mode: str) -> tuple[subprocess.Popen[str], str]:
         pd = [

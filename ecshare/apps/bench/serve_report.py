@@ -8,6 +8,7 @@ figure means can be read and tested apart from the servers.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -16,11 +17,21 @@ if TYPE_CHECKING:
     from ecshare.apps.bench.serve_client import Record
     from ecshare.apps.bench.serve_workload import Workload
 
-__all__ = ["ModeResult", "Ratios", "Result", "Snapshot", "mode_result", "print_result", "ratios"]
+__all__ = [
+    "ModeResult",
+    "Ratios",
+    "Result",
+    "Round",
+    "Snapshot",
+    "mode_result",
+    "print_result",
+    "ratios",
+]
 
 
 class ModeResult(msgspec.Struct, kw_only=True):
     routing: str
+    rounds: int  # runs of the workload, each over images of its own, pooled here
     requests: int
     failed: int
     checked: int  # answers compared with the plain instance's
@@ -36,6 +47,7 @@ class ModeResult(msgspec.Struct, kw_only=True):
     ttft_first_p99_ms: float | None
     ttft_later_p50_ms: float | None
     ttft_later_p99_ms: float | None
+    ttft_later_p50_by_round_ms: list[float | None]
     requests_per_s: float
     encoder_round_trip_ms: float | None  # the proxy's mean encoder stage
     route_reasons: dict[str, float]  # ecshare_proxy_route_total, where the proxy counts it
@@ -64,6 +76,7 @@ class Result(msgspec.Struct, kw_only=True):
     seed: int
     max_tokens: int
     check_share: float
+    rounds: int  # per mode
     encoders: int
     prefill_decode: int
     media_parts: int
@@ -101,55 +114,74 @@ def percentile_ms(values: list[float], q: float) -> float | None:
     return round(ordered[rank - 1] * 1e3, 2)
 
 
-def mode_result(
-    mode: str,
-    workload: Workload,
-    records: list[Record],
-    reference: list[list[int] | None],
-    before: Snapshot,
-    after: Snapshot,
-) -> ModeResult:
-    """One mode's figures from its records and the counters around its run."""
-    n = len(records)
+@dataclass
+class Round:
+    """One run of the workload in one mode: the client's records, the plain instance's
+    tokens (None where not checked) and the counters before and after."""
+
+    records: list[Record]
+    reference: list[list[int] | None]
+    before: Snapshot
+    after: Snapshot
+
+
+def mode_result(mode: str, workload: Workload, rounds: list[Round]) -> ModeResult:
+    """One mode's figures, pooled over its rounds (each a run of `workload`)."""
+    requests = [t for _ in rounds for t in workload.requests]
+    records = [r for one in rounds for r in one.records]
+    reference = [ref for one in rounds for ref in one.reference]
     failed = [r for r in records if r.error is not None]
     checked = [
         (r, ref)
         for r, ref in zip(records, reference, strict=True)
         if ref is not None and r.error is None
     ]
-    wrong = sum(1 for r, ref in checked if r.tokens != ref)
-    first = [
-        r.ttft_s
-        for r, t in zip(records, workload.requests, strict=True)
-        if t.turn == 0 and r.ttft_s is not None
+    first = [r.ttft_s for r, t in zip(records, requests, strict=True) if t.turn == 0 and r.ttft_s]
+    later = [r.ttft_s for r, t in zip(records, requests, strict=True) if t.turn > 0 and r.ttft_s]
+    by_round = [
+        percentile_ms(
+            [
+                r.ttft_s
+                for r, t in zip(one.records, workload.requests, strict=True)
+                if t.turn > 0 and r.ttft_s
+            ],
+            0.5,
+        )
+        for one in rounds
     ]
-    later = [
-        r.ttft_s
-        for r, t in zip(records, workload.requests, strict=True)
-        if t.turn > 0 and r.ttft_s is not None
-    ]
-    ok = [r for r in records if r.error is None]
-    span = max((r.ended_s for r in records), default=0.0) - min(
-        (r.sent_s for r in records), default=0.0
+    span = sum(
+        max(r.ended_s for r in one.records) - min(r.sent_s for r in one.records)
+        for one in rounds
+        if one.records
     )
-    calls = _delta(after.encoders, before.encoders, "request_success")
-    fetched = _delta(after.prefill_decode, before.prefill_decode, "ecshare_fetched_bytes")
-    pushed = _delta(after.prefill_decode, before.prefill_decode, "ecshare_pushed_in_bytes")
-    stage_n = _delta(after.proxy, before.proxy, "encode_seconds_count")
-    stage_s = _delta(after.proxy, before.proxy, "encode_seconds_sum")
-    reasons = {k: v - before.route.get(k, 0.0) for k, v in after.route.items()}
+
+    def delta(side: str, *names: str) -> float:
+        return sum(_delta(getattr(o.after, side), getattr(o.before, side), *names) for o in rounds)
+
+    n = len(records)
+    calls = delta("encoders", "request_success")
+    fetched = delta("prefill_decode", "ecshare_fetched_bytes")
+    pushed = delta("prefill_decode", "ecshare_pushed_in_bytes")
+    stage_n = delta("proxy", "encode_seconds_count")
+    stage_s = delta("proxy", "encode_seconds_sum")
+    reasons: dict[str, float] = {}
+    for one in rounds:
+        for k, v in one.after.route.items():
+            reasons[k] = reasons.get(k, 0.0) + v - one.before.route.get(k, 0.0)
     saved = None
-    if any(k.startswith("encoder_calls_saved") for k in after.proxy):
-        saved = _delta(after.proxy, before.proxy, "encoder_calls_saved")
+    if rounds and any(k.startswith("encoder_calls_saved") for k in rounds[0].after.proxy):
+        saved = delta("proxy", "encoder_calls_saved")
     return ModeResult(
-        routing=mode, requests=n, failed=len(failed), checked=len(checked), wrong=wrong,
-        encoder_calls=calls, encoder_calls_per_request=round(calls / n, 4) if n else 0.0,
-        encoded_items=_delta(after.encoders, before.encoders, "ecshare_saved_items"),
+        routing=mode, rounds=len(rounds), requests=n, failed=len(failed), checked=len(checked),
+        wrong=sum(1 for r, ref in checked if r.tokens != ref), encoder_calls=calls,
+        encoder_calls_per_request=round(calls / n, 4) if n else 0.0,
+        encoded_items=delta("encoders", "ecshare_saved_items"),
         bytes_moved=fetched + pushed, fetched_bytes=fetched, pushed_bytes=pushed,
-        local_encodes=_delta(after.prefill_decode, before.prefill_decode, "ecshare_local_encodes"),
+        local_encodes=delta("prefill_decode", "ecshare_local_encodes"),
         ttft_first_p50_ms=percentile_ms(first, 0.5), ttft_first_p99_ms=percentile_ms(first, 0.99),
         ttft_later_p50_ms=percentile_ms(later, 0.5), ttft_later_p99_ms=percentile_ms(later, 0.99),
-        requests_per_s=round(len(ok) / span, 3) if span > 0 else 0.0,
+        ttft_later_p50_by_round_ms=by_round,
+        requests_per_s=round((n - len(failed)) / span, 3) if span > 0 else 0.0,
         encoder_round_trip_ms=round(stage_s / stage_n * 1e3, 2) if stage_n else None,
         route_reasons=reasons, encoder_calls_saved=saved,
         errors=sorted({r.error for r in failed if r.error})[:5],
@@ -181,7 +213,7 @@ def print_result(result: Result) -> None:
         f"(target {result.reuse_target:.2f}), zipf {result.zipf:g}, {result.rate:g} req/s "
         f"{result.arrivals}, {result.max_tokens} tokens, {result.encoders} encoder(s), "
         f"{result.prefill_decode} prefill/decode, {result.media_parts} media parts over "
-        f"{result.distinct_images} images"
+        f"{result.distinct_images} images, {result.rounds} round(s) per mode"
     )
     head = (
         "routing",
@@ -206,6 +238,9 @@ def print_result(result: Result) -> None:
             _ms(m.encoder_round_trip_ms), f"{m.wrong}/{m.checked}", str(m.failed),
         )  # fmt: skip
         print("".join(f"{c:>10}" for c in cells))
+        if m.rounds > 1:
+            each = ", ".join(_ms(v) for v in m.ttft_later_p50_by_round_ms)
+            print(f"  {m.routing}: later-turn TTFT p50 by round: {each} ms")
         for error in m.errors:
             print(f"  {m.routing}: {error}")
     r = result.ratios
