@@ -3,13 +3,15 @@
 It starts one real EPD deployment, `ecshare launch --cpu` over the tiny Qwen2-VL
 (`ecshare.vllm.tiny_model`), and a plain `vllm serve` beside it as the token reference.
 The workload (`serve_workload`: multi-turn chats that resend their images, Zipf
-popularity, a reuse share, fixed offered rate) runs once per routing mode, each through
-a proxy of its own (`ecshare proxy`, the launch's proxy flags plus `--routing MODE`)
-started in front of the same instances, one after the other. Each mode's run sends the
-same pattern over images of its own (`image_seed`), so that no cache (vLLM's, a region,
-a proxy's directory) carries an image from one run into the other; a fresh proxy per
-mode starts with an empty directory, the instances' processes and warm-up stay the same.
-Where the proxy has no `--routing` flag (everything routes by load), only `load` runs.
+popularity, a reuse share, fixed offered rate) runs once per routing mode and round,
+each run through a proxy of its own (`ecshare proxy`, the launch's proxy flags plus
+`--routing MODE`) started in front of the same instances, one run after the other, the
+modes' order reversed on odd rounds. Each run sends the same pattern over images of its
+own (`image_seed`), so that no cache (vLLM's, a region, a proxy's directory) carries an
+image from one run into another; a fresh proxy per run starts with an empty directory,
+while the instances' processes and warm-up stay the same for every mode (a restart of
+the instances instead would cost minutes and add start-up noise to one mode). Where the
+proxy has no `--routing` flag (everything routes by load), only `load` runs.
 
 Per mode it reports, from the instances' own counters: encoder calls per request (the
 encoders' finished vLLM requests) and items encoded (their stored outputs), bytes moved
@@ -31,6 +33,7 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -88,6 +91,7 @@ def add_serve_parser(bench: argparse.ArgumentParser) -> None:
     )
     d = WorkloadSpec()
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument(
         "--quick",
         action="store_true",
@@ -139,7 +143,12 @@ def add_serve_parser(bench: argparse.ArgumentParser) -> None:
     p.add_argument("--pd", type=int, default=1, help="prefill/decode instances (1)")
     p.add_argument("--no-push", dest="push", action="store_false", help="launch --no-push")
     p.add_argument("--model", type=Path, default=MODEL_DIR, help=f"tiny model dir ({MODEL_DIR})")
-    p.add_argument("--workdir", type=Path, default=None, help="logs (default: a temp dir)")
+    p.add_argument(
+        "--workdir",
+        type=Path,
+        default=None,
+        help="logs and keys (default: a temp dir, removed after a run, kept after a failure)",
+    )
 
 
 def proxy_routing_modes() -> tuple[str, ...]:
@@ -198,16 +207,21 @@ def run_serve_bench(args: argparse.Namespace) -> int:
     workload = build_workload(spec)
     say = (
         (lambda _: None)
-        if args.json
+        if args.quiet
         else (lambda t: print(f"bench serve: {t}", file=sys.stderr, flush=True))
     )
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     model = ensure_tiny_model(args.model.resolve())
-    with tempfile.TemporaryDirectory(prefix="ecshare-bench-serve-") as tmp:
-        workdir = args.workdir or Path(tmp)
-        workdir.mkdir(parents=True, exist_ok=True)
-        run = _Deployment(model, workdir, args.encoders, args.pd, args.push, spec.max_images, say)
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="ecshare-bench-serve-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    run = _Deployment(model, workdir, args.encoders, args.pd, args.push, spec.max_images, say)
+    try:
         result = run.measure(workload, modes, args.rounds, max_tokens, args.check_share)
+    except (RuntimeError, TimeoutError, OSError) as exc:
+        print(f"bench serve: {exc}\nbench serve: logs kept in {workdir}", file=sys.stderr)
+        return 1
+    if args.workdir is None:
+        shutil.rmtree(workdir, ignore_errors=True)
     if args.json:
         print(msgspec.json.encode(result).decode())
     else:
@@ -240,16 +254,18 @@ class _Deployment:
             "and a plain instance ..."
         )
         launch = self._start_launch()
-        plain = VllmServer(
-            ServerSpec(
-                self.model, free_port(), core=0, extra_args=("--limit-mm-per-prompt", self.limit)
-            ),
-            self.workdir / "plain.log",
-        ).start()
+        plain = self._plain().start()
         problems: list[str] = []
         results: list[ModeResult] = []
         try:
-            plain.wait_ready(START_TIMEOUT_S)
+            try:
+                plain.wait_ready(START_TIMEOUT_S)
+            except RuntimeError:
+                # Its free port may have been taken meanwhile (by the launch's instances,
+                # which pick theirs at the same time): once more, on another.
+                plain.stop()
+                plain = self._plain().start()
+                plain.wait_ready(START_TIMEOUT_S)
             ready = _wait_launch(launch, START_TIMEOUT_S)
             rng = random.Random(f"check/{workload.spec.seed}")
             checked = [rng.random() < check_share for _ in workload.requests]
@@ -303,6 +319,12 @@ class _Deployment:
             distinct_images=workload.distinct_images,
             modes=results, ratios=ratios(results, workload.reuse), problems=problems,
         )  # fmt: skip
+
+    def _plain(self) -> VllmServer:
+        spec = ServerSpec(
+            self.model, free_port(), core=0, extra_args=("--limit-mm-per-prompt", self.limit)
+        )
+        return VllmServer(spec, self.workdir / f"plain-{spec.port}.log")
 
     def _start_launch(self) -> subprocess.Popen[str]:
         command = [
