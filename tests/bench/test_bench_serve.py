@@ -21,7 +21,15 @@ import pytest
 
 from ecshare.apps.bench.serve import proxy_routing_modes, routing_modes
 from ecshare.apps.bench.serve_client import Record
-from ecshare.apps.bench.serve_report import ModeResult, Round, Snapshot, mode_result, ratios
+from ecshare.apps.bench.serve_report import (
+    ModeResult,
+    Result,
+    Round,
+    Snapshot,
+    mode_result,
+    print_result,
+    ratios,
+)
 from ecshare.apps.bench.serve_workload import (
     Workload,
     WorkloadSpec,
@@ -169,6 +177,19 @@ def test_ratios_hold_reuse_routing_to_the_issue_bounds() -> None:
     assert met.encoder_calls_ratio == pytest.approx(0.55)
     missed = ratios([load, _mode("reuse", 12, 80.0, None)], 0.5)
     assert missed is not None and not missed.encoder_calls_met and not missed.later_ttft_met
+
+
+def test_table_shows_each_mode_and_the_ratios(capsys: pytest.CaptureFixture[str]) -> None:
+    modes = [_mode("load", 20, 100.0, 30.0), _mode("reuse", 11, 65.0, None)]
+    result = Result(
+        chats=4, turns=4, reuse_target=0.5, reuse=0.5, zipf=1.1, rate=1.0, arrivals="poisson",
+        seed=0, max_tokens=8, check_share=1.0, rounds=1, encoders=1, prefill_decode=1,
+        media_parts=40, distinct_images=20, modes=modes, ratios=ratios(modes, 0.5), problems=[],
+    )  # fmt: skip
+    print_result(result)
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines[2:4]] == ["load", "reuse"]
+    assert "0.55 (bound 0.55: met)" in lines[4] and "35.0 ms" in lines[4]
 
 
 def _snapshot(encoder_calls: float, pushed: float, stage_s: float, stage_n: float) -> Snapshot:
