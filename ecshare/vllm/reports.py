@@ -37,6 +37,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from ecshare.peer.thread import name_os_thread
 from ecshare.vllm.ops import ReportRoute, StepReport
 
 log = logging.getLogger(__name__)
@@ -103,6 +104,7 @@ class ReportListener:
         return self._inbox.dropped
 
     def _run(self) -> None:
+        name_os_thread("ecshare-reports")
         while not self._stop.is_set():
             for report in self._inbox.receive(timeout_s=0.1):
                 try:
