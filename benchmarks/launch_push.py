@@ -253,6 +253,95 @@ def quantiles(values: list[float]) -> dict[str, float | int | None]:
     return {"n": len(ordered), "p50": rank(0.5), "p90": rank(0.9), "max": ordered[-1]}
 
 
+# ---------------------------------------------------------------- phase marks
+
+# Installed (as sitecustomize) in every process launch starts, with --phases: each
+# Producer and Consumer started gets a PhaseLog (ecshare.peer.phases), which a thread
+# appends to a file every 0.2 s, so that both instances' marks of each push lie on one
+# time line (CLOCK_MONOTONIC is the host's).
+_SITECUSTOMIZE = """
+import json, os, threading, time
+from ecshare.peer import thread as _thread
+from ecshare.peer.phases import PhaseLog
+
+_start = _thread.NetworkThread.start
+
+def _logged_start(self):
+    out = _start(self)
+    log = self.phases = PhaseLog()
+    path = os.path.join(
+        os.environ["LAUNCH_PUSH_PHASES"], f"{os.getpid()}-{type(self).__name__}.jsonl"
+    )
+
+    def flush():
+        while True:
+            time.sleep(0.2)
+            marks = log.take()
+            if marks:
+                with open(path, "a") as f:
+                    f.writelines(json.dumps(m) + "\\n" for m in marks)
+
+    threading.Thread(target=flush, name="bench-phases", daemon=True).start()
+    return out
+
+_thread.NetworkThread.start = _logged_start
+"""
+
+
+def install_phase_logs(directory: Path) -> dict[str, str]:
+    """The environment that makes launch's processes log push phases into `directory`."""
+    (directory / "site").mkdir(parents=True, exist_ok=True)
+    (directory / "site" / "sitecustomize.py").write_text(_SITECUSTOMIZE)
+    path = [str(directory / "site"), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {"PYTHONPATH": os.pathsep.join(path), "LAUNCH_PUSH_PHASES": str(directory)}
+
+
+def read_phase_logs(directory: Path) -> list[tuple[str, str, float]]:
+    out = []
+    for path in sorted(directory.glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            key, phase, at = json.loads(line)
+            out.append((str(key), str(phase), float(at)))
+    return out
+
+
+def push_steps(records: list[tuple[str, str, float]]) -> dict[str, Any]:
+    """Per pushed item: how long before prefill/decode asked (`call`) its push was asked
+    (`push_call`), how late it was committed after that ask, and each step's ms
+    (PUSH_STEPS of the pipeline bench); the late ones listed, the steps' medians of all."""
+    from ecshare.apps.bench.pipeline import PUSH_STEPS, _push_marks
+
+    marks = _push_marks(records, [])
+    items: list[dict[str, Any]] = []
+    for key, m in marks.items():
+        if "push_call" not in m or "call" not in m or "committed" not in m:
+            continue
+        steps, before = {}, "push_call"
+        for mark, name in PUSH_STEPS[1:]:
+            if mark in m and before in m:
+                steps[name] = round((m[mark] - m[before]) * 1000, 3)
+            before = mark
+        items.append(
+            {
+                "mm_hash": key[:16],
+                "slack_ms": round((m["call"] - m["push_call"]) * 1000, 3),
+                "late_ms": round((m["committed"] - m["call"]) * 1000, 3),
+                "steps_ms": steps,
+            }
+        )
+    names = [name for _, name in PUSH_STEPS[1:]]
+    medians = {
+        n: sorted(v)[len(v) // 2]
+        for n in names
+        if (v := [i["steps_ms"][n] for i in items if n in i["steps_ms"]])
+    }
+    return {
+        "items": len(items),
+        "median_steps_ms": medians,
+        "late": [i for i in items if i["late_ms"] > 0],
+    }
+
+
 # ---------------------------------------------------------------- the run
 
 
@@ -374,6 +463,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model = build_wide_model(cache)
     env = dict(kv.split("=", 1) for kv in args.env)
     workdir = Path(tempfile.mkdtemp(prefix="launch-push-"))
+    if args.phases:
+        env.update(install_phase_logs(workdir / "phases"))
     launched = start_launch(model, workdir, not args.no_push, env)
     try:
         sessions = instance_sessions(launched.proc.pid, launched)
@@ -445,6 +536,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "engine_s_per_request": engine,
             "cpu_s_per_request": cpu,
             "idle_cpu_s_per_s": idle,
+            "push_steps": push_steps(read_phase_logs(workdir / "phases")) if args.phases else None,
         }
     finally:
         stop_launch(launched.proc)
@@ -495,6 +587,16 @@ def table(report: dict[str, Any], top: int = 6) -> str:
                 for name, v in list(p["threads"].items())[:top]:
                     if v >= 0.001:
                         lines.append(f"      {name:20} {v:.3f}")
+    steps = report.get("push_steps")
+    if steps:
+        lines.append("")
+        lines.append(f"push steps, median ms over {steps['items']} pushes:")
+        lines.append("  " + ", ".join(f"{k} {v}" for k, v in steps["median_steps_ms"].items()))
+        for item in steps["late"]:
+            lines.append(
+                f"  late {item['late_ms']} ms after the ask, asked {item['slack_ms']} ms "
+                "before it: " + ", ".join(f"{k} {v}" for k, v in item["steps_ms"].items())
+            )
     return "\n".join(lines)
 
 
@@ -507,6 +609,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument(
         "--model-dir", default=os.path.join(tempfile.gettempdir(), "ecshare-wide-qwen2vl")
+    )
+    parser.add_argument(
+        "--phases",
+        action="store_true",
+        help="log each push's steps in both instances (adds a thread to each; CPU "
+        "figures are then not the plain ones)",
     )
     parser.add_argument("--json", default=None, metavar="PATH")
     parser.add_argument("--keep", action="store_true", help="keep launch's workdir (logs)")
