@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import signal
@@ -248,7 +249,7 @@ def quantiles(values: list[float]) -> dict[str, float | int | None]:
     ordered = sorted(values)
 
     def rank(q: float) -> float:
-        return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered) + 0.5) - 1))]
+        return ordered[min(len(ordered), max(1, math.ceil(q * len(ordered)))) - 1]
 
     return {"n": len(ordered), "p50": rank(0.5), "p90": rank(0.9), "max": ordered[-1]}
 
