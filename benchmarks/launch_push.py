@@ -10,7 +10,8 @@ starts `ecshare launch --cpu` over it (one encoder, one prefill/decode instance,
 unless --no-push), sends one warm-up request, then measures:
 
 * an idle window (--idle-s) with no request: CPU-seconds per second per process and
-  thread, which should be close to zero;
+  thread, which should be close to zero, and the CPU-seconds each process spends in the
+  2 s right after the last answer (an engine's wait that spins shows there);
 * --requests requests, one at a time, each with a new random 1232x560 image:
   - the prefill/decode instance's own `exposed_latency_seconds{mode=...}` (read after
     each request, so that each request's item has its exact value, not a bucket's), as
@@ -55,6 +56,7 @@ ITEM_BYTES = WIDTH * HEIGHT // (28 * 28) * HIDDEN * 2  # bfloat16
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 EXPOSED = "vllm:ecshare_exposed_latency_seconds"
 ENGINE_TIMES = ("vllm:request_prefill_time_seconds", "vllm:e2e_request_latency_seconds")
+TAIL_S = 2.0
 VLLM_ARGS = "--dtype bfloat16 --max-model-len 2048 --max-num-batched-tokens 2048"
 
 
@@ -511,6 +513,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             last = now
         wall = time.monotonic() - t0
         after = snapshot(groups)
+        # What each process spends once the last request has been answered: the engine's
+        # own waiting, with nothing to do.
+        time.sleep(TAIL_S)
+        tail = {g: per_unit(cpu_delta(after[g], a), 1.0) for g, a in snapshot(groups).items()}
         encoder_after = scrape(launched.encoder)
         pd_after = last
         n = args.requests
@@ -537,6 +543,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "engine_s_per_request": engine,
             "cpu_s_per_request": cpu,
             "idle_cpu_s_per_s": idle,
+            "cpu_s_after_last_request": tail,
             "push_steps": push_steps(read_phase_logs(workdir / "phases")) if args.phases else None,
         }
     finally:
@@ -573,6 +580,7 @@ def table(report: dict[str, Any], top: int = 6) -> str:
     for title, key in (
         ("CPU-s per request", "cpu_s_per_request"),
         ("idle CPU-s per s", "idle_cpu_s_per_s"),
+        (f"CPU-s in the {TAIL_S:g} s after the last answer", "cpu_s_after_last_request"),
     ):
         lines.append("")
         lines.append(f"{title}, per process, then its busiest threads:")

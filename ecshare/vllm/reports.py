@@ -37,6 +37,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from ecshare.control import Waker
 from ecshare.peer.thread import name_os_thread
 from ecshare.vllm.ops import ReportRoute, StepReport
 
@@ -50,7 +51,7 @@ _decoder = msgspec.msgpack.Decoder(StepReport)
 class ReportInbox:
     """The scheduler's end: receives the workers' reports. Used by one thread only."""
 
-    def __init__(self) -> None:
+    def __init__(self, waker: Waker | None = None) -> None:
         self._context: zmq.Context[Any] = zmq.Context(io_threads=1)
         self._socket = self._context.socket(zmq.PULL)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -59,14 +60,28 @@ class ReportInbox:
         self._socket.bind(address)
         self.route = ReportRoute(address=address, token=secrets.token_bytes(16))
         self.dropped = 0
+        self._poller = zmq.Poller()
+        self._poller.register(self._socket, zmq.POLLIN)
+        self._waker = waker
+        if waker is not None:
+            self._poller.register(waker, zmq.POLLIN)
 
-    def receive(self, timeout_s: float = 0.0) -> list[StepReport]:
-        """Every report waiting now; waits up to `timeout_s` for the first one."""
+    def receive(self, timeout_s: float | None = 0.0) -> list[StepReport]:
+        """Every report waiting now; waits up to `timeout_s` for the first one (None: until
+        one comes, or the waker given at construction wakes it)."""
         reports: list[StepReport] = []
-        deadline = time.monotonic() + timeout_s
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
-            wait_ms = 0 if reports else max(0, int((deadline - time.monotonic()) * 1000))
-            if not self._socket.poll(wait_ms, zmq.POLLIN):
+            if reports:
+                wait_ms: int | None = 0
+            elif deadline is None:
+                wait_ms = None
+            else:
+                wait_ms = max(0, int((deadline - time.monotonic()) * 1000))
+            events = dict(self._poller.poll(wait_ms))
+            if self._socket not in events:
+                if self._waker is not None and events:
+                    self._waker.clear()
                 return reports
             frames = self._socket.recv_multipart(zmq.NOBLOCK)
             report = self._decode(frames)
@@ -93,7 +108,9 @@ class ReportListener:
 
     def __init__(self, apply: Callable[[StepReport], None]) -> None:
         self._apply = apply
-        self._inbox = ReportInbox()
+        # Wakes the thread to stop, so that it sleeps in the poll with no timeout: no tick.
+        self._waker = Waker()
+        self._inbox = ReportInbox(self._waker)
         self.route = self._inbox.route
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ecshare-reports", daemon=True)
@@ -106,7 +123,7 @@ class ReportListener:
     def _run(self) -> None:
         name_os_thread("ecshare-reports")
         while not self._stop.is_set():
-            for report in self._inbox.receive(timeout_s=0.1):
+            for report in self._inbox.receive(timeout_s=None):
                 try:
                     self._apply(report)
                 except Exception:  # one bad report must not end the listener
@@ -114,8 +131,10 @@ class ReportListener:
 
     def close(self) -> None:
         self._stop.set()
+        self._waker.wake()
         self._thread.join(timeout=5.0)
         self._inbox.close()
+        self._waker.close()
 
 
 class ReportOutbox:

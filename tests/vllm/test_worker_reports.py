@@ -6,13 +6,16 @@ without this channel no encoder output would ever become READY.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import zmq
 
 from ecshare.vllm.ops import ReportRoute, StepReport
-from ecshare.vllm.reports import ReportInbox, ReportOutbox
+from ecshare.vllm.reports import ReportInbox, ReportListener, ReportOutbox
 
 
 @pytest.fixture
@@ -86,3 +89,29 @@ def test_grant_one_rank_failed_to_load_is_not_reported_loaded() -> None:
     assert merged.loaded == {"probe-1"}
     assert merged.load_failed == {"probe-2": "bad extents"}
     assert merged.counters == {"load_seconds": 0.5}
+
+
+def _wakes(thread: threading.Thread) -> int:
+    status = Path(f"/proc/self/task/{thread.native_id}/status").read_text()
+    return int(status.split("voluntary_ctxt_switches:")[1].split()[0])
+
+
+def test_idle_listener_sleeps_until_a_report_or_close() -> None:
+    applied: list[StepReport] = []
+    listener = ReportListener(applied.append)
+    outbox = ReportOutbox(listener.route)
+    try:
+        outbox.send(report())
+        deadline = time.monotonic() + 10
+        while not applied and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert applied == [report()]  # the loop ran
+        (thread,) = [t for t in threading.enumerate() if t.name == "ecshare-reports"]
+        before = _wakes(thread)
+        time.sleep(1.0)
+        # A listener that polled on a tick would have woken about ten times.
+        assert _wakes(thread) - before <= 2
+    finally:
+        outbox.close()
+        listener.close()
+    assert not thread.is_alive()  # close() woke it
