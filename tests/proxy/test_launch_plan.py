@@ -27,6 +27,7 @@ from ecshare.apps.launch import (
     send_requests_here,
 )
 from ecshare.apps.launch_checks import check_model, find_gpus
+from ecshare.apps.launch_options import CPU_LAUNCH_ENV_DEFAULTS
 from ecshare.vllm.servers import CPU_ARGS, CPU_ENV, CPU_ENV_DEFAULTS, ENV_DEFAULTS
 
 
@@ -103,7 +104,7 @@ def test_bad_launch_options_are_refused(argv: tuple[str, ...]) -> None:
 def test_cpu_test_settings_apply_only_without_gpus(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    for name in (*CPU_ENV, "CUDA_VISIBLE_DEVICES"):
+    for name in (*CPU_ENV, *CPU_LAUNCH_ENV_DEFAULTS, "CUDA_VISIBLE_DEVICES"):
         monkeypatch.delenv(name, raising=False)
     options = _options("--encoders", "2", "--pd", "1")
 
@@ -113,6 +114,7 @@ def test_cpu_test_settings_apply_only_without_gpus(
         assert _has_run(command, CPU_ARGS)
         assert {k: env[k] for k in CPU_ENV} == CPU_ENV
         assert env["VLLM_CPU_OMP_THREADS_BIND"] == str(server.spec.core)
+        assert {k: env[k] for k in CPU_LAUNCH_ENV_DEFAULTS} == CPU_LAUNCH_ENV_DEFAULTS
         assert "CUDA_VISIBLE_DEVICES" not in env
 
     # Three instances on two GPUs: round-robin, and the two that share GPU 0 split it.
@@ -123,6 +125,7 @@ def test_cpu_test_settings_apply_only_without_gpus(
         command, env = server.spec.command(), server.spec.env()
         assert not any(arg in command for arg in ("--dtype", "--max-model-len", "--enforce-eager"))
         assert not set(CPU_ENV) & set(env) and "VLLM_CPU_OMP_THREADS_BIND" not in env
+        assert not set(CPU_LAUNCH_ENV_DEFAULTS) & set(env)
         utilization = [
             command[i + 1] for i, a in enumerate(command) if a == "--gpu-memory-utilization"
         ]
@@ -162,7 +165,12 @@ def test_help_lists_every_default_launch_passes() -> None:
     text = " ".join(sub.choices["launch"].format_help().split())
     for arg in CPU_ARGS:
         assert arg in text, arg
-    for key, value in {**CPU_ENV, **CPU_ENV_DEFAULTS, **ENV_DEFAULTS}.items():
+    for key, value in {
+        **CPU_ENV,
+        **CPU_ENV_DEFAULTS,
+        **CPU_LAUNCH_ENV_DEFAULTS,
+        **ENV_DEFAULTS,
+    }.items():
         assert f"{key}={value}" in text, key
     for said in ("VLLM_CPU_OMP_THREADS_BIND", "--gpu-memory-utilization", "CUDA_VISIBLE_DEVICES"):
         assert said in text, said
