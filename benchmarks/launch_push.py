@@ -392,10 +392,13 @@ def start_launch(model: Path, workdir: Path, push: bool, env: dict[str, str]) ->
         got.set()
 
     threading.Thread(target=read, daemon=True).start()
-    got.wait(900)
-    if not ready:
+    try:
+        got.wait(900)
+        if not ready:
+            raise RuntimeError("ecshare launch did not get ready:\n" + "\n".join(lines[-40:]))
+    except BaseException:  # Ctrl-C too: never leave the instances behind
         stop_launch(proc)
-        raise RuntimeError("ecshare launch did not get ready:\n" + "\n".join(lines[-40:]))
+        raise
     r = ready[0]
     return Launched(proc, lines, r.url, r.encoders[0], r.prefill_decode[0])
 
