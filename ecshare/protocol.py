@@ -22,6 +22,7 @@ from typing import Annotated, Any, Final, Union
 
 import msgspec
 
+from ecshare.config.schema import PushName
 from ecshare.errors import ECShareError
 
 PROTOCOL_VERSION: Final = 1
@@ -531,3 +532,83 @@ def fingerprint(
     except (TypeError, msgspec.EncodeError) as exc:
         raise ValueError(f"fingerprint input is not serialisable: {exc}") from None
     return hashlib.blake2b(blob, digest_size=16).hexdigest()
+
+
+# -- ec_transfer_params: the HTTP-side wire between the instances and the proxy ---------------
+#
+# An encoder answers each finished request with `ec_transfer_params`, a map of each item's
+# mm_hash to its `TransferParam`; the proxy forwards that map to prefill/decode, whose
+# connector fetches each item from it. A request to an encoder may instead carry a
+# `PushRequest`. Both travel as JSON inside vLLM's request and answer bodies.
+
+# Push names one encoder request may name (`PushRequest.push_to`, `TransferParam.pushed_to`).
+MAX_PUSH_NAMES: Final = 8
+PushNames = Annotated[tuple[PushName, ...], msgspec.Meta(max_length=MAX_PUSH_NAMES)]
+
+
+class ParamsError(ProtocolError):
+    """`ec_transfer_params` that are not valid: malformed, oversized or with unknown fields."""
+
+
+class TransferParam(
+    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, forbid_unknown_fields=True
+):
+    """One item's `ec_transfer_params`: where a consumer fetches it, and what it is.
+
+    It names a producer endpoint and what the entry is, never a memory address or
+    data-plane metadata; those are exchanged only after authentication. `modality` is
+    the item's, as vLLM 0.34's own connectors publish it (params without it, vLLM 0.32's
+    shape, are accepted). `metadata` holds the placeholder fields the model declares
+    for the modality (ecshare.vllm.placeholders; empty where the item needs its media),
+    `item_indices` the item's positions in the request's items, and `pushed_to` the push
+    names its encoder started a push to (ecshare.vllm.pushes).
+    """
+
+    peer: Name
+    fingerprint: Name
+    nbytes: Size
+    dtype: Name
+    shape: Annotated[tuple[Dim, ...], msgspec.Meta(max_length=MAX_NDIM)]
+    modality: Name | None = None
+    # None where the producer published none (vLLM's connectors always publish a dict).
+    metadata: Annotated[dict[Name, Any], msgspec.Meta(max_length=64)] | None = None
+    item_indices: Annotated[tuple[NonNeg, ...], msgspec.Meta(max_length=MAX_BATCH_ITEMS)] = ()
+    pushed_to: PushNames = ()
+
+
+class PushRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """The `ec_transfer_params` of a request to an encoder: the push names to push its
+    items to (other keys are ignored)."""
+
+    push_to: PushNames = ()
+
+
+# A request's or an answer's items: each mm_hash to its params.
+ItemParams = Annotated[dict[MMHash, TransferParam], msgspec.Meta(max_length=MAX_BATCH_ITEMS)]
+
+
+def decode_item(raw: object) -> TransferParam:
+    """One item's params from a decoded JSON value; raises `ParamsError`."""
+    try:
+        return msgspec.convert(raw, TransferParam, strict=False)
+    except (msgspec.ValidationError, TypeError) as exc:
+        raise ParamsError(f"malformed item params: {exc}") from None
+
+
+def decode_items(raw: object) -> dict[str, TransferParam]:
+    """The items of an answer's `ec_transfer_params`; raises `ParamsError`."""
+    try:
+        return msgspec.convert(raw, ItemParams, strict=False)
+    except (msgspec.ValidationError, TypeError) as exc:
+        raise ParamsError(f"malformed ec_transfer_params: {exc}") from None
+
+
+def decode_push_request(raw: object) -> PushRequest:
+    """A request's push names; `{}` and params without `push_to` ask for none. Raises
+    `ParamsError`."""
+    if not isinstance(raw, Mapping):
+        raise ParamsError(f"ec_transfer_params is not an object: {type(raw).__name__}")
+    try:
+        return msgspec.convert({"push_to": raw.get("push_to", ())}, PushRequest)
+    except (msgspec.ValidationError, TypeError) as exc:
+        raise ParamsError(f"malformed push_to: {exc}") from None

@@ -14,27 +14,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import msgspec
-
+from ecshare.protocol import ParamsError, TransferParam, decode_item
 from ecshare.store import RegionHandle
 
-
-class TransferParam(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """Where a consumer fetches one mm_hash: the `ec_transfer_params` of one item.
-
-    It names a producer endpoint and what the entry is, never a memory address
-    or data-plane metadata; those are exchanged only after authentication.
-    `modality` is the item's, as vLLM 0.34's own connectors publish it; params
-    without it (vLLM 0.32's shape) are accepted, params with another modality
-    than the request's item are not.
-    """
-
-    peer: str
-    fingerprint: str
-    nbytes: int
-    dtype: str
-    shape: tuple[int, ...]
-    modality: str | None = None
+__all__ = ["TransferParam", "decode_param"]
 
 
 @dataclass(frozen=True)
@@ -117,6 +100,6 @@ class StepReport:
 def decode_param(raw: object) -> TransferParam | None:
     """One item's params from a request; None when absent or malformed (then encode locally)."""
     try:
-        return msgspec.convert(raw, TransferParam, strict=False)
-    except (msgspec.ValidationError, TypeError):
+        return decode_item(raw)
+    except ParamsError:
         return None

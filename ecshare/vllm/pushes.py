@@ -34,26 +34,18 @@ import logging
 import threading
 from collections.abc import Mapping
 from concurrent.futures import Future
-from typing import Annotated, Any
-
-import msgspec
+from typing import Any
 
 from ecshare.peer import Producer, PushOutcome
+from ecshare.protocol import MAX_PUSH_NAMES, ParamsError, decode_push_request
 from ecshare.store import EntryState, Store
-from ecshare.vllm.settings import ConnectorSettings, PushName
+from ecshare.vllm.settings import ConnectorSettings
 from ecshare.vllm.tally import Tally
 
 log = logging.getLogger(__name__)
 
 PUSH_TO = "push_to"  # in the encoder request's ec_transfer_params
 PUSHED_TO = "pushed_to"  # in each announced item's params
-MAX_PUSH_NAMES = 8
-
-
-class PushRequest(msgspec.Struct, frozen=True, kw_only=True):
-    """The push part of an encoder request's `ec_transfer_params` (other keys ignored)."""
-
-    push_to: Annotated[tuple[PushName, ...], msgspec.Meta(max_length=MAX_PUSH_NAMES)] = ()
 
 
 def requested_names(params: object) -> tuple[str, ...] | None:
@@ -61,8 +53,8 @@ def requested_names(params: object) -> tuple[str, ...] | None:
     if not isinstance(params, Mapping) or PUSH_TO not in params:
         return ()
     try:
-        request = msgspec.convert({PUSH_TO: params[PUSH_TO]}, PushRequest)
-    except msgspec.ValidationError:
+        request = decode_push_request(params)
+    except ParamsError:
         return None
     return tuple(dict.fromkeys(request.push_to))
 

@@ -50,7 +50,7 @@ from ecshare.vllm.metrics import CORE_METRICS
 from ecshare.vllm.ops import LoadOp, StepPlan, StepReport, TransferParam
 from ecshare.vllm.pins import ENGINE_PIN_OWNER, EnginePins
 from ecshare.vllm.placeholders import Placeholders
-from ecshare.vllm.pushes import PUSHED_TO, Pushes
+from ecshare.vllm.pushes import Pushes
 from ecshare.vllm.reports import ReportListener
 from ecshare.vllm.saves import SaveBook
 from ecshare.vllm.settings import ConnectorSettings
@@ -387,6 +387,10 @@ class SchedulerSide:
                 # Metadata without an entry would let a proxy drop the media of an item
                 # that no consumer can fetch: such an item is not announced at all.
                 continue
+            item = items.get(h, {})
+            pushed_to = push_to if self._pushes is not None else ()
+            if pushed_to and self._pushes is not None:
+                self._pushes.push(h, pushed_to)
             where = TransferParam(
                 peer=self.producer.address,
                 fingerprint=self._fingerprint,
@@ -394,11 +398,12 @@ class SchedulerSide:
                 dtype=entry.meta.dtype,
                 shape=tuple(entry.meta.shape),
                 modality=feature.modality,
+                metadata=item.get("metadata", {}),
+                item_indices=tuple(item.get("item_indices", ())),
+                pushed_to=pushed_to,
             )
-            params[h] = {**msgspec.to_builtins(where), **items.get(h, {})}
-            if push_to and self._pushes is not None:
-                self._pushes.push(h, push_to)
-                params[h][PUSHED_TO] = list(push_to)
+            # As JSON gives it (lists, not tuples): what vLLM's answer and a consumer see.
+            params[h] = msgspec.json.decode(msgspec.json.encode(where))
         return False, params or None
 
     # -- stats and shutdown ------------------------------------------------------------------
