@@ -30,7 +30,7 @@ import msgspec
 from aiohttp import web
 
 from ecshare.apps.proxy.backends import ENCODER, PREFILL_DECODE
-from ecshare.apps.proxy.fanout import MEDIA_PART_TYPES
+from ecshare.apps.proxy.parts import MEDIA_PART_TYPES
 from ecshare.apps.proxy.server import use_uvloop
 from ecshare.apps.ready import StubsReady, print_ready
 
@@ -68,6 +68,8 @@ def encoder_answer(body: dict[str, Any]) -> dict[str, Any]:
                         "peer": "tcp://127.0.0.1:1",
                         "fingerprint": "stub",
                         "nbytes": 64,
+                        "dtype": "bfloat16",
+                        "shape": [4, 8],
                         "metadata": _METADATA.get(kind, {}),
                         "item_indices": [],
                     },

@@ -58,6 +58,7 @@ from ecshare.apps.proxy.forward import PrefillDecodeStage
 from ecshare.apps.proxy.media import media_free
 from ecshare.apps.proxy.metrics import ProxyMetrics
 from ecshare.apps.proxy.parts import PartRules, check_parts, media_modalities, salted
+from ecshare.apps.proxy.routing import Directory, Router
 from ecshare.apps.proxy.tenants import DEFAULT_TENANT, Keyring
 
 log = logging.getLogger(__name__)
@@ -109,7 +110,12 @@ class _Stages:
 class Proxy:
     """One proxy: its backends, metrics and stages, and the handlers that use them."""
 
-    def __init__(self, config: ProxyConfig, metrics: ProxyMetrics | None = None) -> None:
+    def __init__(
+        self,
+        config: ProxyConfig,
+        metrics: ProxyMetrics | None = None,
+        directory: Directory | None = None,
+    ) -> None:
         self.config = config
         self.metrics = metrics or ProxyMetrics()
         eject = config.eject_after_failures
@@ -128,6 +134,14 @@ class Proxy:
         self._rules = PartRules.of(config)
         self._tenant_in_flight: dict[str, int] = {}
         self._stages: _Stages | None = None
+        self.router = Router(
+            config,
+            self.encoders,
+            self.prefill_decode,
+            self.metrics,
+            directory=directory,
+            push_names=self._push_names,
+        )
 
     @property
     def stages(self) -> _Stages:
@@ -263,18 +277,16 @@ class Proxy:
             return await self.stages.prefill_decode.relay(
                 request, CHAT_PATH, raw, request_id=request_id
             )
-        # With push, the prefill/decode instance is chosen first: the encoders write the
-        # items into it while the proxy forwards the request.
-        chosen = self.prefill_decode.pick() if self._push_names else None
-        name = self._push_names.get(chosen.url, "") if chosen is not None else ""
-        push_to = (name,) if name else ()
-        encoded = await self.stages.encode.encode(body, scan.parts, request_id, push_to)
+        routed = await self.router.route(self.stages.encode, body, scan, request_id)
+        encoded, chosen = routed.encoded, routed.chosen
         payload: bytes = raw
         with_media: Callable[[], bytes] | None = None  # what to send if media-free fails
         media = "kept"
         if encoded.params:
             given = body.get("ec_transfer_params")
-            merged = {**given, **encoded.params} if isinstance(given, dict) else encoded.params
+            merged: dict[str, Any] = (
+                {**given, **encoded.params} if isinstance(given, dict) else dict(encoded.params)
+            )
             omit = self.config.pd_media == "omit"
             rendered = media_free(plain, scan, encoded) if omit else None
             if rendered is not None and rendered.omitted:
@@ -283,7 +295,7 @@ class Proxy:
                     free = salted(free, media_modalities(free), tenant)
                 free["ec_transfer_params"] = merged
                 payload = msgspec.json.encode(free)
-                with_media = functools.partial(with_params, raw, body, merged)
+                with_media = functools.partial(self._with_media, raw, body, merged, routed.reused)
                 media = "kept" if rendered.kept else "omitted"
             else:
                 payload = with_params(raw, body, merged)
@@ -295,7 +307,20 @@ class Proxy:
             request_id=request_id,
             with_media=with_media,
             first=chosen,
+            route=routed.route,
         )
+
+    def _with_media(
+        self,
+        raw: bytes,
+        body: dict[str, Any],
+        params: dict[str, Any],
+        reused: list[tuple[str, str]],
+    ) -> bytes:
+        """The request with its media, after the attempt without failed: the items taken
+        from memory were not where the directory said (`routing`)."""
+        self.router.forget(reused)
+        return with_params(raw, body, params)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         raw, body = self._own_params_only(*await self._read_object(request))

@@ -36,6 +36,8 @@ _PUSH_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 PD_MEDIA = ("omit", "keep")
 # What becomes of a client's uuid on a media part (ecshare.apps.proxy.parts).
 UUID_MODES = ("refuse", "strip", "tenant")
+# How the proxy routes requests with media (ecshare.apps.proxy.routing).
+ROUTINGS = ("reuse", "load")
 # The modalities vLLM's `--limit-mm-per-prompt` names.
 MODALITIES = ("image", "audio", "video")
 
@@ -111,6 +113,19 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     discover_encoders: str | None = None  # NAME:PORT, resolved every discover_interval_s
     discover_pd: str | None = None
     discover_interval_s: float = 10.0
+    # "reuse": held items skip the encoders, prefill/decode chosen by the items it holds
+    # against its load, one encode per new content (`routing`); "load": every media part
+    # to an encoder and prefill/decode by load, as vLLM's example EPD proxy.
+    routing: str = "reuse"
+    # Seconds an http/https media URL is trusted to name the same content; 0: never, it
+    # is encoded every time (`identity`).
+    url_ttl_s: float = 0.0
+    # Content keys remembered with the items their encoders reported (least recently used
+    # out first).
+    route_cache_items: int = 65536
+    # What one request in flight on a prefill/decode instance weighs against one of the
+    # request's items already in its region (`routing`).
+    route_load_weight: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.prefill_decode and self.discover_pd is None and self.admin_key is None:
@@ -169,6 +184,16 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ConfigError("--eject-after", f"got {self.eject_after_failures}, expected >= 1")
         if self.pd_media not in PD_MEDIA:
             raise ConfigError("--pd-media", f"got {self.pd_media!r}, expected one of {PD_MEDIA}")
+        if self.routing not in ROUTINGS:
+            raise ConfigError("--routing", f"got {self.routing!r}, expected one of {ROUTINGS}")
+        if not (math.isfinite(self.url_ttl_s) and self.url_ttl_s >= 0):
+            raise ConfigError("--url-ttl", f"got {self.url_ttl_s!r}, expected seconds >= 0")
+        if self.route_cache_items < 1:
+            raise ConfigError("--route-cache-items", f"got {self.route_cache_items}, expected >= 1")
+        if not (math.isfinite(self.route_load_weight) and self.route_load_weight >= 0):
+            raise ConfigError(
+                "--route-load-weight", f"got {self.route_load_weight!r}, expected a number >= 0"
+            )
         if not 1 <= self.workers <= MAX_WORKERS:
             raise ConfigError("--workers", f"got {self.workers}, expected 1..{MAX_WORKERS}")
         for flag, value in (
@@ -432,6 +457,36 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
         "where the encoder published it (retried once with the media if a fetch fails); "
         f"keep: always forward the media ({d.pd_media})",
     )
+    parser.add_argument(
+        "--routing",
+        choices=ROUTINGS,
+        default=d.routing,
+        help="reuse: items some instance holds skip the encoders, prefill/decode is chosen "
+        "by the request's items in its region against its load, and each new content is "
+        "encoded once; load: every media part to an encoder, prefill/decode by load, as "
+        f"vLLM's example EPD proxy ({d.routing})",
+    )
+    parser.add_argument(
+        "--url-ttl",
+        type=float,
+        default=d.url_ttl_s,
+        metavar="SECONDS",
+        help="trust an http/https media URL to name the same content for this long, so "
+        "that it may be reused like inline media; 0: encode it every time (0)",
+    )
+    parser.add_argument(
+        "--route-cache-items",
+        type=int,
+        default=d.route_cache_items,
+        help=f"content keys remembered with their items ({d.route_cache_items})",
+    )
+    parser.add_argument(
+        "--route-load-weight",
+        type=float,
+        default=d.route_load_weight,
+        help="what a request in flight on a prefill/decode instance weighs against one "
+        f"of the request's items held there ({d.route_load_weight:g})",
+    )
     parser.add_argument("--access-log", action="store_true", help="log every request")
     parser.add_argument(
         "--pass-ec-transfer-params",
@@ -493,6 +548,10 @@ def config_from_args(
         "max_connections": args.max_connections,
         "body_timeout_s": args.body_timeout,
         **_membership_values(args),
+        "routing": args.routing,
+        "url_ttl_s": args.url_ttl,
+        "route_cache_items": args.route_cache_items,
+        "route_load_weight": args.route_load_weight,
     }
     return ProxyConfig(**values)
 

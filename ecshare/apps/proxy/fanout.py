@@ -10,7 +10,8 @@ their turn), and the `ec_transfer_params` they return are merged by mm_hash. Eac
 mm_hash is, so that the parts can be sent on as their placeholder metadata only (`media`).
 
 An encoder that cannot be reached is ejected and the call tried once on another. A call
-that still fails, times out or answers without params costs only time: its items are
+that still fails, times out, or answers without params or with params that are not
+valid (`ecshare.protocol.TransferParam`; counted as `params`) costs only time: its items are
 left out of the params, so the prefill/decode instance encodes them itself. Every such
 item is logged and counted (`encoder_fallbacks{reason}`).
 
@@ -26,7 +27,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,13 +36,12 @@ import msgspec
 
 from ecshare.apps.proxy.backends import Backend, BackendPool, describe
 from ecshare.apps.proxy.metrics import ProxyMetrics
+from ecshare.apps.proxy.parts import MEDIA_PART_TYPES
+from ecshare.protocol import ParamsError, PushRequest, TransferParam, decode_items
 
 log = logging.getLogger(__name__)
 
 JSON = dict[str, Any]
-
-# Content parts the engine runs through (or feeds to) an encoder: OpenAI's and vLLM's.
-MEDIA_PART_TYPES = frozenset({"image_url", "image_embeds", "input_audio", "audio_url", "video_url"})
 
 # Fields that steer decoding, structured output or templating of the reply, not how media
 # is processed; some would make a one-token, one-message encode call fail or run long.
@@ -102,7 +102,7 @@ class MediaScan:
 class Encoded:
     """What the encoders answered for a request's distinct media parts."""
 
-    params: JSON  # merged ec_transfer_params, by mm_hash
+    params: dict[str, TransferParam]  # merged ec_transfer_params, by mm_hash
     hashes: list[str | None]  # each part's mm_hash, None where unknown (aligned with parts)
 
 
@@ -162,7 +162,7 @@ def encoder_request(
     request["max_tokens"] = 1
     request["stream"] = False
     if push_to:
-        request["ec_transfer_params"] = {"push_to": list(push_to)}
+        request["ec_transfer_params"] = PushRequest(push_to=push_to)
     return request
 
 
@@ -196,36 +196,60 @@ class EncoderStage:
         parts: list[JSON],
         request_id: str,
         push_to: tuple[str, ...] = (),
+        prefer: Sequence[Backend | None] = (),
     ) -> Encoded:
         """The merged `ec_transfer_params` for `parts` (empty when every call failed), and
-        which mm_hash each part is; the encoders push the items to `push_to`."""
+        which mm_hash each part is; the encoders push the items to `push_to`. With
+        `prefer` (an encoder or None for each part), each call goes to the encoder its
+        first part prefers while that one is in rotation (with one part a call, the
+        default, every part to its own)."""
         started = time.perf_counter()
         size = max(self._batch_size, math.ceil(len(parts) / self._max_calls))
-        batches = [parts[i : i + size] for i in range(0, len(parts), size)]
+        batches = self._batches(len(parts), size, prefer)
         calls = [
             self._encode_batch(
-                encoder_request(body, batch, push_to), len(batch), f"{request_id}-enc{i}"
+                encoder_request(body, [parts[i] for i in batch], push_to),
+                len(batch),
+                f"{request_id}-enc{b}",
+                first,
             )
-            for i, batch in enumerate(batches)
+            for b, (first, batch) in enumerate(batches)
         ]
         encoded = Encoded({}, [None] * len(parts))
-        for b, params in enumerate(await asyncio.gather(*calls)):
-            first, count = b * size, len(batches[b])
+        for (_, batch), params in zip(batches, await asyncio.gather(*calls), strict=True):
             for mm_hash, where in params.items():
                 encoded.params.setdefault(mm_hash, where)
-                for i in _item_indices(where, count, len(params)):
-                    encoded.hashes[first + i] = mm_hash
+                for i in _item_indices(where, len(batch), len(params)):
+                    encoded.hashes[batch[i]] = mm_hash
         self._metrics.encode_seconds.observe(time.perf_counter() - started)
         return encoded
 
-    async def _encode_batch(self, request: JSON, items: int, call_id: str) -> JSON:
+    @staticmethod
+    def _batches(
+        count: int, size: int, prefer: Sequence[Backend | None]
+    ) -> list[tuple[Backend | None, list[int]]]:
+        """The calls for `count` parts, `size` a call: each with its parts, and the encoder
+        to try first (the one its first part with a preference prefers)."""
+        batches = []
+        for start in range(0, count, size):
+            batch = list(range(start, min(start + size, count)))
+            first = next((prefer[i] for i in batch if i < len(prefer) and prefer[i]), None)
+            batches.append((first, batch))
+        return batches
+
+    async def _encode_batch(
+        self, request: JSON, items: int, call_id: str, first: Backend | None = None
+    ) -> dict[str, TransferParam]:
         payload = msgspec.json.encode(request)
         tried: list[Backend] = []
         reason = "no_encoder"
         # One retry, and only after a refused connection: the encoder never saw the call.
         while len(tried) < 2:
             async with self._in_flight:  # picked once a slot is free: the least busy then
-                backend = self._pool.pick(exclude=tried)
+                if first is not None and first.healthy and not tried:
+                    backend: Backend | None = first
+                else:
+                    backend = self._pool.pick(exclude=tried)
                 if backend is None:
                     break
                 tried.append(backend)
@@ -253,7 +277,7 @@ class EncoderStage:
 
     async def _call(
         self, backend: Backend, payload: bytes, call_id: str
-    ) -> tuple[JSON | None, str]:
+    ) -> tuple[dict[str, TransferParam] | None, str]:
         """The params `backend` answers, or None and why not."""
         url = backend.url_for(_CHAT_PATH)
         headers = {"Content-Type": "application/json", "X-Request-Id": call_id}
@@ -281,9 +305,13 @@ class EncoderStage:
             answer = msgspec.json.decode(raw)
         except msgspec.DecodeError:
             answer = None
-        params = answer.get("ec_transfer_params") if isinstance(answer, dict) else None
-        if not isinstance(params, dict) or not params:
+        raw_params = answer.get("ec_transfer_params") if isinstance(answer, dict) else None
+        if not isinstance(raw_params, dict) or not raw_params:
             return self._fell_back(call_id, url, "answer", "no ec_transfer_params in the answer")
+        try:
+            params = decode_items(raw_params)
+        except ParamsError as exc:
+            return self._fell_back(call_id, url, "params", str(exc))
         return params, "ok"
 
     @staticmethod
@@ -292,12 +320,9 @@ class EncoderStage:
         return None, reason
 
 
-def _item_indices(where: object, items: int, hashes: int) -> list[int]:
+def _item_indices(where: TransferParam, items: int, hashes: int) -> list[int]:
     """The positions among a call's `items` that one mm_hash of its answer names: its
     `item_indices`, or the only item of a call answered with one mm_hash."""
-    indices = where.get("item_indices") if isinstance(where, dict) else None
-    if indices is None:
+    if not where.item_indices:
         return [0] if items == 1 and hashes == 1 else []
-    if not isinstance(indices, list):
-        return []
-    return [i for i in indices if type(i) is int and 0 <= i < items]
+    return [i for i in where.item_indices if i < items]

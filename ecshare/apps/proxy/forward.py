@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import aiohttp
@@ -35,12 +36,14 @@ from aiohttp import web
 from ecshare.apps.proxy.backends import Backend, BackendPool, describe
 from ecshare.apps.proxy.errors import ProxyError, error_body
 from ecshare.apps.proxy.metrics import ProxyMetrics
+from ecshare.apps.proxy.routing import ROUTE_HEADER, Route
 
 log = logging.getLogger(__name__)
 
 _SSE = "text/event-stream"
 # A media-free stream's head held back to see whether the request failed: at most this much.
 _MAX_HEAD_BYTES = 1 << 20
+_NOTHING: Mapping[str, str] = MappingProxyType({})
 
 
 class _Choice(msgspec.Struct):
@@ -88,11 +91,13 @@ class PrefillDecodeStage:
         request_id: str,
         with_media: Callable[[], bytes] | None = None,
         first: Backend | None = None,
+        route: Route | None = None,
     ) -> web.StreamResponse:
         """Answer `request` with a prefill/decode instance's answer to `payload` at `path`,
-        trying `first` first (the one the encoders push to) while it is healthy; if
+        trying `first` first (the one routing chose) while it is healthy; if
         `with_media` is given, `payload` went without the media, and a failure of it is
-        answered by sending what `with_media` makes instead."""
+        answered by sending what `with_media` makes instead. With `route`, the answer says
+        how the request was routed, and to which instance (`routing.ROUTE_HEADER`)."""
         headers = {"X-Request-Id": request_id}
         if payload is not None:
             headers["Content-Type"] = "application/json"
@@ -105,14 +110,17 @@ class PrefillDecodeStage:
             if backend is None:
                 raise self._no_backend(tried)
             tried.append(backend)
+            shown = {ROUTE_HEADER: route.header(backend.url)} if route is not None else {}
             with self._pool.call(backend):
                 resp = await self._send(backend, path, payload, headers)
                 if resp is None:
                     continue  # refused: try another instance
                 try:
                     if with_media is None:
-                        return await self._answer(request, backend, resp, request_id)
-                    answered = await self._answer_media_free(request, backend, resp, request_id)
+                        return await self._answer(request, backend, resp, request_id, shown)
+                    answered = await self._answer_media_free(
+                        request, backend, resp, request_id, shown
+                    )
                     if answered is not None:
                         return answered
                 finally:
@@ -128,6 +136,7 @@ class PrefillDecodeStage:
         backend: Backend,
         resp: aiohttp.ClientResponse,
         request_id: str,
+        shown: Mapping[str, str],
     ) -> web.StreamResponse | None:
         """The answer to a media-free request, or None (logged) when the request failed."""
         content_type = resp.headers.get("Content-Type", "")
@@ -138,9 +147,11 @@ class PrefillDecodeStage:
                 self._retrying(request_id, backend, "its stream began with an error")
                 return None
             self._pool.succeeded(backend)
-            return await self._stream(request, backend, resp, request_id, head, chunks, broken)
+            return await self._stream(
+                request, backend, resp, request_id, shown, head, chunks, broken
+            )
         if resp.status < 500:
-            return await self._answer(request, backend, resp, request_id)
+            return await self._answer(request, backend, resp, request_id, shown)
         body = await self._read(backend, resp)
         detail = body[:200].decode("utf-8", "replace")
         self._retrying(request_id, backend, f"it answered {resp.status}: {detail}")
@@ -210,11 +221,12 @@ class PrefillDecodeStage:
         backend: Backend,
         resp: aiohttp.ClientResponse,
         request_id: str,
+        shown: Mapping[str, str] = _NOTHING,
     ) -> web.StreamResponse:
         content_type = resp.headers.get("Content-Type", "")
         if resp.status == 200 and content_type.startswith(_SSE):
             self._pool.succeeded(backend)
-            return await self._stream(request, backend, resp, request_id)
+            return await self._stream(request, backend, resp, request_id, shown)
         body = await self._read(backend, resp)
         if resp.status >= 500:
             self._pool.failed(backend, f"answered {resp.status}")
@@ -224,7 +236,9 @@ class PrefillDecodeStage:
                 502, f"prefill/decode instance {backend.url} answered {resp.status}: {detail}"
             )
         self._pool.succeeded(backend)
-        return web.Response(status=resp.status, body=body, headers=_headers(resp, request_id))
+        return web.Response(
+            status=resp.status, body=body, headers=_headers(resp, request_id, shown)
+        )
 
     async def _read(self, backend: Backend, resp: aiohttp.ClientResponse) -> bytes:
         try:
@@ -255,11 +269,12 @@ class PrefillDecodeStage:
         backend: Backend,
         resp: aiohttp.ClientResponse,
         request_id: str,
+        shown: Mapping[str, str] = _NOTHING,
         head: bytes = b"",
         chunks: AsyncIterator[bytes] | None = None,
         broken: BaseException | None = None,
     ) -> web.StreamResponse:
-        headers = _headers(resp, request_id)
+        headers = _headers(resp, request_id, shown)
         headers["Cache-Control"] = "no-cache"
         out = web.StreamResponse(status=200, headers=headers)
         await out.prepare(request)
@@ -305,13 +320,17 @@ class PrefillDecodeStage:
             pass
 
 
-def _headers(resp: aiohttp.ClientResponse, request_id: str) -> dict[str, str]:
-    """The answer's headers for the client: its type and encoding (passed on as they are)."""
+def _headers(
+    resp: aiohttp.ClientResponse, request_id: str, shown: Mapping[str, str] = _NOTHING
+) -> dict[str, str]:
+    """The answer's headers for the client: its type and encoding (passed on as they are),
+    and the proxy's own `shown` ones."""
     headers = {"Content-Type": resp.headers.get("Content-Type", "application/json")}
     encoding = resp.headers.get("Content-Encoding")
     if encoding is not None:
         headers["Content-Encoding"] = encoding
     headers["X-Request-Id"] = request_id
+    headers.update(shown)
     return headers
 
 

@@ -35,16 +35,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ecshare.apps.proxy.fanout import JSON, Encoded, MediaScan
-
-# The pre-computed-embedding part that stands for each kind of media part.
-EMBEDS_PART = {
-    "image_url": "image_embeds",
-    "video_url": "video_embeds",
-    "audio_url": "audio_embeds",
-    "input_audio": "audio_embeds",
-}
-# Options vLLM hashes together with a part's uuid: with them, the uuid is not the key.
-_HASHED_WITH_UUID = ("mm_processor_kwargs", "media_io_kwargs")
+from ecshare.apps.proxy.parts import EMBEDS_PART, HASHED_WITH_UUID
+from ecshare.protocol import TransferParam
 
 
 @dataclass
@@ -58,7 +50,7 @@ class Rendered:
 
 def media_free(body: Mapping[str, Any], scan: MediaScan, encoded: Encoded) -> Rendered:
     """`body` with every media part that can go as its metadata replaced by it."""
-    if any(body.get(option) for option in _HASHED_WITH_UUID):
+    if any(body.get(option) for option in HASHED_WITH_UUID):
         return Rendered(dict(body), 0, len(scan.where))
     stand_ins = [
         _stand_in(part, mm_hash, encoded.params)
@@ -89,14 +81,14 @@ def media_free(body: Mapping[str, Any], scan: MediaScan, encoded: Encoded) -> Re
     return Rendered({**body, "messages": copied}, omitted, len(scan.where) - omitted)
 
 
-def _stand_in(part: JSON, mm_hash: str | None, params: JSON) -> JSON | None:
+def _stand_in(part: JSON, mm_hash: str | None, params: Mapping[str, TransferParam]) -> JSON | None:
     """The metadata-only part for `part`, or None where it must keep its media."""
     kind = EMBEDS_PART.get(part.get("type", ""))
     if kind is None or mm_hash is None:
         return None
     where = params.get(mm_hash)
-    metadata = where.get("metadata") if isinstance(where, dict) else None
-    if not isinstance(metadata, dict) or not metadata:
+    metadata = where.metadata if where is not None else None
+    if not metadata:
         return None
     if not all(_numbers(value) for value in metadata.values()):
         return None  # vLLM accepts only numeric arrays for metadata

@@ -42,7 +42,15 @@ PREFIX = "ecshare_proxy_"
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 # Why a media item went to prefill/decode without ec_transfer_params (it is encoded there).
-FALLBACK_REASONS = ("unreachable", "timeout", "error", "status", "answer", "no_encoder")
+FALLBACK_REASONS = (
+    "unreachable",
+    "timeout",
+    "error",
+    "status",
+    "answer",
+    "params",
+    "no_encoder",
+)
 # Why a request's prefill/decode stage failed.
 UPSTREAM_REASONS = ("unreachable", "timeout", "error", "status", "no_backend", "broken_stream")
 # Why a request (or a connection) was refused before any backend saw it.
@@ -59,6 +67,10 @@ REJECT_REASONS = (
     "tenant_busy",
     "connections",
 )
+# How a request with media was routed (ecshare.apps.proxy.routing).
+ROUTE_REASONS = ("held", "mixed", "new", "load")
+# What became of a content-key lookup (ecshare.apps.proxy.identity).
+CONTENT_KEY_OUTCOMES = ("hit", "miss", "expired", "evicted", "stale")
 # What became of client uuids the proxy let through (`--client-uuids strip` or `tenant`).
 UUID_ACTIONS = ("stripped", "scoped")
 # What prefill/decode got of a request's media: none of it, the media as sent, or the media
@@ -159,6 +171,27 @@ class ProxyMetrics:
             ["media"],
             registry=r,
         )
+        self.route = Counter(
+            PREFIX + "route",
+            "Requests with media by how they were routed: held (every item held somewhere, "
+            "no encoder call), mixed (some held or shared, some encoded), new (every item "
+            "encoded), load (--routing load).",
+            ["reason"],
+            registry=r,
+        )
+        self.encoder_calls_saved = Counter(
+            PREFIX + "encoder_calls_saved",
+            "Media items sent to no encoder: held by some instance, or sharing another "
+            "request's encode in flight.",
+            registry=r,
+        )
+        self.content_keys = Counter(
+            PREFIX + "content_keys",
+            "Content-key lookups and drops, by outcome: hit, miss, expired (--url-ttl), "
+            "evicted (--route-cache-items), stale (prefill/decode failed the item).",
+            ["outcome"],
+            registry=r,
+        )
         self.client_disconnects = Counter(
             PREFIX + "client_disconnects",
             "Requests whose client went away before the answer ended (upstream cancelled).",
@@ -199,6 +232,10 @@ class ProxyMetrics:
             self.upstream_errors.labels(reason)
         for reason in REJECT_REASONS:
             self.rejected.labels(reason)
+        for reason in ROUTE_REASONS:
+            self.route.labels(reason)
+        for outcome in CONTENT_KEY_OUTCOMES:
+            self.content_keys.labels(outcome)
         for action in UUID_ACTIONS:
             self.client_uuids.labels(action)
         for outcome in ("ok", "fallback"):

@@ -63,8 +63,19 @@ MODALITY = {
     "video_url": "video",
     "video_embeds": "video",
 }
+# Each raw media part kind the proxy sends on, and the pre-computed-embedding part that
+# stands for its item when prefill/decode gets it as metadata only (`media`).
+EMBEDS_PART = {
+    "image_url": "image_embeds",
+    "video_url": "video_embeds",
+    "audio_url": "audio_embeds",
+    "input_audio": "audio_embeds",
+}
+# The content parts that run through (or feed) an encoder: the raw media kinds above, and
+# a client's `image_embeds` where clients are trusted with embeddings.
+MEDIA_PART_TYPES = frozenset({*EMBEDS_PART, "image_embeds"})
 # Per-request options vLLM hashes into an item's key (and refuses unless trusted).
-_HASHED_WITH_UUID = ("mm_processor_kwargs", "media_io_kwargs")
+HASHED_WITH_UUID = ("mm_processor_kwargs", "media_io_kwargs")
 EMBEDS = frozenset({"image_embeds", "audio_embeds", "video_embeds", "prompt_embeds"})
 # vLLM's limit for a modality that `--limit-mm-per-prompt` does not name.
 VLLM_DEFAULT_LIMIT = 999
@@ -208,7 +219,7 @@ def salted(body: dict[str, Any], modalities: set[str], tenant: str) -> dict[str,
     `mm_processor_kwargs` are refused (`client_mm_kwargs`): the instances trust
     per-request kwargs (`--trust-request-mm-kwargs`) for the salt's sake, and the proxy
     refuses the client's as vLLM would have."""
-    for option in _HASHED_WITH_UUID:
+    for option in HASHED_WITH_UUID:
         if body.get(option):
             raise ProxyError(
                 400,
