@@ -9,8 +9,8 @@ EPD tooling and `ecshare proxy` read them alike:
     {mm_hash: {...where to fetch it..., "modality": "image",
                "metadata": {"image_grid_thw": [1, 6, 8]}, "item_indices": [0]}}
 
-`modality` comes with where to fetch it (`ecshare.protocol.TransferParam`; vLLM 0.34's helper adds the
-same, 0.32's does not). `item_indices` are the item's positions in the request's
+`modality` comes with where to fetch it (`ecshare.protocol.TransferParam`; vLLM 0.34's
+helper adds the same, 0.32's does not). `item_indices` are the item's positions in the request's
 `mm_features` (a repeated item has several). `metadata` is empty where the model declares
 no fields for the modality, or where the encoder no longer holds the processed item (a
 cache hit): that item can only be sent with its media. The fields are sizes, never
