@@ -7,7 +7,7 @@ import asyncio
 
 import msgspec
 import pytest
-from proxy_testing import HeldItems
+from held_items import HeldItems
 
 from ecshare.apps.proxy.backends import BackendPool
 from ecshare.apps.proxy.metrics import ProxyMetrics

@@ -11,8 +11,9 @@ from typing import Any
 import httpx
 import msgspec
 from aiohttp import web
+from held_items import HeldItems
 from proxy_stubs import PREFILL_DECODE, StubBackend, serve_stubs, stub_mm_hash
-from proxy_testing import IMAGE_A, HeldItems, ProxyUnderTest, Rig, chat
+from proxy_testing import IMAGE_A, ProxyUnderTest, Rig, chat
 
 from ecshare.apps.bench.instant import encoder_answer, json_response, serve_apps
 from ecshare.apps.proxy.routing import ROUTE_HEADER
