@@ -14,6 +14,9 @@ instances that share encoder outputs through ecshare. Layout, each module one jo
 * `feeds`: the CURVE subscriptions to the instances' item events that feed the directory;
 * `discovery`: membership at run time: registration (`/v1/members`) and DNS discovery;
 * `fanout`: the encoder stage, finding media items, fanning them out, merging by mm_hash;
+* `identity`: content keys of inline media, and the items the encoders reported for them;
+* `routing`: which items skip the encoders, which prefill/decode instance and encoder
+  a request goes to, one encode per new content;
 * `forward`: the prefill/decode stage, relaying whole and streamed answers;
 * `app`: the routes and the guard (API key, errors, metrics) around them;
 * `server`: serving it, in a caller's loop or as the `ecshare proxy` command.
@@ -21,7 +24,8 @@ instances that share encoder outputs through ecshare. Layout, each module one jo
 It imports neither vllm nor torch.
 
 May import: anything in ecshare (it uses only ecshare.config, ecshare.apps.ready,
-ecshare.control's keys and ecshare.peer.items' wire, and speaks HTTP to the engines).
+ecshare.protocol's `ec_transfer_params` schema, ecshare.control's keys and
+ecshare.peer.items' wire, and speaks HTTP to the engines).
 """
 
 from ecshare.apps.proxy.config import ProxyConfig, add_proxy_arguments, config_from_args

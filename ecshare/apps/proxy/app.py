@@ -2,7 +2,8 @@
 
 Routes:
 
-* ``POST /v1/chat/completions``: media items to the encoders first (`fanout`), asking
+* ``POST /v1/chat/completions``: media items to the encoders first (`fanout`), but for
+  items some instance holds (`routing`, `--routing reuse`), asking
   them to push the items into the prefill/decode instance chosen for the request where
   it has a push name (`--pd URL=PUSH_NAME`), then the
   request, with the merged `ec_transfer_params`, to prefill/decode (`forward`): each media

@@ -3,9 +3,11 @@
 Each media content part goes to an encoder in a request of its own (or with up to
 `batch_size - 1` others, or as many more as keep a request within `max_calls` calls):
 the same model and processor options as the original, the items as one user message,
-`max_tokens: 1`. The calls run concurrently, each to the healthy encoder with the fewest
-calls in flight, at most `max_in_flight` at once over all requests (the others wait
-their turn), and the `ec_transfer_params` they return are merged by mm_hash. Each item's
+`max_tokens: 1`. The calls run concurrently, each to the encoder routing prefers for
+its content (`routing.rendezvous`) while that one is healthy, else to the healthy
+encoder with the fewest calls in flight, at most `max_in_flight` at once over all
+requests (the others wait their turn), and the `ec_transfer_params` they return
+(`ecshare.protocol.TransferParam`) are merged by mm_hash. Each item's
 `item_indices` (its positions among the call's items) tell which part of the request an
 mm_hash is, so that the parts can be sent on as their placeholder metadata only (`media`).
 
