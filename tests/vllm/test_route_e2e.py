@@ -40,7 +40,6 @@ from serving_testing import (
     settled_metrics,
     single_instance_tokens,
     token_ids,
-    wait_all_ready,
 )
 
 from ecshare.apps.proxy.config import ProxyConfig
@@ -179,7 +178,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Itera
     front = EncoderFront(encoder.url, directory)
     running: RunningProxy | None = None
     try:
-        wait_all_ready(servers)
+        for server in servers:  # three instances starting on a small host: give them time
+            server.wait_ready(timeout_s=600)
         loop.run(front.start())
         config = ProxyConfig(
             encoders=(front.url,),
@@ -243,11 +243,12 @@ def test_a_chats_later_turn_lands_where_its_image_is_and_fetches_nothing(
     for h in cluster.directory.held[cluster.front.url]:
         cluster.directory.hold(home, h)
     pd = next(p for p in cluster.prefill_decode if p.url == home)
+    said = first.json()["choices"][0]["message"]["content"]
     turn = {
         **body,
         "messages": [
             *body["messages"],
-            {"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
+            {"role": "assistant", "content": [{"type": "text", "text": said}]},
             {"role": "user", "content": [{"type": "text", "text": "And its colours?"}]},
         ],
     }
