@@ -164,7 +164,7 @@ def encoder_request(
     request["max_tokens"] = 1
     request["stream"] = False
     if push_to:
-        request["ec_transfer_params"] = PushRequest(push_to=push_to)
+        request["ec_transfer_params"] = msgspec.to_builtins(PushRequest(push_to=push_to))
     return request
 
 
