@@ -540,7 +540,7 @@ def _read_producer(producer: Producer, out: Samples) -> None:
     # The network thread writes the Counter under its own lock; copying a dict is
     # one step under the GIL, so the copy is consistent without taking that lock.
     _zeros(out, Side.PRODUCER)
-    _add_counters(out, Side.PRODUCER, dict(producer.counters))
+    _add_counters(out, Side.PRODUCER, producer.counters.snapshot())
     _worst(out, "healthy", float(producer.healthy))
     _add(out, "active_grants", producer.active_grants())
     _add(out, "pushes_in_flight", producer.pushes_in_flight())

@@ -2,7 +2,7 @@
 
 The layers, lowest first (each imports only from those below it, and from its own):
 
-    errors < config < protocol < store < transport < control < peer < metrics
+    errors < counts < config < protocol < store < transport < control < peer < metrics
         < vllm (the engine integration) < apps (the operator apps)
 
 The package root gathers the public API from the core. The apps (cli, launch, demo,
@@ -25,7 +25,17 @@ import pytest
 from ecshare.store import Store
 
 PACKAGE = Path(__file__).resolve().parents[1] / "ecshare"
-CORE_LAYERS = ("errors", "config", "protocol", "store", "transport", "control", "peer", "metrics")
+CORE_LAYERS = (
+    "errors",
+    "counts",
+    "config",
+    "protocol",
+    "store",
+    "transport",
+    "control",
+    "peer",
+    "metrics",
+)
 LAYERS = (*CORE_LAYERS, "vllm", "apps")
 # The package root (and its __main__) gathers from every layer: above them all.
 TOP = len(LAYERS)

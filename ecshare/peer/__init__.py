@@ -1,6 +1,6 @@
 """Producer (grants reads) and Consumer (fetches), engine-agnostic.
 
-May import: ecshare.errors, ecshare.config, ecshare.protocol, ecshare.store,
+May import: ecshare.errors, ecshare.counts, ecshare.config, ecshare.protocol, ecshare.store,
 ecshare.transport, ecshare.control.
 """
 

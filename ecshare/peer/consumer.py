@@ -70,7 +70,6 @@ import math
 import threading
 import time
 import weakref
-from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures._base import FINISHED as _FINISHED
@@ -85,6 +84,7 @@ import zmq
 from ecshare import protocol as p
 from ecshare.config import Config
 from ecshare.control import AuthenticationFailed, ClientPool, KeyPair, LinkSettings, Waker
+from ecshare.counts import Counts
 from ecshare.peer.dataplane import announced
 from ecshare.peer.inbox import Inbox, PushLink, Reservation
 from ecshare.peer.landing import TAGS_PER_READ, TagLanding, TagRead
@@ -382,8 +382,8 @@ class Consumer(NetworkThread):
         self._peers_lost: list[tuple[str, str]] = []
         self._request_ids = itertools.count(1)
         self._pool: ClientPool | None = None
-        self.counters: Counter[str] = Counter()
-        self._counters_lock = threading.Lock()
+        self.counters = Counts()
+        self._counters_lock = self.counters.lock  # the latency figures share it
         # Every fetch's latency, in buckets (under `_counters_lock`).
         self._latency_counts = [0] * (len(LATENCY_BUCKETS_S) + 1)
         self._latency_sum_s = 0.0
@@ -2028,9 +2028,7 @@ class Consumer(NetworkThread):
                 t.future.set_exception(FetchFailed(t.mm_hash, reason, detail))
 
     def _count(self, key: str) -> None:
-        with self._counters_lock:
-            self.counters[key] += 1
+        self.counters.add(key)
 
     def _count_add(self, key: str, n: int) -> None:
-        with self._counters_lock:
-            self.counters[key] += n
+        self.counters.add(key, n)

@@ -33,7 +33,7 @@ import secrets
 import select
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -42,6 +42,7 @@ import zmq
 from ecshare import protocol as p
 from ecshare.config import Config
 from ecshare.control import ControlServer, KeyPair, LaneServer, LinkSettings, Waker
+from ecshare.counts import Counts
 from ecshare.errors import IllegalTransition
 from ecshare.peer.dataplane import announced, peer_info
 from ecshare.peer.locator import Locator
@@ -154,9 +155,8 @@ class Producer(NetworkThread):
         self._lingering: set[tuple[str, str]] = set()
         self._server: ControlServer | None = None
         self._lanes: LaneServer | None = None  # with config.fetch_lane, once serving
-        self._lock = threading.Lock()  # guards `counters` and the session snapshot
-        self.counters: Counter[str] = Counter()
-        self._counters_lock = threading.Lock()
+        self._lock = threading.Lock()  # guards the session snapshot
+        self.counters = Counts()
         self.started_at = time.time()
         # Per-item timestamps of each step (see peer/phases.py); off unless set.
         self._phases: PhaseLog | None = None
@@ -602,8 +602,7 @@ class Producer(NetworkThread):
                 )
             )
         assert self._server is not None
-        with self._counters_lock:
-            counters = dict(self.counters)
+        counters = self.counters.snapshot()
         return status_reply(
             request_id=msg.request_id,
             server_name=self._name,
@@ -859,9 +858,7 @@ class Producer(NetworkThread):
             )
 
     def _count(self, key: str) -> None:
-        with self._counters_lock:
-            self.counters[key] += 1
+        self.counters.add(key)
 
     def _add(self, key: str, n: int) -> None:
-        with self._counters_lock:
-            self.counters[key] += n
+        self.counters.add(key, n)

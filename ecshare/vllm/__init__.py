@@ -8,8 +8,9 @@ entry point); `"ec_connector_module_path": "ecshare.vllm"` is needed only where
 access, so that the modules here that need no vllm (`servers`, `tiny_model`) import
 without it.
 
-May import: the core (ecshare.errors, ecshare.config, ecshare.protocol, ecshare.store,
-ecshare.transport, ecshare.control, ecshare.peer, ecshare.metrics), never ecshare.apps.
+May import: the core (ecshare.errors, ecshare.counts, ecshare.config, ecshare.protocol,
+ecshare.store, ecshare.transport, ecshare.control, ecshare.peer, ecshare.metrics), never
+ecshare.apps.
 """
 
 from __future__ import annotations

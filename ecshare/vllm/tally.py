@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter
+
+from ecshare.counts import Counts
 
 log = logging.getLogger("ecshare.vllm")
 WARN_EVERY_S = 10.0
@@ -20,20 +21,18 @@ WARN_EVERY_S = 10.0
 
 class Tally:
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._counts: Counter[str] = Counter()
+        self._counts = Counts()
+        self._lock = threading.Lock()  # guards the samples and the warning times
         self._samples: dict[str, list[float]] = {}
         self._warned_at: dict[str, float] = {}
 
     def add(self, key: str, n: int = 1) -> None:
-        with self._lock:
-            self._counts[key] += n
+        self._counts.add(key, n)
 
     def add_all(self, counts: dict[str, int]) -> None:
         """Several counts in one step, so that no take sees some of them without the
         rest (items without their bytes, say)."""
-        with self._lock:
-            self._counts.update(counts)
+        self._counts.add_all(counts)
 
     def sample(self, key: str, seconds: float) -> None:
         """One latency sample of `key` (named `<what>_s`: `fetch_latency_s`)."""
@@ -42,8 +41,8 @@ class Tally:
 
     def take(self) -> tuple[dict[str, int], dict[str, list[float]]]:
         """The counts and latency samples since the last take, and start again."""
+        counts = self._counts.take()
         with self._lock:
-            counts, self._counts = dict(self._counts), Counter()
             samples, self._samples = self._samples, {}
         return counts, samples
 
