@@ -330,6 +330,7 @@ COUNTED: Final[tuple[Counted, ...]] = (
         "lease_overruns",
         "renewals_sent",
         "renewals_refused",
+        "releases_confirmed",
         "refused_peer_links",
         "peer_links_closed_idle",
         "peer_links_evicted",

@@ -25,10 +25,12 @@ import msgspec
 from ecshare.config.schema import PushName
 from ecshare.errors import ECShareError
 
-PROTOCOL_VERSION: Final = 1
+# 2: heartbeats carry no sequence number, a PushReply no deadline (version 1 sent
+# both and read neither); a peer that speaks only 1 is refused at the Hello.
+PROTOCOL_VERSION: Final = 2
 # Versions this build can speak, newest first. A handshake picks the highest
-# version both sides list.
-SUPPORTED_VERSIONS: Final = (1,)
+# version both sides list; a consumer refuses a Welcome naming any other.
+SUPPORTED_VERSIONS: Final = (2,)
 
 DEFAULT_MAX_FRAME_BYTES: Final = 1 << 20
 MAX_BATCH_ITEMS: Final = 4096
@@ -169,6 +171,9 @@ class LaneOffer(msgspec.Struct, frozen=True, array_like=True):
 class Welcome(_Message, frozen=True, kw_only=True, tag="welcome"):
     """Producer -> consumer: session accepted; region registration, once.
 
+    `version` is the one the producer picked from the Hello's list: a consumer
+    refuses a Welcome naming a version it did not offer. `server_name` is the
+    producer's name, which the consumer's logs and failures give beside its address.
     `lane`, when offered, carries FetchRequest/FetchReply and Release/Released of
     this session past ZMQ's I/O threads; a consumer that ignores it (or loses it)
     goes on over ZMQ.
@@ -267,6 +272,10 @@ class Release(_Message, frozen=True, kw_only=True, tag="release"):
 
 
 class Released(_Message, frozen=True, kw_only=True, tag="released"):
+    """Producer -> consumer: the answer to a `Release`, naming the grants it ended
+    (counted by the consumer as `releases_confirmed`); one already ended, or of
+    another producer process, is not named."""
+
     released: Annotated[list[Token], msgspec.Meta(max_length=MAX_BATCH_ITEMS)]
 
 
@@ -287,12 +296,14 @@ class Renewed(_Message, frozen=True, kw_only=True, tag="renewed"):
 
 
 class Heartbeat(_Message, frozen=True, kw_only=True, tag="ping"):
+    """Consumer -> producer: this session is alive; answered with a `HeartbeatAck`,
+    whose arrival (not its content) proves the producer is."""
+
     session_id: Token
-    seq: NonNeg
 
 
 class HeartbeatAck(_Message, frozen=True, kw_only=True, tag="pong"):
-    seq: NonNeg
+    pass
 
 
 class Bye(_Message, frozen=True, kw_only=True, tag="bye"):
@@ -335,17 +346,16 @@ class PushOffer(_Message, frozen=True, kw_only=True, tag="push_offer"):
 class PushReply(_Message, frozen=True, kw_only=True, tag="push_reply"):
     """Consumer -> producer: the answer to an offer; `extents` only when ACCEPTED.
 
-    `deadline_ms` is how long the consumer waits for the data before it gives
-    up on the push (and pulls); a write may still land after that, and the
-    reservation is held until the producer's PushDone or the write's
-    notification says it has ended.
+    A refusal's `detail` says why, and ends up in the producer's `PushOutcome`. The
+    consumer's own deadline for the data is its business, not the producer's: a
+    write may land after it, and the reservation is held until the producer's
+    PushDone or the write's notification says it has ended.
     """
 
     session_id: Token
     push_id: Token
     status: PushStatus
     extents: Annotated[list[Extent], msgspec.Meta(max_length=MAX_EXTENTS_PER_ITEM)] = []
-    deadline_ms: Millis = 0
     detail: Text = ""
 
 
@@ -353,7 +363,8 @@ class PushDone(_Message, frozen=True, kw_only=True, tag="push_done"):
     """Producer -> consumer: the write of `push_id` has ended (its data plane said so)
     or was never posted; the reserved blocks are the consumer's again.
 
-    `written` is True only when the whole write completed.
+    `written` is True only when the whole write completed; if not, `detail` says
+    why, and the consumer logs it.
     """
 
     session_id: Token

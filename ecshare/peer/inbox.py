@@ -222,7 +222,6 @@ class Inbox:
             p.PushStatus.ACCEPTED,
             "",
             extents=[p.Extent(o, n) for o, n in entry.extents],
-            deadline_ms=int(deadline_s * 1000),
         )
         r = Reservation(
             endpoint=link.endpoint,
@@ -257,6 +256,7 @@ class Inbox:
             self._written(r)
         else:
             self._count("push_not_written", 1)
+            log.info("push of %s from %s not written: %s", r.mm_hash, endpoint, msg.detail)
             self._over(r)
 
     def on_notification(self, agent: str, note: bytes) -> bool:
@@ -329,14 +329,12 @@ class Inbox:
         detail: str,
         *,
         extents: list[p.Extent] | None = None,
-        deadline_ms: int = 0,
     ) -> p.PushReply:
         return p.PushReply(
             session_id=msg.session_id,
             push_id=msg.push_id,
             status=status,
             extents=extents or [],
-            deadline_ms=deadline_ms,
             detail=detail[:4000],
         )
 

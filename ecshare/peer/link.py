@@ -100,6 +100,7 @@ class PeerLink:
         self.client: ControlClient | None = None
         self.session_id = ""
         self.agent = ""  # the producer's data-plane name, once welcomed
+        self.server_name = ""  # the producer's own name, once welcomed
         self.region_size = 0
         self.max_batch_items = 1
         # From the producer's Welcome: the lease it grants and whether it renews.
@@ -131,7 +132,6 @@ class PeerLink:
         # When the first ping the peer has not yet answered went out (0: none).
         self._unanswered_since = 0.0
         self._next_ping = 0.0
-        self._ping_seq = 0
         self._quarantined_until = 0.0
         self._releases: list[str] = []
         self._releases_since = 0.0  # when the oldest queued release was queued
@@ -181,6 +181,12 @@ class PeerLink:
         if isinstance(msg, p.Welcome):
             if self.state is not PeerLinkState.HELLO_SENT or msg.session_id != self.session_id:
                 return None  # a stale welcome from an earlier handshake
+            if msg.version not in p.SUPPORTED_VERSIONS:
+                return (
+                    FailureReason.INCOMPATIBLE,
+                    f"producer {msg.server_name!r} answered in protocol version {msg.version},"
+                    f" which this consumer did not offer ({list(p.SUPPORTED_VERSIONS)})",
+                )
             dp = msg.data_plane
             if dp.kind != self._transport.kind:
                 return (FailureReason.INCOMPATIBLE, f"producer data plane is {dp.kind}")
@@ -221,6 +227,13 @@ class PeerLink:
             )
             self.state = PeerLinkState.READY
             self._next_ping = now + self._ping_interval_s
+            self.server_name = msg.server_name
+            log.info(
+                "session with producer %r at %s open (protocol v%d)",
+                msg.server_name,
+                self.endpoint,
+                msg.version,
+            )
             if msg.lane is not None and self._config.fetch_lane and self.lane is None:
                 self.lane = LaneClient(
                     lane_host(self.endpoint),
@@ -233,7 +246,10 @@ class PeerLink:
                 if self.lane.broken is not None:
                     self.lane_lost()
             return None
-        if isinstance(msg, p.HeartbeatAck | p.Released | p.Renewed):
+        if isinstance(msg, p.Released):
+            self._count_n("releases_confirmed", len(msg.released))
+            return None
+        if isinstance(msg, p.HeartbeatAck | p.Renewed):
             return None
         if isinstance(msg, p.Error):
             if msg.code in (p.ErrorCode.VERSION_MISMATCH, p.ErrorCode.FINGERPRINT_MISMATCH):
@@ -283,8 +299,7 @@ class PeerLink:
             if now >= self._next_ping:
                 assert self.client is not None
                 self.flush_releases()  # the producer wakes for the ping anyway
-                self._ping_seq += 1
-                self.client.send(p.Heartbeat(session_id=self.session_id, seq=self._ping_seq))
+                self.client.send(p.Heartbeat(session_id=self.session_id))
                 self._next_ping = now + self._ping_interval_s
                 self._unanswered_since = unanswered or now
         return None

@@ -447,7 +447,7 @@ class Producer(NetworkThread):
         if isinstance(msg, p.Renew):
             return self._on_renew(session, msg)
         if isinstance(msg, p.Heartbeat):
-            return p.HeartbeatAck(seq=msg.seq)
+            return p.HeartbeatAck()
         if isinstance(msg, p.PushReply):
             if self._pusher is not None:
                 self._pusher.on_reply(session.session_id, msg, self._woke_at)

@@ -256,7 +256,8 @@ class Pusher:
             return
         if msg.status is not p.PushStatus.ACCEPTED:
             self._count(f"push_refused.{msg.status.value}", 1)
-            self._end(push, PushState.REFUSED, msg.status.value, tell=False)
+            why = f"{msg.status.value}: {msg.detail}" if msg.detail else msg.status.value
+            self._end(push, PushState.REFUSED, why, tell=False)
             return
         self._write(push, msg)
 

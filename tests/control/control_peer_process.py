@@ -36,7 +36,7 @@ from ecshare.control import (
     load_public_key,
 )
 
-HELLO = p.Hello(versions=[1], session_id="s-1", client_name="test-consumer", fingerprint="fp")
+HELLO = p.Hello(versions=[2], session_id="s-1", client_name="test-consumer", fingerprint="fp")
 
 
 def _emit(payload: dict[str, Any]) -> None:
@@ -80,7 +80,7 @@ def serve(args: argparse.Namespace) -> None:
                         ),
                     )
                 elif isinstance(message, p.Heartbeat):
-                    server.send(inbound.peer, p.HeartbeatAck(seq=message.seq))
+                    server.send(inbound.peer, p.HeartbeatAck())
     finally:
         server.close()
 

@@ -18,7 +18,7 @@ from ecshare.control import (
     load_authorized_keys,
 )
 
-HELLO = p.Hello(versions=[1], session_id="s-1", client_name="test-consumer", fingerprint="fp")
+HELLO = p.Hello(versions=[2], session_id="s-1", client_name="test-consumer", fingerprint="fp")
 
 
 def _curve_server(make_server: Callable[..., ControlServer], keyring: Keyring) -> ControlServer:
@@ -51,8 +51,8 @@ def test_authenticated_client_round_trip(
     # The state comes from a monitor thread, which may lag the first reply.
     assert client.wait_ready(5_000)
     assert client.state is LinkState.READY
-    assert client.send(p.Heartbeat(session_id="s-1", seq=7))
-    assert client.recv(5_000) == p.HeartbeatAck(seq=7)
+    assert client.send(p.Heartbeat(session_id="s-1"))
+    assert client.recv(5_000) == p.HeartbeatAck()
 
 
 def test_server_sees_client_key_as_user_id(
@@ -71,9 +71,9 @@ def test_server_sees_client_key_as_user_id(
     assert inbound is not None
     assert inbound.user == keyring.client.keys.public_text
     assert isinstance(inbound.message, p.Hello)
-    server.send(inbound.peer, p.HeartbeatAck(seq=1))
+    server.send(inbound.peer, p.HeartbeatAck())
     result = finish_peer(consumer)
-    assert result["reply"] == {"t": "pong", "seq": 1}
+    assert result["reply"] == {"t": "pong"}
     assert result["state"] == LinkState.READY.value
     assert server.stats["auth_accepted"] == 1
 

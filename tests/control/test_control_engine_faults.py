@@ -43,7 +43,7 @@ from control_testing import FAST, Keyring, ServerProcess, start_peer
 from ecshare import protocol as p
 from ecshare.control import ControlClient, ControlServer, LinkState, load_authorized_keys
 
-HELLO = p.Hello(versions=[1], session_id="s-1", client_name="test-consumer", fingerprint="fp")
+HELLO = p.Hello(versions=[2], session_id="s-1", client_name="test-consumer", fingerprint="fp")
 ROUTING_ID = b"\x01consumer-x"
 pytestmark = pytest.mark.timeout(60)
 

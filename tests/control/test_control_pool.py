@@ -35,7 +35,7 @@ def test_pool_keeps_one_client_per_endpoint_and_it_works(
         client = pool.get(server.endpoint)
         assert pool.get(server.endpoint) is client
         assert server.endpoint in pool and len(pool) == 1
-        client.send(p.Heartbeat(session_id="s", seq=1))
+        client.send(p.Heartbeat(session_id="s"))
         inbound = server.recv(10_000)
         assert inbound is not None and inbound.user == keyring.client.keys.public_text
     assert len(pool) == 0

@@ -17,7 +17,7 @@ from zmq.utils.monitor import recv_monitor_message
 from ecshare import protocol as p
 from ecshare.control import ControlClient, ControlServer, LinkState, load_authorized_keys
 
-HELLO = p.Hello(versions=[1], session_id="s-1", client_name="test-consumer", fingerprint="fp")
+HELLO = p.Hello(versions=[2], session_id="s-1", client_name="test-consumer", fingerprint="fp")
 WELCOME = p.Welcome(
     version=1,
     session_id="s-1",
@@ -108,11 +108,11 @@ def test_malformed_frames_are_dropped_and_counted(
     client = make_client(
         server.endpoint, server_public_key=keyring.server.keys.public, keys=keyring.client.keys
     )
-    client.send(p.Heartbeat(session_id="s-1", seq=3))
+    client.send(p.Heartbeat(session_id="s-1"))
     inbound = server.recv(10_000)
-    assert inbound is not None and inbound.message == p.Heartbeat(session_id="s-1", seq=3)
-    assert server.send(inbound.peer, p.HeartbeatAck(seq=3))
-    assert client.recv(10_000) == p.HeartbeatAck(seq=3)
+    assert inbound is not None and inbound.message == p.Heartbeat(session_id="s-1")
+    assert server.send(inbound.peer, p.HeartbeatAck())
+    assert client.recv(10_000) == p.HeartbeatAck()
 
 
 def test_answers_to_bad_frames_are_rate_limited(
@@ -180,7 +180,7 @@ def test_send_to_unknown_peer_is_counted_not_raised(
     keyring: Keyring, make_server: Callable[..., ControlServer]
 ) -> None:
     server = _curve_server(make_server, keyring)
-    assert server.send(b"\x01nobody", p.HeartbeatAck(seq=1)) is False
+    assert server.send(b"\x01nobody", p.HeartbeatAck()) is False
     assert server.stats["send_dropped_unreachable"] == 1
 
 
@@ -201,9 +201,9 @@ def test_reconnecting_client_takes_over_its_routing_id(
     new.send(p.encode(HELLO))
     second = server.recv(10_000)
     assert second is not None and second.peer == routing_id
-    assert server.send(routing_id, p.HeartbeatAck(seq=9))
+    assert server.send(routing_id, p.HeartbeatAck())
     assert new.poll(5_000)
-    assert p.decode(new.recv()) == p.HeartbeatAck(seq=9)
+    assert p.decode(new.recv()) == p.HeartbeatAck()
     assert not old.poll(200)
 
 
@@ -238,7 +238,7 @@ def test_client_reconnects_after_server_restart(
     assert client.state is LinkState.DISCONNECTED
 
     # Sent while the producer is down: queued, and delivered after the restart.
-    client.send(p.Hello(versions=[1], session_id="s-2", client_name="c", fingerprint="fp"))
+    client.send(p.Hello(versions=[2], session_id="s-2", client_name="c", fingerprint="fp"))
     spawn_server(*args, "--port", str(producer.port))
     welcome = client.recv(10_000)
     assert isinstance(welcome, p.Welcome) and welcome.session_id == "s-2"

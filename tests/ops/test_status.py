@@ -268,7 +268,7 @@ def test_admin_key_cannot_open_a_fetch_session(
         assert client.wait_ready(10_000)
         client.send(
             p.Hello(
-                versions=[1], session_id="admin-s", client_name="admin", fingerprint=FINGERPRINT
+                versions=[2], session_id="admin-s", client_name="admin", fingerprint=FINGERPRINT
             )
         )
         reply = client.recv(timeout_ms=10_000)

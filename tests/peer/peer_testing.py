@@ -452,7 +452,7 @@ class RawSession:
 
     def heartbeat(self) -> None:
         self._seq += 1
-        self.client.send(p.Heartbeat(session_id=self.session_id, seq=self._seq))
+        self.client.send(p.Heartbeat(session_id=self.session_id))
         while self.client.recv(timeout_ms=0) is not None:
             pass
 
@@ -578,19 +578,21 @@ class FakeProducer:
                 continue
             self.route = inbound.peer
             if isinstance(inbound.message, p.Heartbeat):
-                self.server.send(inbound.peer, p.HeartbeatAck(seq=inbound.message.seq))
+                self.server.send(inbound.peer, p.HeartbeatAck())
                 continue
             if isinstance(inbound.message, kind):
                 return inbound.message
         raise AssertionError(f"no {kind.__name__} within {timeout_s} s")
 
-    def welcome(self, hello: p.Hello, capabilities: list[str]) -> None:
+    def welcome(
+        self, hello: p.Hello, capabilities: list[str], version: int = p.PROTOCOL_VERSION
+    ) -> None:
         info = self.transport.local_info()
         self.session_id = hello.session_id
         self.server.send(
             self.route,
             p.Welcome(
-                version=1,
+                version=version,
                 session_id=hello.session_id,
                 server_name="fake",
                 capabilities=capabilities,

@@ -22,6 +22,7 @@ from loopback_testing import MakeLoopConsumer, MakeLoopProducer
 from peer_testing import (
     FAST,
     FINGERPRINT,
+    FakeProducer,
     Keyring,
     MakeConsumer,
     MakeRawSession,
@@ -168,3 +169,35 @@ def test_version_mismatch_is_a_typed_refusal(
     assert isinstance(refused, p.Error) and refused.code is p.ErrorCode.NO_SESSION
     # The same client speaking a common version is welcomed.
     assert isinstance(session.hello(versions=[99, *p.SUPPORTED_VERSIONS]), p.Welcome)
+
+
+def test_welcome_in_a_version_not_offered_is_refused_before_any_metadata_is_loaded(
+    fake_producer: FakeProducer, make_consumer: MakeConsumer, keyring: Keyring
+) -> None:
+    """A producer that answers in a protocol version the consumer did not list: the
+    session is refused as incompatible, naming both, and its data plane is never loaded."""
+    fake = fake_producer
+    node, consumer = make_consumer(keyring.consumer_config())
+    future = consumer.fetch(["h"], [fake.address])[0]
+    hello: p.Hello = fake.recv(p.Hello)
+    assert hello.versions == list(p.SUPPORTED_VERSIONS) and 1 not in hello.versions
+    fake.welcome(hello, [p.CAP_CHECKSUM_XXH3_64], version=1)
+
+    error = future.exception(timeout=10)
+    assert isinstance(error, FetchFailed), error
+    assert error.reason is FailureReason.INCOMPATIBLE, error
+    assert "protocol version 1" in error.detail and "'fake'" in error.detail, error.detail
+    assert node.transport.peers == []
+    assert consumer.counter_snapshot()["peer_failures.incompatible"] == 1
+
+
+def test_a_consumer_of_protocol_version_1_is_refused_at_the_hello(
+    loop_producer: MakeLoopProducer, raw_session: MakeRawSession, keyring: Keyring
+) -> None:
+    """Version 1 sent heartbeat numbers and push deadlines that this build no longer
+    sends: a peer that speaks only 1 gets a VERSION_MISMATCH, not frames it cannot read."""
+    _, producer = loop_producer(keyring.producer_config())
+    reply = raw_session(producer.address).hello(versions=[1])
+    assert isinstance(reply, p.Error) and reply.code is p.ErrorCode.VERSION_MISMATCH, reply
+    assert "[1]" in reply.message and str(list(p.SUPPORTED_VERSIONS)) in reply.message
+    assert producer.session_count() == 0 and producer.counters["refused_version"] == 1

@@ -200,7 +200,7 @@ def test_push_to_a_full_region_is_refused_and_the_item_pulled_later(
     blocker = cnode.store.allocate("blocker", 2 << 20)  # being written: not evictable
 
     out = producer.push(h, to="pd-0").result(timeout=10)
-    assert out.state is PushState.REFUSED and out.detail == "full"
+    assert out.state is PushState.REFUSED and out.detail.startswith(f"full: {h}: need ")
     cnode.store.abort(blocker)
     result = consumer.fetch([FetchItem(h, pushed=True)], [producer.address])[0].result(timeout=10)
     assert not result.pushed
@@ -241,7 +241,7 @@ def test_refused_push_a_fetch_waits_for_makes_it_pull_at_once(
     out = producer.push(h, to="pd-0").result(timeout=10)
     result = future.result(timeout=10)
 
-    assert out.state is PushState.REFUSED and out.detail == "full"
+    assert out.state is PushState.REFUSED and out.detail.startswith(f"full: {h}: need ")
     assert not result.pushed and result.peer == producer.address
     np.testing.assert_array_equal(stored_bytes(cnode, h), expected(h, n))
     counters = consumer.counter_snapshot()
@@ -276,7 +276,6 @@ def test_unauthorized_pusher_is_refused_counted_and_learns_nothing(
     reply = fake_producer.offer("x1")
 
     assert reply.status is p.PushStatus.FORBIDDEN and reply.extents == []
-    assert reply.deadline_ms == 0
     assert consumer.counter_snapshot()["push_refused.forbidden"] == 1
     assert cnode.store.stats().allocated == 0 and cnode.store.stats().used_blocks == 0
 

@@ -36,7 +36,7 @@ def _ready_link(ended: list[str] | None = None) -> tuple[PeerLink, _Wire]:
         pool=Any,  # type: ignore[arg-type]  # never reached: the link is made READY by hand
         transport=Any,  # type: ignore[arg-type]
         hello=lambda session_id: p.Hello(
-            versions=[1], session_id=session_id, client_name="t", fingerprint="f"
+            versions=[2], session_id=session_id, client_name="t", fingerprint="f"
         ),
         ended=lambda link: (ended if ended is not None else []).append(link.session_id),
     )

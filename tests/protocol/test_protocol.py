@@ -19,7 +19,7 @@ DP = p.DataPlaneInfo(
 
 EXAMPLES: list[p.Message] = [
     p.Hello(
-        versions=[1],
+        versions=[2],
         session_id="s1",
         client_name="consumer-a",
         fingerprint="f" * 32,
@@ -62,8 +62,8 @@ EXAMPLES: list[p.Message] = [
     p.Released(released=["g1"]),
     p.Renew(session_id="s1", grant_ids=["g1", "g2"]),
     p.Renewed(renewed=["g1"], lease_ms=30_000),
-    p.Heartbeat(session_id="s1", seq=7),
-    p.HeartbeatAck(seq=7),
+    p.Heartbeat(session_id="s1"),
+    p.HeartbeatAck(),
     p.Bye(session_id="s1"),
     p.Error(code=p.ErrorCode.FINGERPRINT_MISMATCH, message="model differs", request_id="r-1"),
     p.StatusRequest(request_id="st-1"),
@@ -116,7 +116,6 @@ EXAMPLES: list[p.Message] = [
         push_id="p1",
         status=p.PushStatus.ACCEPTED,
         extents=[p.Extent(0, 4_194_304), p.Extent(8_388_608, 311_296)],
-        deadline_ms=1000,
     ),
     p.PushReply(session_id="s1", push_id="p2", status=p.PushStatus.FULL, detail="no room"),
     p.PushDone(session_id="s1", push_id="p1", written=True),
@@ -180,13 +179,13 @@ def test_unknown_tag_raises_protocol_error() -> None:
 
 
 def test_wrong_type_raises_protocol_error() -> None:
-    frame = msgspec.msgpack.encode({"t": "ping", "session_id": "s", "seq": "seven"})
-    with pytest.raises(p.ProtocolError, match="seq"):
+    frame = msgspec.msgpack.encode({"t": "renewed", "renewed": [], "lease_ms": "seven"})
+    with pytest.raises(p.ProtocolError, match="lease_ms"):
         p.decode(frame)
 
 
 def test_out_of_bounds_values_raise_protocol_error() -> None:
-    frame = msgspec.msgpack.encode({"t": "ping", "session_id": "s", "seq": -1})
+    frame = msgspec.msgpack.encode({"t": "renewed", "renewed": [], "lease_ms": -1})
     with pytest.raises(p.ProtocolError):
         p.decode(frame)
     too_many = [["h", 0]] * (p.MAX_BATCH_ITEMS + 1)
@@ -259,8 +258,10 @@ def test_mutated_frames_raise_protocol_error(index: int, flips: list[tuple[int, 
 
 
 def test_version_negotiation_picks_highest_common() -> None:
-    assert p.negotiate_version([1, 2, 3]) == 1
+    newest = max(p.SUPPORTED_VERSIONS)
+    assert p.negotiate_version([1, *p.SUPPORTED_VERSIONS, 99]) == newest
     assert p.negotiate_version([99]) is None
+    assert p.negotiate_version([1]) is None  # version 1's heartbeats are not this one's
 
 
 def test_capability_negotiation_ignores_unknown() -> None:
@@ -323,6 +324,6 @@ def test_push_capability_is_negotiated_like_the_others() -> None:
 
 
 def test_hello_without_push_fields_still_decodes() -> None:
-    hello = p.Hello(versions=[1], session_id="s", client_name="c", fingerprint="f")
+    hello = p.Hello(versions=[2], session_id="s", client_name="c", fingerprint="f")
     decoded = p.decode(p.encode(hello))
     assert isinstance(decoded, p.Hello) and decoded.push_name == "" and decoded.data_plane is None

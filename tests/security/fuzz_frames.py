@@ -97,8 +97,8 @@ def seed_messages(session_id: str = "fuzz-session", grant_id: str = "g-fuzz") ->
         p.Released(released=[grant_id]),
         p.Renew(session_id=session_id, grant_ids=[grant_id]),
         p.Renewed(renewed=[grant_id], lease_ms=1000),
-        p.Heartbeat(session_id=session_id, seq=1 << 40),
-        p.HeartbeatAck(seq=3),
+        p.Heartbeat(session_id=session_id),
+        p.HeartbeatAck(),
         p.Bye(session_id=session_id),
         p.Error(code=p.ErrorCode.OVERLOADED, message="busy", request_id="r-fuzz"),
         p.Located(

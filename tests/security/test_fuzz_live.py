@@ -173,7 +173,7 @@ def _garbage(rng: random.Random) -> bytes:
     """What a port scanner or a confused client might send before any handshake."""
     null_greeting = b"\xff" + bytes(8) + b"\x7f\x03\x01NULL" + bytes(16) + b"\x00" + bytes(31)
     plain_ready = b"\x04\x19\x05READY\x0bSocket-Type\x00\x00\x00\x06DEALER"
-    message = p.encode(p.Hello(versions=[1], session_id="x", client_name="x", fingerprint="x"))
+    message = p.encode(p.Hello(versions=[2], session_id="x", client_name="x", fingerprint="x"))
     choice = rng.randrange(6)
     if choice == 0:
         return rng.randbytes(rng.choice((1, 10, 64, 512, 8192)))

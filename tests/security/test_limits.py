@@ -42,7 +42,7 @@ def test_sessions_are_bounded_by_max_sessions(
     for s in sessions:
         s.client.send(
             p.Hello(
-                versions=[1],
+                versions=[2],
                 session_id=s.session_id,
                 client_name="many",
                 fingerprint=s.fingerprint,

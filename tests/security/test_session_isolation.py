@@ -62,7 +62,7 @@ def test_rival_cannot_release_renew_or_replay_another_sessions_grant(
         p.FetchRequest(
             session_id=victim.session_id, request_id="victim-request", items=[p.ItemRequest(h)]
         ),
-        p.Heartbeat(session_id=victim.session_id, seq=1),
+        p.Heartbeat(session_id=victim.session_id),
         p.Bye(session_id=victim.session_id),
     ):
         reply = attacker.call(forged)
@@ -70,7 +70,7 @@ def test_rival_cannot_release_renew_or_replay_another_sessions_grant(
     # Hello with the victim's session id does not take it over.
     hijack = attacker.call(
         p.Hello(
-            versions=[1],
+            versions=[2],
             session_id=victim.session_id,
             client_name="hijack",
             fingerprint=FINGERPRINT,
@@ -141,7 +141,7 @@ def test_forged_completion_notices_do_nothing(
     victim = raw_session(producer.address)
     victim_agent = f"victim-agent-{uuid.uuid4().hex}"
     hello = p.Hello(
-        versions=[1],
+        versions=[2],
         session_id=victim.session_id,
         client_name="victim",
         fingerprint=FINGERPRINT,

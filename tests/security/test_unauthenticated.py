@@ -57,7 +57,7 @@ def test_peer_without_a_valid_key_learns_nothing(
     frames = [
         p.encode(
             p.Hello(
-                versions=[1], session_id=session_id, client_name="probe", fingerprint=FINGERPRINT
+                versions=[2], session_id=session_id, client_name="probe", fingerprint=FINGERPRINT
             )
         ),
         p.encode(

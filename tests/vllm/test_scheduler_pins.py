@@ -192,7 +192,7 @@ def test_no_session_id_can_name_the_engines_pin_owner() -> None:
     No session id may be the engine's owner name (it is longer than any can be)."""
 
     def hello(session_id: str) -> bytes:
-        message = p.Hello(versions=[1], session_id=session_id, client_name="c", fingerprint="f")
+        message = p.Hello(versions=[2], session_id=session_id, client_name="c", fingerprint="f")
         return p.encode(message)
 
     p.decode(hello("x" * (len(ENGINE_PIN_OWNER) - 1)))  # the longest session id there is
