@@ -4,7 +4,8 @@
 writes, commits, aborts, quarantines, pins and unpins entries through it. The
 entry table behind it (``ecshare.store.entries``) is private to the package.
 ``Region`` and ``BlockAllocator`` are exported for worker processes that only
-attach to the region, and for tests. Every error derives from ``StoreError``
+attach to the region, and for tests; ``dtype_itemsize`` is the one dtype table
+(``ecshare.store.dtypes``). Every error derives from ``StoreError``
 (and so from ``ecshare.ECShareError``), except the shared ``IllegalTransition``.
 
 May import: ecshare.errors, ecshare.config, ecshare.protocol.
@@ -12,6 +13,7 @@ May import: ecshare.errors, ecshare.config, ecshare.protocol.
 
 from ecshare.errors import IllegalTransition
 from ecshare.store.allocator import AllocatorError, BlockAllocator, Run
+from ecshare.store.dtypes import dtype_itemsize
 from ecshare.store.entries import (
     Entry,
     EntryExists,
@@ -55,5 +57,6 @@ __all__ = [
     "StoreError",
     "StoreFull",
     "StoreStats",
+    "dtype_itemsize",
     "tail_bytes",
 ]

@@ -39,6 +39,7 @@ import numpy.typing as npt
 import xxhash
 
 from ecshare.store.allocator import Run
+from ecshare.store.dtypes import PLAIN_KINDS, dtype_itemsize, numpy_dtype
 from ecshare.store.entries import (
     Entry,
     EntryMeta,
@@ -59,17 +60,6 @@ log = logging.getLogger(__name__)
 # Blocks are multiples of 4 KiB, so every block is a whole number of these words.
 _CANARY_WORD = np.uint64(0xA5C35A3CDEADBEEF)
 
-# Dtypes numpy lacks, which torch stores. Their sizes let us check shapes.
-_EXTRA_ITEMSIZE = {
-    "bfloat16": 2,
-    "float8_e4m3fn": 1,
-    "float8_e4m3fnuz": 1,
-    "float8_e5m2": 1,
-    "float8_e5m2fnuz": 1,
-}
-# Only plain numeric kinds may be used to view region bytes. meta can come from
-# a peer, and viewing raw bytes as object ("O") would turn them into pointers.
-_PLAIN_KINDS = frozenset("biufc")
 Bytes = npt.NDArray[np.uint8]
 
 
@@ -474,25 +464,10 @@ class Store:
             raise NotFound(f"{entry.mm_hash} was evicted while being read")
 
 
-@functools.cache
-def _numpy_dtype(name: str) -> np.dtype[Any] | None:
-    try:
-        dtype = np.dtype(name)
-    except TypeError:
-        return None
-    return dtype if dtype.kind in _PLAIN_KINDS else None
-
-
-@functools.cache
-def _itemsize(name: str) -> int | None:
-    dtype = _numpy_dtype(name)
-    return dtype.itemsize if dtype is not None else _EXTRA_ITEMSIZE.get(name)
-
-
 def _check_meta(meta: EntryMeta, nbytes: int, mm_hash: str) -> EntryMeta:
     # A wrong shape found here is a clear error. Found on the far side of a
     # transfer, it would be a silently garbled tensor.
-    itemsize = _itemsize(meta.dtype)
+    itemsize = dtype_itemsize(meta.dtype)
     if itemsize is None:
         # Its size unknown, its shape could not be checked: refused rather than trusted.
         raise InvalidMeta(f"{mm_hash}: unknown dtype {meta.dtype!r}")
@@ -505,16 +480,16 @@ def _check_meta(meta: EntryMeta, nbytes: int, mm_hash: str) -> EntryMeta:
 
 
 def _typed(raw: Bytes, meta: EntryMeta) -> np.ndarray:
-    dtype = _numpy_dtype(meta.dtype)
+    dtype = numpy_dtype(meta.dtype)
     if dtype is None or math.prod(meta.shape) * dtype.itemsize != raw.nbytes:
         return raw
     return raw.view(dtype).reshape(meta.shape)
 
 
 def _flat_bytes(arr: np.ndarray) -> Bytes:
-    if arr.flags.c_contiguous and arr.dtype.isnative and arr.dtype.kind in _PLAIN_KINDS:
+    if arr.flags.c_contiguous and arr.dtype.isnative and arr.dtype.kind in PLAIN_KINDS:
         return arr.reshape(-1).view(np.uint8)  # the common case, kept short: no copy
-    if arr.dtype.kind not in _PLAIN_KINDS:
+    if arr.dtype.kind not in PLAIN_KINDS:
         raise TypeError(f"cannot store a {arr.dtype} array: only numeric dtypes are plain bytes")
     if not arr.dtype.isnative:
         arr = arr.astype(arr.dtype.newbyteorder("="))

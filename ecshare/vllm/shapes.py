@@ -14,9 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
-
-from ecshare.store import Entry
+from ecshare.store import Entry, dtype_itemsize
 from ecshare.vllm.ops import TransferParam
 
 if TYPE_CHECKING:
@@ -31,12 +29,12 @@ def torch_dtype_name(dtype: object) -> str:
 
 
 def itemsize(dtype: str) -> int:
-    """The bytes of one element of the torch dtype named `dtype` (torch, whose dtype the
-    model runs in, is the table); ValueError for a name torch does not know."""
-    found = getattr(torch, dtype, None)
-    if not isinstance(found, torch.dtype):
-        raise ValueError(f"{dtype!r} is not a torch dtype")
-    return found.itemsize
+    """The bytes of one element of `dtype`, from the store's one table
+    (`ecshare.store.dtypes`); ValueError for a dtype the store does not hold."""
+    size = dtype_itemsize(dtype)
+    if size is None:
+        raise ValueError(f"{dtype!r} is not a dtype ecshare stores")
+    return size
 
 
 class Expectations:

@@ -193,15 +193,16 @@ def test_fetch_of_the_wrong_size_is_never_loaded(ec: EC, lie: str) -> None:
     assert ec.totals(consumer)["size_mismatch"] == 1
 
 
-def test_an_item_size_comes_from_torch_and_an_unknown_dtype_is_refused() -> None:
+def test_an_item_size_comes_from_the_store_table_and_an_unknown_dtype_is_refused() -> None:
     assert [itemsize(d) for d in ("float32", "bfloat16", "float16", "float8_e4m3fn")] == [
         4,
         2,
         2,
         1,
     ]
-    for name in ("float128", "Tensor"):  # not a dtype; never a guessed size
-        with pytest.raises(ValueError, match="not a torch dtype"):
+    # float128 is numpy's platform-sized long double: never a guessed size either.
+    for name in ("float128", "Tensor"):
+        with pytest.raises(ValueError, match="not a dtype ecshare stores"):
             itemsize(name)
 
 
