@@ -66,7 +66,7 @@ from ecshare.apps.launch_options import add_launch_arguments as add_launch_argum
 from ecshare.apps.launch_options import options_from_args as options_from_args
 from ecshare.apps.proxy.config import API_KEY_ENV
 from ecshare.apps.ready import LaunchReady, print_ready
-from ecshare.config import ConfigError
+from ecshare.config import Config, ConfigError
 from ecshare.vllm.servers import Keys, ServerSpec, VllmServer, free_port
 from ecshare.vllm.settings import PUSH_TARGETS, TRUSTED_PRODUCERS
 
@@ -174,7 +174,11 @@ def producer_endpoint(extra: dict[str, Any]) -> str | None:
     """The endpoint a producer with this `ec_connector_extra_config` advertises, when it is
     known before it starts (a fixed port, a host peers can reach)."""
     port = int(extra.get("listen_port") or 0)
-    host = str(extra.get("advertise_host") or extra.get("listen_host") or "127.0.0.1")
+    hosts = {k: extra[k] for k in ("listen_host", "advertise_host") if extra.get(k)}
+    try:
+        host = Config.from_dict(hosts).advertised_host
+    except ConfigError:  # a wildcard listen_host and no advertise_host: peers cannot know
+        return None
     if port == 0 or host in ("0.0.0.0", "::", "*", "[::]"):
         return None
     return f"tcp://{host}:{port}"

@@ -388,6 +388,15 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
             "the producer's offer before it pulls the item instead.",
         ),
     ] = 0.05
+    push_pin_s: Annotated[
+        Seconds,
+        Meta(
+            gt=0,
+            le=3600,
+            description="Producer: the pin on an entry being pushed, renewed on every pass "
+            "of its loop while the write may read it; it runs out only if that loop stops.",
+        ),
+    ] = 30.0
     max_pushes_in_flight: Annotated[
         int,
         Meta(
@@ -416,13 +425,33 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
             description="Longest a client waits for the reply to one control-plane request.",
         ),
     ] = 2.0
-    lease_s: Annotated[
+    grant_lease_s: Annotated[
         Seconds,
         Meta(
             gt=0,
             le=3600,
-            description="How long a producer keeps a grant's blocks pinned for its reader; "
-            "after that the blocks may be reused.",
+            description="Producer: how long it keeps a grant's blocks pinned for its reader "
+            "(told to the consumer in the handshake, renewed on request); after that the "
+            "blocks may be reused.",
+        ),
+    ] = 30.0
+    engine_pin_s: Annotated[
+        Seconds,
+        Meta(
+            gt=0,
+            le=3600,
+            description="vLLM consumer: how long an entry found present for vLLM stays "
+            "pinned until its load is planned, and then until the worker has copied it.",
+        ),
+    ] = 30.0
+    save_report_timeout_s: Annotated[
+        Seconds,
+        Meta(
+            gt=0,
+            le=3600,
+            description="vLLM producer: how long a planned save waits for its worker's "
+            "report; a save not reported by then is given up and its blocks freed "
+            "(save_abandoned).",
         ),
     ] = 30.0
     fetch_deadline_base_s: Annotated[
@@ -595,7 +624,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     def fetch_deadline_s(self, nbytes: int) -> float:
         """A consumer's deadline for fetching one item of `nbytes`: base + per GiB, capped.
 
-        The cap is below `lease_s` (checked at construction), so a consumer always gives up
+        The cap is below `grant_lease_s` (checked at construction), so a consumer always gives up
         before the producer's lease on the blocks it reads can expire.
         """
         if nbytes < 0:
@@ -619,7 +648,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     def from_env(
         cls, environ: Mapping[str, str] | None = None, *, prefix: str = ENV_PREFIX
     ) -> Config:
-        """Decode `ECSHARE_LEASE_S=30`-style variables (`os.environ` when `environ` is None)."""
+        """Decode `ECSHARE_GRANT_LEASE_S=30`-style variables (`os.environ` if `environ` is None)."""
         values, sources = _values_from_env(
             Config, os.environ if environ is None else environ, prefix
         )
@@ -663,11 +692,11 @@ _RULES: tuple[_Rule, ...] = (
     ),
     _Rule(
         "fetch_deadline_max_s",
-        "lease_s",
-        "less than lease_s",
+        "grant_lease_s",
+        "less than grant_lease_s",
         "the consumer's deadline must be shorter than the producer's lease, so that a reader "
         "always gives up before the producer may reuse the blocks it reads",
-        lambda c: c.fetch_deadline_max_s < c.lease_s,
+        lambda c: c.fetch_deadline_max_s < c.grant_lease_s,
     ),
     _Rule(
         "fetch_deadline_base_s",

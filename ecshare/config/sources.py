@@ -49,7 +49,7 @@ def load_config(
 def add_config_arguments(
     parser: argparse.ArgumentParser, *, title: str = "ecshare configuration"
 ) -> argparse._ArgumentGroup:
-    """Add one `--lease-s` style flag per Config field; booleans get `--no-...` too.
+    """Add one `--grant-lease-s` style flag per Config field; booleans get `--no-...` too.
 
     Flags default to "not given" (argparse.SUPPRESS) so that `config_from_args` can tell a
     value the user typed from a default.

@@ -241,7 +241,7 @@ class Producer(NetworkThread):
     @property
     def address(self) -> str:
         """The endpoint consumers connect to (the advertised host)."""
-        host = self._config.advertise_host or self._config.listen_host
+        host = self._config.advertised_host
         return f"tcp://{host}:{self.port}"
 
     @property
@@ -532,7 +532,7 @@ class Producer(NetworkThread):
                 and (c != p.CAP_PUSH or push is not None)
                 and (c != p.CAP_READ_DIRECT or self._direct)
             ],
-            lease_ms=int(cfg.lease_s * 1000),
+            lease_ms=int(cfg.grant_lease_s * 1000),
             heartbeat_ms=int(cfg.heartbeat_interval_s * 1000),
             max_batch_items=min(cfg.max_batch_items, p.MAX_BATCH_ITEMS),
             data_plane=announced(info),
@@ -689,7 +689,7 @@ class Producer(NetworkThread):
             )
         grant_id = f"g{next(self._grant_ids)}.{self._epoch}"
         try:
-            self._store.pin(req.mm_hash, session.owner, grant_id, cfg.lease_s)
+            self._store.pin(req.mm_hash, session.owner, grant_id, cfg.grant_lease_s)
         except NotReady:
             self._count("refused_not_ready")
             return p.ItemReply(mm_hash=req.mm_hash, status=p.ItemStatus.NOT_READY)
@@ -713,11 +713,11 @@ class Producer(NetworkThread):
             dtype=pinned.meta.dtype,
             shape=list(pinned.meta.shape),
             checksum=pinned.meta.checksum,
-            lease_ms=int(cfg.lease_s * 1000),
+            lease_ms=int(cfg.grant_lease_s * 1000),
         )
 
     def _on_renew(self, session: _Session, msg: p.Renew) -> p.Message:
-        lease_s = self._config.lease_s
+        lease_s = self._config.grant_lease_s
         renewed = [g for g in msg.grant_ids if self._renew(session, g)]
         self._add("renewed", len(renewed))
         return p.Renewed(renewed=renewed, lease_ms=int(lease_s * 1000))
@@ -726,7 +726,7 @@ class Producer(NetworkThread):
         """Extend one of the session's grants; False if it is not (or no longer) live."""
         if grant_id not in session.grants:
             return False
-        if self._store.renew(session.owner, grant_id, self._config.lease_s):
+        if self._store.renew(session.owner, grant_id, self._config.grant_lease_s):
             return True
         # The lease ran out before the reaper saw it, and the table has just let the
         # pin go: forget the grant too, or it would count against the session's

@@ -228,7 +228,7 @@ class Pusher:
     def renew_pins(self) -> None:
         """Keep every source pinned while its write may read it: leases never end them."""
         for push in self._pushes.values():
-            self._store.renew(push.owner, push.push_id, self._config.lease_s)
+            self._store.renew(push.owner, push.push_id, self._config.push_pin_s)
 
     def on_reply(self, session_id: str, msg: p.PushReply, woke_at: float = 0.0) -> None:
         """`woke_at`: when the loop's poll returned with it (for `phases` only)."""
@@ -298,7 +298,7 @@ class Pusher:
         push_id = f"p{next(self._ids)}"
         owner = PUSH_OWNER_PREFIX + target.session_id
         try:
-            self._store.pin(mm_hash, owner, push_id, self._config.lease_s)
+            self._store.pin(mm_hash, owner, push_id, self._config.push_pin_s)
         except (NotFound, NotReady) as exc:
             self._count("push_refused.not_ready", 1)
             future.set_result(PushOutcome(mm_hash, to, PushState.REFUSED, str(exc)))

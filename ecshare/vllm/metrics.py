@@ -43,7 +43,7 @@ COUNTERS = {
     "saved_bytes": "Bytes of encoder output stored in the region.",
     "save_failed": "Encoder outputs the workers failed to store.",
     "save_skipped": "Encoder outputs not stored (region full, or too large).",
-    "save_abandoned": "Saves given up because no worker report came within lease_s.",
+    "save_abandoned": "Saves given up because no worker report came within save_report_timeout_s.",
     "saves_from_cache": "Items stored again from the engine's own encoder cache "
     "(it did not encode them again, and the region had lost them).",
     "stale_reports": "Worker reports naming a save no longer in flight (ignored).",

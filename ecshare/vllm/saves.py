@@ -2,7 +2,7 @@
 
     planned (ALLOCATED, grant g) --report saved[g]--> READY (announced from then on)
                     |            --report save_failed[g]--> freed
-                    \\--no report within lease_s--> freed (save_abandoned)
+                    \\--no report within save_report_timeout_s--> freed (save_abandoned)
 
 Each save has a grant id of its own, and only a report naming that grant
 commits or frees it: a late report of an abandoned save finds nothing, even if
@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 class _Save:
     mm_hash: str
     entry: Entry
-    started: float  # monotonic; given up `lease_s` later (`abandon_overdue`)
+    started: float  # monotonic; given up `save_report_timeout_s` later (`abandon_overdue`)
 
 
 class SaveBook:
@@ -144,10 +144,11 @@ class SaveBook:
                 if not self._pending:
                     return
                 grant, save = next(iter(self._pending.items()))
-                if save.started + self._config.lease_s > now:
+                if save.started + self._config.save_report_timeout_s > now:
                     return  # oldest first: the rest began later
             if self._pop(grant) is not None:
-                self._free(save, f"no worker report within lease_s ({self._config.lease_s:g} s)")
+                timeout = self._config.save_report_timeout_s
+                self._free(save, f"no worker report within save_report_timeout_s ({timeout:g} s)")
                 self._tally.add("save_abandoned")
 
     def _pop(self, grant: str) -> _Save | None:

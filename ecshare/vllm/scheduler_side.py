@@ -196,7 +196,7 @@ class SchedulerSide:
             return False  # an encoder-only instance always encodes what it serves
         if self._pins.probed(identifier):
             return True
-        pinned = self._pins.pin(identifier, "probe", self._config.lease_s)
+        pinned = self._pins.pin(identifier, "probe", self._config.engine_pin_s)
         if pinned is None:
             return False
         grant, entry = pinned
@@ -231,7 +231,7 @@ class SchedulerSide:
             self._plan_save(h, feature)
 
     def _plan_load(self, rid: str, h: str, grant: str) -> None:
-        self._pins.renew(grant, self._config.lease_s)
+        self._pins.renew(grant, self._config.engine_pin_s)
         entry = self._pins.entry(grant)
         assert entry is not None  # pinned since has_cache_item: never evicted
         self._loads[grant] = (rid, h)

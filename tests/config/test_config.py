@@ -55,7 +55,7 @@ def parser() -> argparse.ArgumentParser:
 
 def test_defaults_form_a_valid_config() -> None:
     config = Config()
-    assert config.fetch_deadline_max_s < config.lease_s
+    assert config.fetch_deadline_max_s < config.grant_lease_s
     assert config.insecure is False
     assert config.nixl_progress_thread is True
     assert config.advertised_host == config.listen_host
@@ -66,7 +66,10 @@ def test_defaults_form_a_valid_config() -> None:
 
 
 def test_unknown_key_rejected_with_did_you_mean() -> None:
-    assert error_of({"lease_sec": 30}) == "lease_sec: unknown key; did you mean `lease_s`?"
+    assert (
+        error_of({"grant_lease_sec": 30})
+        == "grant_lease_sec: unknown key; did you mean `grant_lease_s`?"
+    )
 
 
 def test_unknown_key_without_close_match_points_to_the_reference() -> None:
@@ -80,7 +83,7 @@ def test_non_string_key_rejected() -> None:
 
 def test_non_mapping_rejected() -> None:
     with pytest.raises(ConfigError, match="expected a mapping"):
-        Config.from_dict([("lease_s", 3)])  # type: ignore[arg-type]
+        Config.from_dict([("grant_lease_s", 3)])  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -88,7 +91,7 @@ def test_non_mapping_rejected() -> None:
     [
         ({"max_batch_items": "abc"}, "max_batch_items: got 'abc' (str), expected int"),
         ({"max_retries": True}, "max_retries: got True (bool), expected int"),
-        ({"lease_s": "30"}, "lease_s: got '30' (str), expected float"),
+        ({"grant_lease_s": "30"}, "grant_lease_s: got '30' (str), expected float"),
         ({"prefault": 1}, "prefault: got 1 (int), expected bool"),
         ({"nixl_backends": "UCX"}, "nixl_backends: got 'UCX' (str), expected list[str]"),
         ({"metrics_port": "x"}, "metrics_port: got 'x' (str), expected int | None"),
@@ -103,7 +106,10 @@ def test_wrong_type_names_key_value_and_expected_type(data: dict[str, Any], mess
 @pytest.mark.parametrize(
     ("data", "message"),
     [
-        ({"lease_s": -1}, "lease_s: got -1, expected a number more than 0 and at most 3600"),
+        (
+            {"grant_lease_s": -1},
+            "grant_lease_s: got -1, expected a number more than 0 and at most 3600",
+        ),
         ({"listen_port": 70000}, "listen_port: got 70000, expected an integer between 0 and 65535"),
         ({"max_retries": -1}, "max_retries: got -1, expected an integer between 0 and 100"),
         (
@@ -120,7 +126,9 @@ def test_out_of_range_value_names_the_bounds(data: dict[str, Any], message: str)
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
 def test_non_finite_numbers_rejected(value: float) -> None:
-    assert error_of({"lease_s": value}).startswith(f"lease_s: got {value!r}, expected a number")
+    assert error_of({"grant_lease_s": value}).startswith(
+        f"grant_lease_s: got {value!r}, expected a number"
+    )
 
 
 @pytest.mark.parametrize("value", [1000, 12288, 4095, 1 << 25])
@@ -151,8 +159,10 @@ def test_integral_float_accepted_for_int_field() -> None:
 def test_fetch_deadline_at_or_above_lease_rejected_with_invariant_explained(
     deadline: float,
 ) -> None:
-    message = error_of({"lease_s": 30, "fetch_deadline_max_s": deadline})
-    assert message.startswith(f"fetch_deadline_max_s: got {deadline!r}, expected less than lease_s")
+    message = error_of({"grant_lease_s": 30, "fetch_deadline_max_s": deadline})
+    assert message.startswith(
+        f"fetch_deadline_max_s: got {deadline!r}, expected less than grant_lease_s"
+    )
     assert "the consumer's deadline must be shorter than the producer's lease" in message
 
 
@@ -220,23 +230,23 @@ def test_instance_name_checked() -> None:
 def test_direct_construction_runs_the_same_checks() -> None:
     with pytest.raises(ConfigError, match="block_bytes: got 1000"):
         Config(block_bytes=1000)
-    with pytest.raises(ConfigError, match="lease_s: got 'x' \\(str\\), expected float"):
-        Config(lease_s="x")  # type: ignore[arg-type]
-    config = Config(lease_s=40, nixl_backends=["UCX", "GDS"])  # type: ignore[arg-type]
-    assert isinstance(config.lease_s, float)
+    with pytest.raises(ConfigError, match="grant_lease_s: got 'x' \\(str\\), expected float"):
+        Config(grant_lease_s="x")  # type: ignore[arg-type]
+    config = Config(grant_lease_s=40, nixl_backends=["UCX", "GDS"])  # type: ignore[arg-type]
+    assert isinstance(config.grant_lease_s, float)
     assert config.nixl_backends == ("UCX", "GDS")
     hash(config)
 
 
 def test_msgspec_decoding_runs_the_same_checks() -> None:
-    good = msgspec.json.decode(b'{"lease_s": 40, "nixl_backends": ["UCX"]}', type=Config)
-    assert good == Config(lease_s=40.0)
+    good = msgspec.json.decode(b'{"grant_lease_s": 40, "nixl_backends": ["UCX"]}', type=Config)
+    assert good == Config(grant_lease_s=40.0)
     with pytest.raises(msgspec.ValidationError, match="the consumer's deadline"):
         msgspec.json.decode(b'{"fetch_deadline_max_s": 100}', type=Config)
 
 
 def test_to_dict_is_json_and_round_trips() -> None:
-    config = Config.from_dict({"authorized_keys": [KEY_A], "lease_s": 45, "ucx_tls": "rc"})
+    config = Config.from_dict({"authorized_keys": [KEY_A], "grant_lease_s": 45, "ucx_tls": "rc"})
     data = config.to_dict()
     assert set(data) == set(FIELD_NAMES)
     assert data["authorized_keys"] == [KEY_A]
@@ -244,20 +254,24 @@ def test_to_dict_is_json_and_round_trips() -> None:
 
 
 def test_merged_applies_overrides_and_checks_again() -> None:
-    config = Config().merged({"lease_s": 60, "fetch_deadline_max_s": 50})
-    assert (config.lease_s, config.fetch_deadline_max_s) == (60.0, 50.0)
-    with pytest.raises(ConfigError, match="did you mean `lease_s`"):
-        config.merged({"lease_sec": 1})
+    config = Config().merged({"grant_lease_s": 60, "fetch_deadline_max_s": 50})
+    assert (config.grant_lease_s, config.fetch_deadline_max_s) == (60.0, 50.0)
+    with pytest.raises(ConfigError, match="did you mean `grant_lease_s`"):
+        config.merged({"grant_lease_sec": 1})
     with pytest.raises(ConfigError, match="the consumer's deadline"):
-        config.merged({"lease_s": 40})
+        config.merged({"grant_lease_s": 40})
 
 
 def test_config_error_is_a_value_error_that_pickles() -> None:
-    error = ConfigError("lease_s", "got -1", source="ECSHARE_LEASE_S")
+    error = ConfigError("grant_lease_s", "got -1", source="ECSHARE_GRANT_LEASE_S")
     assert isinstance(error, ValueError)
     copy = pickle.loads(pickle.dumps(error))
-    assert str(copy) == str(error) == "lease_s (from ECSHARE_LEASE_S): got -1"
-    assert (copy.key, copy.detail, copy.source) == ("lease_s", "got -1", "ECSHARE_LEASE_S")
+    assert str(copy) == str(error) == "grant_lease_s (from ECSHARE_GRANT_LEASE_S): got -1"
+    assert (copy.key, copy.detail, copy.source) == (
+        "grant_lease_s",
+        "got -1",
+        "ECSHARE_GRANT_LEASE_S",
+    )
 
 
 # --- deadline ---------------------------------------------------------------------------------
@@ -274,7 +288,7 @@ def test_fetch_deadline_scales_with_size_and_is_capped() -> None:
     sizes = [0, 1 << 20, 50 << 20, GiB, 2 * GiB, 10 * GiB]
     deadlines = [config.fetch_deadline_s(n) for n in sizes]
     assert deadlines == sorted(deadlines)
-    assert all(d < config.lease_s for d in deadlines)
+    assert all(d < config.grant_lease_s for d in deadlines)
 
 
 def test_fetch_deadline_rejects_negative_size() -> None:
@@ -289,7 +303,7 @@ def test_env_parses_ints_floats_bools_lists_and_none() -> None:
     config = Config.from_env(
         {
             "ECSHARE_REGION_BYTES": "2147483648",
-            "ECSHARE_LEASE_S": "40.5",
+            "ECSHARE_GRANT_LEASE_S": "40.5",
             "ECSHARE_PREFAULT": "no",
             "ECSHARE_INSECURE": "TRUE",
             "ECSHARE_NIXL_BACKENDS": "UCX, GDS,",
@@ -298,11 +312,11 @@ def test_env_parses_ints_floats_bools_lists_and_none() -> None:
             "ECSHARE_METRICS_PORT": "",
             "ECSHARE_CHECKSUM": "xxh3_64",
             "PATH": "/usr/bin",
-            "OTHER_LEASE_S": "x",
+            "OTHER_GRANT_LEASE_S": "x",
         }
     )
     assert config.region_bytes == 2 * GiB
-    assert config.lease_s == 40.5
+    assert config.grant_lease_s == 40.5
     assert config.prefault is False
     assert config.insecure is True
     assert config.nixl_backends == ("UCX", "GDS")
@@ -322,8 +336,10 @@ def test_env_bool_words(text: str, value: bool) -> None:
 
 def test_env_bad_value_names_variable_and_expected_type() -> None:
     with pytest.raises(ConfigError) as info:
-        Config.from_env({"ECSHARE_LEASE_S": "soon"})
-    assert str(info.value) == "lease_s (from ECSHARE_LEASE_S): got 'soon', expected float"
+        Config.from_env({"ECSHARE_GRANT_LEASE_S": "soon"})
+    assert (
+        str(info.value) == "grant_lease_s (from ECSHARE_GRANT_LEASE_S): got 'soon', expected float"
+    )
     with pytest.raises(ConfigError, match=r"prefault \(from ECSHARE_PREFAULT\): got 'maybe'"):
         Config.from_env({"ECSHARE_PREFAULT": "maybe"})
     with pytest.raises(ConfigError, match=r"block_bytes \(from ECSHARE_BLOCK_BYTES\): got 1000"):
@@ -332,23 +348,26 @@ def test_env_bad_value_names_variable_and_expected_type() -> None:
 
 def test_env_rule_error_says_where_the_other_key_came_from() -> None:
     with pytest.raises(ConfigError) as info:
-        Config.from_env({"ECSHARE_LEASE_S": "10"})
-    assert str(info.value).startswith("fetch_deadline_max_s: got 20.0, expected less than lease_s")
-    assert "lease_s was set by ECSHARE_LEASE_S" in str(info.value)
+        Config.from_env({"ECSHARE_GRANT_LEASE_S": "10"})
+    assert str(info.value).startswith(
+        "fetch_deadline_max_s: got 20.0, expected less than grant_lease_s"
+    )
+    assert "grant_lease_s was set by ECSHARE_GRANT_LEASE_S" in str(info.value)
 
 
 def test_unknown_ecshare_env_var_rejected_with_did_you_mean() -> None:
     with pytest.raises(ConfigError) as info:
-        Config.from_env({"ECSHARE_LEASE_SEC": "30"})
+        Config.from_env({"ECSHARE_GRANT_LEASE_SEC": "30"})
     assert str(info.value) == (
-        "ECSHARE_LEASE_SEC: unknown environment variable; did you mean `ECSHARE_LEASE_S`?"
+        "ECSHARE_GRANT_LEASE_SEC: unknown environment variable; "
+        "did you mean `ECSHARE_GRANT_LEASE_S`?"
     )
 
 
 def test_env_prefix_is_configurable_and_defaults_to_os_environ(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    assert Config.from_env({"MYAPP_LEASE_S": "40"}, prefix="MYAPP_").lease_s == 40.0
+    assert Config.from_env({"MYAPP_GRANT_LEASE_S": "40"}, prefix="MYAPP_").grant_lease_s == 40.0
     for name in list(os.environ):
         if name.startswith("ECSHARE_"):
             monkeypatch.delenv(name)
@@ -388,7 +407,7 @@ def as_argv(config: Config) -> list[str]:
             server_secret_key_file="/etc/ecshare/server.key_secret",
             server_public_key=KEY_A,
             authorized_keys=(KEY_A, KEY_B),
-            lease_s=60.0,
+            grant_lease_s=60.0,
             fetch_deadline_max_s=45.5,
             retry_initial_backoff_s=0.001,
             checksum="xxh3_64",
@@ -410,8 +429,8 @@ def test_cli_flags_round_trip_every_field(config: Config) -> None:
 def test_cli_reports_only_flags_the_user_gave() -> None:
     p = parser()
     p.add_argument("--verbose", action="store_true")
-    namespace = p.parse_args(["--lease-s", "40", "--no-prefault", "--verbose"])
-    assert config_from_args(namespace) == {"lease_s": 40.0, "prefault": False}
+    namespace = p.parse_args(["--grant-lease-s", "40", "--no-prefault", "--verbose"])
+    assert config_from_args(namespace) == {"grant_lease_s": 40.0, "prefault": False}
     assert config_from_args(p.parse_args([])) == {}
 
 
@@ -424,17 +443,17 @@ def test_cli_rejects_bad_value_with_the_same_message(capsys: pytest.CaptureFixtu
 
 def test_cli_help_shows_description_default_and_env_var() -> None:
     text = parser().format_help()
-    assert "--lease-s SECONDS" in text
-    assert "ECSHARE_LEASE_S" in text
+    assert "--grant-lease-s SECONDS" in text
+    assert "ECSHARE_GRANT_LEASE_S" in text
     assert "--no-prefault" in text
 
 
 def test_precedence_is_defaults_then_env_then_dict_then_cli() -> None:
-    env = {"ECSHARE_LEASE_S": "40", "ECSHARE_MAX_RETRIES": "1", "ECSHARE_QUARANTINE_S": "3"}
-    extra = {"lease_s": 50, "max_retries": 2}
-    cli = parser().parse_args(["--lease-s", "60"])
+    env = {"ECSHARE_GRANT_LEASE_S": "40", "ECSHARE_MAX_RETRIES": "1", "ECSHARE_QUARANTINE_S": "3"}
+    extra = {"grant_lease_s": 50, "max_retries": 2}
+    cli = parser().parse_args(["--grant-lease-s", "60"])
     config = load_config(env=env, extra=extra, cli=cli)
-    assert config.lease_s == 60.0  # the command line beats all
+    assert config.grant_lease_s == 60.0  # the command line beats all
     assert config.max_retries == 2  # the dict beats the environment
     assert config.quarantine_s == 3.0  # the environment beats the default
     assert config.heartbeat_interval_s == Config().heartbeat_interval_s
@@ -446,8 +465,8 @@ def test_load_config_errors_name_where_the_value_came_from() -> None:
         load_config(env={}, cli=argparse.Namespace(block_bytes=1000))
     with pytest.raises(ConfigError, match=r"block_bytes \(from extra config\)"):
         load_config(env={}, extra={"block_bytes": 1000})
-    with pytest.raises(ConfigError, match="did you mean `lease_s`"):
-        load_config(env={}, extra={"lease_sec": 1})
+    with pytest.raises(ConfigError, match="did you mean `grant_lease_s`"):
+        load_config(env={}, extra={"grant_lease_sec": 1})
 
 
 # --- reference --------------------------------------------------------------------------------
@@ -535,7 +554,7 @@ def test_any_dict_of_junk_yields_config_or_config_error(data: dict[Any, Any]) ->
     except ConfigError:
         return
     assert Config.from_dict(config.to_dict()) == config
-    assert config.fetch_deadline_max_s < config.lease_s
+    assert config.fetch_deadline_max_s < config.grant_lease_s
 
 
 ENV_NAMES = st.sampled_from(["ECSHARE_" + n.upper() for n in FIELD_NAMES])

@@ -110,11 +110,11 @@ def test_a_size_out_of_range_is_shown_as_written() -> None:
 
 
 def test_errors_name_flags_as_the_user_typed_them() -> None:
-    cli = _cli("--lease-s", "10", "--fetch-deadline-max-s", "15")
+    cli = _cli("--grant-lease-s", "10", "--fetch-deadline-max-s", "15")
     with pytest.raises(ConfigError) as info:
         load_config(env={}, cli=cli)
     text = str(info.value)
-    assert text.startswith("--fetch-deadline-max-s: got 15.0, expected less than --lease-s")
+    assert text.startswith("--fetch-deadline-max-s: got 15.0, expected less than --grant-lease-s")
     assert "_s" not in text.split(":", 1)[1].split(":")[0]  # no Python spelling in the rule
     with pytest.raises(ConfigError, match=r"^--trusted-producers\[0\]: got 'x:1'"):
         load_config(env={}, cli=argparse.Namespace(trusted_producers=("x:1",)))

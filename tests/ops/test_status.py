@@ -48,7 +48,7 @@ SYNTHETIC = "64KiB:4,1MiB:2"
 # A long lease and a patient liveness check, so that the grant and both sessions held
 # for the module's queries outlive their CLI start-ups on a loaded machine; the
 # consumer's deadline cap stays under the lease, as the config requires.
-PATIENT = {"lease_s": 600.0, "heartbeat_timeout_s": 20.0}
+PATIENT = {"grant_lease_s": 600.0, "heartbeat_timeout_s": 20.0}
 
 
 @dataclass(frozen=True)

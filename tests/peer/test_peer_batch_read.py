@@ -65,14 +65,14 @@ def test_batch_read_given_up_fences_every_destination_until_the_one_read_ends(
 ) -> None:
     """The producer's data plane stalls mid-READ: every item's lease runs out, each
     destination is fenced, and none comes back before the shared READ has ended."""
-    short = {"lease_s": 1.0, "fetch_deadline_base_s": 0.5, "fetch_deadline_max_s": 0.8}
+    short = {"grant_lease_s": 1.0, "fetch_deadline_base_s": 0.5, "fetch_deadline_max_s": 0.8}
     sizes = {f"stall-{i}": 8 * MiB for i in range(3)}
     pnode, producer = make_producer(keyring.producer_config(), TCP, short, entries=sizes)
     throttle_progress(pnode, producer, lambda: gate.wait(10.0))  # stalled: nothing moves
     cnode, consumer = make_consumer(
         keyring.consumer_config(),
         TCP,
-        {"fetch_deadline_base_s": 2.5, "fetch_deadline_max_s": 2.5, "lease_s": 3.0},
+        {"fetch_deadline_base_s": 2.5, "fetch_deadline_max_s": 2.5, "grant_lease_s": 3.0},
     )
 
     futures = consumer.fetch(list(sizes), [producer.address])

@@ -103,7 +103,7 @@ def test_producer_sigkilled_during_large_read_fails_over_or_fails_within_deadlin
     assert hashes == list(second.sizes)  # the same items on both
     node, consumer = make_consumer(keyring.consumer_config(), TCP)
     deadline_s = Config.from_dict({**FAST, **TCP}).fetch_deadline_s(BIG)
-    assert deadline_s < FAST["lease_s"]
+    assert deadline_s < FAST["grant_lease_s"]
 
     # 1. The first producer dies mid-read; the second one holds the same items.
     started = time.monotonic()
@@ -185,10 +185,12 @@ def test_consumer_sigkilled_during_read_leaves_pins_to_their_lease(
     heartbeat_timeout_s = FAST["heartbeat_timeout_s"]
     assert wait_until(lambda: producer.session_count() == 0, heartbeat_timeout_s + 2.0)
     ended_after = time.monotonic() - killed_at
-    assert ended_after < FAST["lease_s"] - 0.5, f"session ended only after {ended_after:.2f} s"
+    assert ended_after < FAST["grant_lease_s"] - 0.5, (
+        f"session ended only after {ended_after:.2f} s"
+    )
     assert node.store.stats().pins == COUNT, node.store.stats()
     assert producer.counters["grants_left_to_lease"] == COUNT
-    assert wait_until(lambda: node.store.stats().pins == 0, FAST["lease_s"] + 2.0)
+    assert wait_until(lambda: node.store.stats().pins == 0, FAST["grant_lease_s"] + 2.0)
     assert producer.active_grants() == 0
     assert producer.counters["sessions_closed"] >= 1
     assert producer.counters["released"] == 0  # nobody released them

@@ -89,7 +89,7 @@ def test_lease_expiry_releases_pins(
     loop_producer: MakeLoopProducer, raw_session: MakeRawSession, keyring: Keyring
 ) -> None:
     lease_s = 1.5
-    short = {"lease_s": lease_s, "fetch_deadline_base_s": 1.0, "fetch_deadline_max_s": 1.0}
+    short = {"grant_lease_s": lease_s, "fetch_deadline_base_s": 1.0, "fetch_deadline_max_s": 1.0}
     h, nbytes = "leased-item", 1 * MiB
     node, producer = loop_producer(keyring.producer_config(), short, entries={h: nbytes})
     session = raw_session(producer.address)
@@ -275,7 +275,7 @@ def test_session_named_like_another_pin_owner_cannot_touch_its_pins(
     loop_producer: MakeLoopProducer, raw_session: MakeRawSession, keyring: Keyring
 ) -> None:
     h = "shared-entry"
-    lease = {"lease_s": 1.0, "fetch_deadline_base_s": 0.5, "fetch_deadline_max_s": 0.8}
+    lease = {"grant_lease_s": 1.0, "fetch_deadline_base_s": 0.5, "fetch_deadline_max_s": 0.8}
     node, producer = loop_producer(keyring.producer_config(), lease, entries={h: MiB})
     engine = "ecshare.vllm.load"  # an engine sharing the store pins under its own owner
     node.store.pin(h, engine, "load-1", lease_s=60.0)

@@ -47,14 +47,14 @@ def test_consumer_gives_up_before_the_lease_the_producer_granted(
 ) -> None:
     # The producer grants 1 s; the consumer alone would wait 2.5 s. Only the
     # lease on the wire tells it to stop sooner.
-    short = {"lease_s": 1.0, "fetch_deadline_base_s": 0.5, "fetch_deadline_max_s": 0.8}
+    short = {"grant_lease_s": 1.0, "fetch_deadline_base_s": 0.5, "fetch_deadline_max_s": 0.8}
     h, nbytes = "short-lease", 8 * MiB
     pnode, producer = make_producer(keyring.producer_config(), TCP, short, entries={h: nbytes})
     throttle_progress(pnode, producer, lambda: gate.wait(10.0))  # stalled: nothing moves
     cnode, consumer = make_consumer(
         keyring.consumer_config(),
         TCP,
-        {"fetch_deadline_base_s": 2.5, "fetch_deadline_max_s": 2.5, "lease_s": 3.0},
+        {"fetch_deadline_base_s": 2.5, "fetch_deadline_max_s": 2.5, "grant_lease_s": 3.0},
     )
     assert config_of(TCP).fetch_deadline_s(nbytes) > 1.0
 
@@ -85,7 +85,7 @@ def test_consumer_gives_up_before_the_lease_the_producer_granted(
 def test_slow_healthy_read_renews_its_lease_and_lands_intact(
     make_producer: MakeProducer, make_consumer: MakeConsumer, keyring: Keyring
 ) -> None:
-    short = {"lease_s": 1.0, "fetch_deadline_base_s": 0.5, "fetch_deadline_max_s": 0.8}
+    short = {"grant_lease_s": 1.0, "fetch_deadline_base_s": 0.5, "fetch_deadline_max_s": 0.8}
     h, nbytes = "slow-read", 32 * MiB
     pnode, producer = make_producer(keyring.producer_config(), TCP, short, entries={h: nbytes})
     # A slow network, not a dead producer: the data plane stands still for the
@@ -105,7 +105,7 @@ def test_slow_healthy_read_renews_its_lease_and_lands_intact(
     cnode, consumer = make_consumer(
         keyring.consumer_config(),
         TCP,
-        {"fetch_deadline_base_s": 20.0, "fetch_deadline_max_s": 20.0, "lease_s": 30.0},
+        {"fetch_deadline_base_s": 20.0, "fetch_deadline_max_s": 20.0, "grant_lease_s": 30.0},
     )
 
     result = consumer.fetch([h], peers=[producer.address])[0].result(timeout=30)
@@ -120,7 +120,7 @@ def test_slow_healthy_read_renews_its_lease_and_lands_intact(
 def test_bye_leaves_grants_pinned_until_their_lease_ends(
     make_producer: MakeProducer, raw_session: MakeRawSession, keyring: Keyring
 ) -> None:
-    lease = {"lease_s": 1.0, "fetch_deadline_base_s": 0.5, "fetch_deadline_max_s": 0.8}
+    lease = {"grant_lease_s": 1.0, "fetch_deadline_base_s": 0.5, "fetch_deadline_max_s": 0.8}
     h = "after-bye"
     node, producer = make_producer(keyring.producer_config(), lease, entries={h: MiB})
     session = raw_session(producer.address)
@@ -222,4 +222,4 @@ def test_required_checksum_is_never_silently_dropped(
 
 def test_fast_timing_keeps_the_lease_longer_than_the_deadline() -> None:
     cfg = config_of(TCP)
-    assert cfg.fetch_deadline_max_s < cfg.lease_s == FAST["lease_s"]
+    assert cfg.fetch_deadline_max_s < cfg.grant_lease_s == FAST["grant_lease_s"]

@@ -41,7 +41,7 @@ def test_an_unanswered_request_costs_a_bounded_spin_then_the_thread_sleeps(
         "heartbeat_timeout_s": 8.0,
         "fetch_deadline_base_s": 8.0,
         "fetch_deadline_max_s": 8.5,
-        "lease_s": 10.0,
+        "grant_lease_s": 10.0,
     }
     node, consumer = make_consumer(keyring.consumer_config(), patient)
     for h in warm:

@@ -47,7 +47,7 @@ TIMING: dict[str, Any] = {
     "heartbeat_interval_s": 30.0,
     "heartbeat_timeout_s": 60.0,
     "request_timeout_s": REQUEST_TIMEOUT_S,
-    "lease_s": 50.0,
+    "grant_lease_s": 50.0,
     "fetch_deadline_base_s": 40.0,
     "fetch_deadline_max_s": 45.0,
 }

@@ -239,7 +239,11 @@ def test_every_problem_found_before_start_is_one_line_and_nothing_starts(
         (("--ec-extra-config", '["x"]'), {}, "--ec-extra-config: got '[\"x\"]', expected a JSON"),
         (("--extra-vllm-args", "--x 'y"), {}, "--extra-vllm-args: No closing quotation"),
         (("--api-key-file", "/no/such/key"), {}, "--api-key-file /no/such/key: No such file"),
-        ((), {"ECSHARE_LEASE_S": "soon"}, "ECSHARE_LEASE_S: got 'soon', expected float"),
+        (
+            (),
+            {"ECSHARE_GRANT_LEASE_S": "soon"},
+            "ECSHARE_GRANT_LEASE_S: got 'soon', expected float",
+        ),
         (
             ("--encoders", "2", "--ec-extra-config", '{"listen_port": 5701}'),
             {},

@@ -52,7 +52,7 @@ RAW_CONNECTIONS = 400
 # interpreter caches, not anything that scales with the number of frames.
 RSS_BOUND = 32 << 20
 # Leases and session liveness far beyond the run, so that nothing ends by itself.
-STEADY = {"lease_s": 600.0, "heartbeat_timeout_s": 60.0}
+STEADY = {"grant_lease_s": 600.0, "heartbeat_timeout_s": 60.0}
 
 
 def _delta(after: dict[str, int], before: dict[str, int], key: str) -> int:

@@ -258,7 +258,7 @@ def test_renewing_an_expired_grant_before_the_reaper_forgets_it(
     # session ended. The reaper is slowed down here so that the Renew comes first.
     h = "expiring-item"
     config = {
-        "lease_s": 0.6,
+        "grant_lease_s": 0.6,
         "fetch_deadline_base_s": 0.3,
         "fetch_deadline_max_s": 0.5,
         "reap_interval_s": 60.0,

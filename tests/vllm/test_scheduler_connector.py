@@ -131,7 +131,7 @@ def test_copy_never_reported_is_abandoned_after_a_lease_and_frees_its_blocks(
     ec: EC, caplog: pytest.LogCaptureFixture
 ) -> None:
     timing = {
-        "lease_s": 0.5,
+        "save_report_timeout_s": 0.5,
         "fetch_deadline_base_s": 0.3,
         "fetch_deadline_max_s": 0.4,
         "request_timeout_s": 0.2,
@@ -155,7 +155,10 @@ def test_copy_never_reported_is_abandoned_after_a_lease_and_frees_its_blocks(
     assert side.store.get("h-lost") is None
     assert side.store.stats().free_blocks == free_before
     assert ec.totals(producer)["save_abandoned"] == 1
-    assert any("h-lost" in r.getMessage() and "lease_s" in r.getMessage() for r in caplog.records)
+    assert any(
+        "h-lost" in r.getMessage() and "save_report_timeout_s" in r.getMessage()
+        for r in caplog.records
+    )
 
 
 # -- consumer --------------------------------------------------------------------------------

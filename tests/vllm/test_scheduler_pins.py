@@ -124,7 +124,7 @@ def test_report_of_one_step_never_releases_the_pin_planned_for_the_next(ec: EC) 
 
 
 LOST_REPORT_TIMING = {
-    "lease_s": 0.5,
+    "engine_pin_s": 0.5,
     "fetch_deadline_base_s": 0.3,
     "fetch_deadline_max_s": 0.4,
     "request_timeout_s": 0.2,

@@ -160,7 +160,7 @@ def test_an_idle_encoder_steps_on_for_a_late_report_only_so_long(
 
 def test_late_report_of_an_abandoned_save_never_commits_a_new_one(ec: EC, send: Send) -> None:
     timing = {
-        "lease_s": 0.5,
+        "save_report_timeout_s": 0.5,
         "fetch_deadline_base_s": 0.3,
         "fetch_deadline_max_s": 0.4,
         "request_timeout_s": 0.2,

@@ -58,7 +58,7 @@ TIMING: dict[str, Any] = {
     "heartbeat_timeout_s": 1.0,
     "handshake_timeout_s": 1.0,
     "request_timeout_s": 1.0,
-    "lease_s": 3.0,
+    "grant_lease_s": 3.0,
     "fetch_deadline_base_s": 2.0,
     "fetch_deadline_max_s": 2.5,
     "retry_initial_backoff_s": 0.01,
@@ -72,7 +72,7 @@ TIMING: dict[str, Any] = {
 # deadline cap (2.5 s): they must honour the lease on the wire (ItemReply.lease_ms).
 # Its own deadlines only need to fit its config's rule (deadline cap < lease).
 SHRUNK_LEASE: dict[str, Any] = {
-    "lease_s": 1.0,
+    "grant_lease_s": 1.0,
     "fetch_deadline_base_s": 0.5,
     "fetch_deadline_max_s": 0.8,
 }

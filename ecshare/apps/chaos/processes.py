@@ -62,7 +62,11 @@ class Processes(RunState):
         return config
 
     def lease_of(self, index: int) -> float:
-        return float(SHRUNK_LEASE["lease_s"]) if index in self.shrunk else self.config.lease_s
+        return (
+            float(SHRUNK_LEASE["grant_lease_s"])
+            if index in self.shrunk
+            else self.config.grant_lease_s
+        )
 
     def start_producer(self, index: int, port: int = 0) -> Child:
         self._seed_ids += 1

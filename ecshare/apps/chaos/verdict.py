@@ -118,7 +118,7 @@ class Verdict(Load, SoakSampling):
         every process runs again now. Returns the pushes of live producers that never
         ended."""
         cfg = self.config
-        limit = time.monotonic() + 2 * cfg.lease_s + cfg.request_timeout_s + self.o.grace_s
+        limit = time.monotonic() + 2 * cfg.grant_lease_s + cfg.request_timeout_s + self.o.grace_s
         while time.monotonic() < limit:
             for producer in {p.producer for p in self.pending_pushes.values()}:
                 if not producer.alive():
@@ -138,7 +138,7 @@ class Verdict(Load, SoakSampling):
         """Every live node's stats once nothing is pinned, written or quarantined any more
         (or once leases and heartbeats would have ended it all, whichever comes first)."""
         cfg = self.config
-        quiet_by = time.monotonic() + cfg.lease_s + cfg.heartbeat_timeout_s + 5.0
+        quiet_by = time.monotonic() + cfg.grant_lease_s + cfg.heartbeat_timeout_s + 5.0
         while True:
             final = {}
             for c in live:

@@ -46,7 +46,7 @@ def check_integrity(config: Config, producers: Sequence[str] = ()) -> list[Check
             if host is not None and not is_loopback(host)
         }
     )
-    hosts = [config.listen_host, config.advertise_host or config.listen_host]
+    hosts = [config.listen_host, config.advertised_host]
     served_off_host = not all(is_loopback(h) for h in hosts)
     # A consumer told of no producer reads wherever its requests point.
     unknown = _is_consumer(config) and not config.trusted_producers and not producers

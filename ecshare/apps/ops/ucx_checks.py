@@ -59,7 +59,7 @@ def check_ucx(config: Config, probe: UcxProbe | None, error: str, env: dict[str,
         f"UCX {probe.version} ({selected}): tcp on {', '.join(tcp) or 'no device'}; "
         f"shared memory {', '.join(shm) or 'none'}; RDMA {', '.join(rdma) or 'none'}"
     )
-    hosts = [config.listen_host, config.advertise_host or config.listen_host]
+    hosts = [config.listen_host, config.advertised_host]
     cross_host = not all(is_loopback(h) for h in hosts)
     if not tcp and not rdma and "cma" not in shm:
         return Check(
