@@ -15,7 +15,6 @@ import contextlib
 import json
 import os
 import random
-import re
 import signal
 import socket
 import struct
@@ -29,12 +28,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from ecshare.control import generate_keypair
 
 SERVED_MODEL_NAME = "tiny"
 METRIC_PREFIX = "vllm:ecshare_"
-_SAMPLE = re.compile(r"^([A-Za-z_:][\w:]*)(?:\{([^}]*)\})?\s+(\S+)$")
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
 @dataclass(frozen=True)
@@ -239,18 +238,13 @@ def _samples(base_url: str, prefix: str) -> list[tuple[str, dict[str, str], floa
     """(name without the prefix, labels, value) of the instance's samples under `prefix`."""
     with urllib.request.urlopen(base_url + "/metrics", timeout=10) as resp:
         text = resp.read().decode()
-    out = []
-    for line in text.splitlines():
-        match = _SAMPLE.match(line)
-        # Prometheus adds *_created timestamps and cumulative *_bucket samples per label.
-        if (
-            match
-            and match.group(1).startswith(prefix)
-            and not match.group(1).endswith(("_created", "_bucket"))
-        ):
-            labels = dict(_LABEL.findall(match.group(2) or ""))
-            out.append((match.group(1)[len(prefix) :], labels, float(match.group(3))))
-    return out
+    # Prometheus adds *_created timestamps and cumulative *_bucket samples per label.
+    return [
+        (sample.name[len(prefix) :], sample.labels, sample.value)
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name.startswith(prefix) and not sample.name.endswith(("_created", "_bucket"))
+    ]
 
 
 def start_all(servers: list[VllmServer], timeout_s: float = 240.0) -> None:
