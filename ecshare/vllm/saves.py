@@ -18,9 +18,8 @@ whose copy ran in a step that has completed is announced anyway; a consumer
 that asks before the commit lands is told NOT_READY and retries; a copy that
 failed after all is not granted, and that consumer encodes the item itself.
 While a save planned in the last `STEP_ON_S` awaits its report, an encode-only
-engine with no request left steps on (`in_flight`;
-`SchedulerSide.keeps_stepping`), so that the report's counts reach vLLM
-without waiting for the next request.
+engine with no request left steps on (`LateReports.keeps_stepping`), so that the
+report's counts reach vLLM without waiting for the next request.
 """
 
 from __future__ import annotations
@@ -30,6 +29,7 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ecshare.config import Config
@@ -38,6 +38,13 @@ from ecshare.vllm.ops import SaveOp, StepReport
 from ecshare.vllm.tally import Tally
 
 log = logging.getLogger(__name__)
+
+# How long a finished request waits for its workers' report (`LateReports.await_reports`);
+# once one is this late, none waits again until a report arrives.
+REPORT_GRACE_S = 0.1
+# How long an encode-only engine with no request left steps on for a save's late report
+# (`LateReports.keeps_stepping`): each empty step costs it most of a core.
+STEP_ON_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -170,3 +177,59 @@ class SaveBook:
         if save.entry.state is EntryState.ALLOCATED:
             with contextlib.suppress(NotFound):  # already freed: nothing of ours is left
                 self._store.abort(save.entry)
+
+
+class LateReports:
+    """What an encode-only instance does about saves whose reports run late.
+
+    Its reports arrive on the listener's thread, and vLLM takes the connector's
+    counts only in a step. A finished request waits at most `REPORT_GRACE_S` for
+    its report, and not at all once one was that late, until a report arrives. An
+    engine with no request left steps on while a save planned in the last
+    `STEP_ON_S` awaits its report, and until a step has taken the counts of the last
+    report applied; a report later than that (a worker stuck or gone) leaves its
+    counts to the next request's step, since each empty step crosses the engine's
+    processes and costs it most of a core. Thread-safe.
+    """
+
+    def __init__(self, saves: SaveBook, tally: Tally) -> None:
+        self._saves = saves
+        self._tally = tally
+        # Held while a report is applied and while a step takes the counts: a take
+        # never falls inside a report, and one applied after it sets `_untaken` again.
+        self._lock = threading.Lock()
+        self._late = False
+        self._untaken = False  # a report applied whose counts no step has taken yet
+
+    @contextlib.contextmanager
+    def applying(self) -> Iterator[None]:
+        """Apply one report inside this (on the listener's thread)."""
+        with self._lock:
+            self._late = False
+            yield
+            self._untaken = True
+
+    def await_reports(self, hashes: list[str]) -> None:
+        """A request of `hashes` finished: wait briefly for their reports, unless
+        reports are known to run late."""
+        if self._late:
+            return
+        if not self._saves.await_reports(hashes, REPORT_GRACE_S):
+            self._late = True
+            log.warning(
+                "ecshare: no worker report for %s within %g s; finished requests no "
+                "longer wait for reports until one arrives",
+                hashes,
+                REPORT_GRACE_S,
+            )
+
+    def keeps_stepping(self) -> bool:
+        since = time.monotonic() - STEP_ON_S
+        with self._lock:
+            return self._untaken or self._saves.in_flight(since)
+
+    def take(self) -> tuple[dict[str, int], dict[str, list[float]]]:
+        """The tally's counts and samples, taken by a step."""
+        with self._lock:
+            self._untaken = False
+            return self._tally.take()

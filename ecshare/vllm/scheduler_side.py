@@ -34,7 +34,6 @@ to a proxy's item directory (`ecshare.peer.items`).
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -52,7 +51,7 @@ from ecshare.vllm.pins import ENGINE_PIN_OWNER, EnginePins
 from ecshare.vllm.placeholders import Placeholders
 from ecshare.vllm.pushes import Pushes
 from ecshare.vllm.reports import ReportListener
-from ecshare.vllm.saves import SaveBook
+from ecshare.vllm.saves import LateReports, SaveBook
 from ecshare.vllm.settings import ConnectorSettings
 from ecshare.vllm.shapes import Expectations, torch_dtype_name
 from ecshare.vllm.tally import Tally
@@ -69,12 +68,6 @@ log = logging.getLogger(__name__)
 # The core metrics (region, grants, refusals, ...) are read at most this often: the
 # stats are taken every engine step, and vLLM shows them on a scrape interval.
 _CORE_STATS_INTERVAL_S = 1.0
-# How long a finished request waits for its workers' report (see `saves`); once one is
-# this late, none waits again until a report arrives.
-_REPORT_GRACE_S = 0.1
-# How long an encode-only engine with no request left steps on for a save's late report
-# (see `keeps_stepping`): each step costs it most of a core here.
-STEP_ON_S = 2.0
 
 
 def model_fingerprint(vllm_config: VllmConfig) -> str:
@@ -118,6 +111,7 @@ class SchedulerSide:
         self._store = self._node.store
         self._pins = EnginePins(self._store)
         self._saves = SaveBook(self._store, config, self._tally)
+        self._late = LateReports(self._saves, self._tally)
         self.producer: Producer | None = None
         self.consumer: Consumer | None = None
         self._pushes: Pushes | None = None
@@ -167,11 +161,6 @@ class SchedulerSide:
         self._save_tried: set[str] = set()  # this step's save plans, made or refused
         self._loads: dict[str, tuple[str, str]] = {}  # load grant -> (request id, mm_hash)
         self._reap_due = 0.0
-        self._reports_late = False
-        # A report the listener applied whose counts no step has taken yet (see
-        # `keeps_stepping`); set and cleared under the lock `_apply_saves` holds.
-        self._report_lock = threading.Lock()
-        self._counts_untaken = False
         self._core_changes = SampleChanges(CORE_METRICS)
         self._core_due = 0.0
 
@@ -319,8 +308,7 @@ class SchedulerSide:
     def _apply_saves(self, report: StepReport) -> None:
         """The save half of a report, and its counters; on an encode-only instance, on the
         report listener's thread."""
-        with self._report_lock:
-            self._reports_late = False
+        with self._late.applying():
             self._saves.apply(report)
             if self._pushes is not None and report.saved:
                 self._pushes.on_saves_applied()
@@ -330,45 +318,24 @@ class SchedulerSide:
                     self._tally.add(key.removesuffix("_seconds") + "_us", round(value * 1e6))
                 else:
                     self._tally.add(key, int(value))
-            self._counts_untaken = True
 
     def keeps_stepping(self) -> bool:
         """Whether an encode-only engine with no request left must step on (vLLM's
         `has_pending_push_work`): while a save awaits its workers' report, and until a
-        step has taken the counts of the last report applied.
-
-        Its reports arrive on the listener's thread, and vLLM takes the connector's
-        counts only in a step. A finished request waits at most `_REPORT_GRACE_S` for
-        its report; one later than that, with the engine idle, would leave its counts
-        (`saved_items`, the workers' counters) unshown until the next request.
-
-        vLLM sleeps 1 ms between steps that run no model, but each still crosses its
-        processes (the worker's RPC, the frontend's outputs): an encoder stepping on
-        took about 0.9 of a core of this 2-core host. So it steps on for a save planned
-        in the last `STEP_ON_S` only; a report later than that (a worker stuck or gone)
-        leaves its counts to the next request's step.
+        step has taken the counts of the last report applied, for `STEP_ON_S` at most
+        (`ecshare.vllm.saves.LateReports`).
         """
         if self._listener is None:
             return False  # reports arrive in the step's own output
-        since = time.monotonic() - STEP_ON_S
-        with self._report_lock:
-            return self._counts_untaken or self._saves.in_flight(since)
+        return self._late.keeps_stepping()
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         if self._waiting is not None:
             self._waiting.forget(request.request_id)
         if self.producer is None or not request.mm_features:
             return False, None
-        if self._listener is not None and not self._reports_late:
-            hashes = [f.identifier for f in request.mm_features]
-            if not self._saves.await_reports(hashes, _REPORT_GRACE_S):
-                self._reports_late = True
-                log.warning(
-                    "ecshare: no worker report for %s within %g s; finished requests no "
-                    "longer wait for reports until one arrives",
-                    hashes,
-                    _REPORT_GRACE_S,
-                )
+        if self._listener is not None:
+            self._late.await_reports([f.identifier for f in request.mm_features])
         params: dict[str, Any] = {}
         items = self._placeholders.item_params(request.mm_features)
         push_to = (
@@ -417,11 +384,7 @@ class SchedulerSide:
         return self._saves.saving(mm_hash) is not None
 
     def take_stats(self) -> dict[str, Any]:
-        # Under the lock the listener applies a report in: a take never falls inside
-        # one, and a report applied after it sets the flag again (`keeps_stepping`).
-        with self._report_lock:
-            self._counts_untaken = False
-            counts, latencies = self._tally.take()
+        counts, latencies = self._late.take()  # never inside a report being applied
         data: dict[str, Any] = {k: v for k, v in counts.items() if v}
         data.update(latencies)
         now = time.monotonic()

@@ -20,7 +20,7 @@ from conftest import EC, embedding, wait_until
 
 from ecshare.config import Config
 from ecshare.store import Entry, EntryMeta, EntryState, Region, Store
-from ecshare.vllm import scheduler_side
+from ecshare.vllm import saves
 from ecshare.vllm.ops import StepPlan, StepReport
 from ecshare.vllm.reports import ReportOutbox
 from ecshare.vllm.saves import SaveBook
@@ -133,7 +133,7 @@ def test_an_idle_encoder_steps_on_for_a_late_report_only_so_long(
     """Each empty step costs the engine most of a core: for a report later than
     STEP_ON_S after its save was planned, the engine goes idle, and the counts wait for
     the next request's step."""
-    monkeypatch.setattr(scheduler_side, "STEP_ON_S", 0.3)
+    monkeypatch.setattr(saves, "STEP_ON_S", 0.3)
     producer = ec.scheduler("ec_producer", request_timeout_s=2.0)
     connector = producer.ec_connector
     assert connector is not None
