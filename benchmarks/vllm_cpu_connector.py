@@ -62,7 +62,6 @@ import argparse
 import contextlib
 import functools
 import hashlib
-import io
 import json
 import math
 import multiprocessing as mp
@@ -76,6 +75,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 
@@ -357,21 +357,11 @@ def _check(got: Bytes, want: Bytes, what: str) -> None:
 
 def _ecshare_sporadic(size: int, samples: int, gap_s: float) -> dict[str, float]:
     """ecshare's own sporadic fetch of `size` (`ecshare bench fetch --mode sporadic`)."""
-    from ecshare.apps.bench.fetch import run_fetch_bench
+    from ecshare.apps.bench.fetch import measure_fetch
 
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        rc = run_fetch_bench(
-            json_output=True,
-            sizes=[size],
-            quiet=True,
-            mode="sporadic",
-            gap_s=gap_s,
-            samples=samples,
-        )
-    if rc != 0:
-        raise RuntimeError(f"ecshare bench fetch exited {rc}")
-    (row,) = [r for r in json.loads(out.getvalue())["rows"] if r["mode"] == "sporadic"]
+    result = measure_fetch(sizes=[size], quiet=True, mode="sporadic", gap_s=gap_s, samples=samples)
+    (found,) = [r for r in result.rows if r.mode == "sporadic"]
+    row = msgspec.to_builtins(found)
     return {
         "p50_ms": row["ecshare_p50_ms"],
         "p99_ms": row["ecshare_p99_ms"],

@@ -73,14 +73,14 @@ def imported(path: Path, source: str | None = None) -> list[tuple[int, str]]:
                 target = node.module or ""
             if target.split(".")[0] != "ecshare":
                 continue
-            if target == "ecshare":
-                # `from ecshare import protocol` names a module; `from ecshare import
-                # Config` takes a name from the package root, the top layer.
-                for alias in node.names:
-                    sub = PACKAGE / alias.name
-                    is_module = sub.is_dir() or sub.with_suffix(".py").exists()
-                    out.append((node.lineno, f"ecshare.{alias.name}" if is_module else "ecshare"))
-            else:
+            # `from ecshare.apps.bench import fetch` names a module; `from ecshare import
+            # Config` takes a name from the package (for the root: the top layer).
+            folder = PACKAGE.parent.joinpath(*target.split("."))
+            for alias in node.names if folder.is_dir() else ():
+                sub = folder / alias.name
+                is_module = sub.is_dir() or sub.with_suffix(".py").exists()
+                out.append((node.lineno, f"{target}.{alias.name}" if is_module else target))
+            if not folder.is_dir():
                 out.append((node.lineno, target))
     return out
 
@@ -210,3 +210,73 @@ def test_package_docstring_says_what_it_may_import_and_is_true(package: Path) ->
     named = set(re.findall(r"ecshare(?:\.[a-z_]+)+", said.partition(", never")[0]))
     assert all(rank(name) < own for name in named), named
     assert _package_imports(package) <= named
+
+
+def _graph() -> dict[str, set[str]]:
+    """Every module of the package (a package as its __init__) and the modules it
+    imports, wherever in the file; a name taken from a module is an arrow to it."""
+    modules = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        targets = set()
+        for _, target in imported(path):
+            # `from ecshare.peer.consumer import Consumer` -> ecshare.peer.consumer.
+            while target not in modules and "." in target:
+                target = target.rpartition(".")[0]
+            if target != name:
+                targets.add(target)
+        graph[name] = targets
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles of `graph`: each strongly connected part of more than one
+    module (Tarjan's algorithm), its modules sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            part = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                part.append(top)
+                if top == node:
+                    break
+            if len(part) > 1:
+                out.append(sorted(part))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(out)
+
+
+def test_no_import_circle_anywhere_in_the_package() -> None:
+    """Not only between layers: inside one (the apps' bench and proxy once had two), and
+    through a package's __init__, an import made anywhere in a file closes no circle."""
+    assert circles(_graph()) == []
+
+
+def test_the_circle_finder_finds_a_circle_through_a_lazy_import() -> None:
+    graph = _graph()
+    # bench/report once imported the benches for their result types, and each bench
+    # imported report inside its run function to print its result.
+    graph["ecshare.apps.bench.fetch"].add("ecshare.apps.bench.report")
+    found = circles(graph)
+    assert any({"ecshare.apps.bench.fetch", "ecshare.apps.bench.report"} <= set(c) for c in found)
+    assert circles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+    assert circles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]

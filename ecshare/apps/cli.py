@@ -215,7 +215,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         return run_status(args)
     if args.command == "proxy":
         from ecshare.apps.proxy.config import config_from_args
-        from ecshare.apps.proxy.server import run_proxy
+        from ecshare.apps.proxy.workers import run_proxy
 
         return run_proxy(config_from_args(args))
     if args.command == "chaos":

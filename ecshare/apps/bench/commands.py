@@ -11,6 +11,7 @@ import argparse
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from ecshare.apps.bench.synthetic import parse_size
 
@@ -196,22 +197,27 @@ def add_bench_arguments(bench: argparse.ArgumentParser) -> None:
     sub.add_parser("schema", help="print the JSON Schema of bench result files")
 
 
+def _emit(args: argparse.Namespace, result: Any, text: Callable[[Any], None]) -> int:
+    """Print a bench's result and write its files (`report`, which imports every bench's
+    result type: the benches themselves never import it)."""
+    from ecshare.apps.bench.report import emit
+
+    return emit(result, json_output=args.json, out_dir=args.out, quiet=args.quiet, text=text)
+
+
 def run_bench(args: argparse.Namespace) -> int:
     command = args.bench_command
     if command == "store":
-        from ecshare.apps.bench.store import run_store_bench
+        from ecshare.apps.bench import store
 
-        return run_store_bench(
-            args.json, args.quick, args.sizes, args.out, args.quiet, samples=args.samples
-        )
+        measured = store.measure_store(args.quick, args.sizes, args.quiet, samples=args.samples)
+        return _emit(args, measured, store.print_table)
     if command == "fetch":
-        from ecshare.apps.bench.fetch import run_fetch_bench
+        from ecshare.apps.bench import fetch
 
-        return run_fetch_bench(
-            args.json,
+        fetched = fetch.measure_fetch(
             args.quick,
             args.sizes,
-            args.out,
             args.quiet,
             mode=args.mode,
             gap_s=args.gap_ms / 1000,
@@ -220,6 +226,7 @@ def run_bench(args: argparse.Namespace) -> int:
             hand_off=args.hand_off,
             granted=args.granted,
         )
+        return _emit(args, fetched, fetch.print_table)
     if command == "pipeline":
         from ecshare.apps.bench.pipeline import run_pipeline_bench
 
@@ -232,11 +239,10 @@ def run_bench(args: argparse.Namespace) -> int:
             samples=args.samples,
         )
     if command == "proxy":
-        from ecshare.apps.bench.proxy import run_proxy_bench
+        from ecshare.apps.bench import proxy
 
-        return run_proxy_bench(
-            args.json, args.quick, args.out, args.quiet, args.workers, samples=args.samples
-        )
+        proxied = proxy.measure_proxy(args.quick, args.quiet, args.workers, samples=args.samples)
+        return _emit(args, proxied, proxy.print_table)
     if command == "report":
         from ecshare.apps.bench.report import run_report
 

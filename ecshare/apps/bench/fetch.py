@@ -90,7 +90,7 @@ from ecshare.store import Region
 from ecshare.transport.base import ReadState, Segment, pair_segments
 from ecshare.transport.nixl import NixlTransport
 
-__all__ = ["run_fetch_bench"]
+__all__ = ["measure_fetch", "print_table"]
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -472,7 +472,7 @@ def _size_label(n: int) -> str:
     return format_size(n)
 
 
-def _print_table(result: FetchBenchResult) -> None:
+def print_table(result: FetchBenchResult) -> None:
     env = result.environment
     print(
         f"ecshare fetch bench: producer process -> consumer process over NIXL "
@@ -642,11 +642,9 @@ def _open_session(consumer: Consumer, address: str, timeout_s: float = 30.0) -> 
         time.sleep(0.01)
 
 
-def run_fetch_bench(
-    json_output: bool = False,
+def measure_fetch(
     quick: bool = False,
     sizes: Sequence[int] | None = None,
-    out_dir: Path | None = None,
     quiet: bool = False,
     mode: str = "all",
     gap_s: float = DEFAULT_GAP_S,
@@ -654,8 +652,9 @@ def run_fetch_bench(
     read_here: bool = False,
     hand_off: bool = False,
     granted: bool = False,
-) -> int:
-    """Run the bench over `sizes`; print it, and write files to `out_dir`.
+) -> FetchBenchResult:
+    """Run the bench over `sizes`; the caller prints it and writes its files
+    (`ecshare.apps.bench.report.emit`).
 
     `mode` is "back-to-back" (single, batch and 64 KiB latency over `sizes`,
     default `SIZES`), "sporadic" (over `sizes`, default `SPORADIC_SIZES`, with
@@ -667,8 +666,6 @@ def run_fetch_bench(
     scheduler waits (`sporadic.await_fetches`). With `granted`, direct reads are off on
     both sides, so every fetch asks for a grant: the fetch lane's round trip is measured.
     """
-    from ecshare.apps.bench.report import emit
-
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
     if not 0 <= gap_s <= 10:
@@ -813,4 +810,4 @@ def run_fetch_bench(
         environment=environment,
         quick=quick,
     )
-    return emit(result, json_output=json_output, out_dir=out_dir, quiet=quiet, text=_print_table)
+    return result

@@ -15,7 +15,11 @@ from typing import TYPE_CHECKING, Any
 from ecshare.apps.bench.synthetic import format_size
 
 if TYPE_CHECKING:
-    from ecshare.apps.bench.report import BenchResult
+    from ecshare.apps.bench.fetch import FetchBenchResult
+    from ecshare.apps.bench.proxy import ProxyBenchResult
+    from ecshare.apps.bench.store import StoreBenchResult
+
+    BenchResult = StoreBenchResult | FetchBenchResult | ProxyBenchResult
 
 __all__ = ["plot_reports"]
 

@@ -39,7 +39,6 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import aiohttp
 import msgspec
@@ -50,7 +49,7 @@ from ecshare.apps.bench.schema import ReportHeader, machine_info, utc_now
 from ecshare.apps.proxy.server import use_uvloop
 from ecshare.apps.ready import AnyReady, ProxyReady, StubsReady, parse_ready
 
-__all__ = ["run_proxy_bench"]
+__all__ = ["measure_proxy", "print_table"]
 
 TARGET_P50_OVERHEAD_MS = 2.0
 TARGET_CONCURRENCY = 64
@@ -120,18 +119,16 @@ class ProxyBenchResult(ReportHeader, tag_field="bench", tag="proxy"):
     meets_target: bool
 
 
-def run_proxy_bench(
-    json_output: bool = False,
+def measure_proxy(
     quick: bool = False,
-    out_dir: Path | None = None,
     quiet: bool = False,
     workers: int = 1,
     samples: int | None = None,
-) -> int:
-    """Run the bench; `samples`, when given, is the requests per round at each concurrency
-    (at least one per client) instead of 500 and 5000 (with `quick` 100 and 640)."""
-    from ecshare.apps.bench.report import emit
+) -> ProxyBenchResult:
+    """Run the bench (the caller prints it: `ecshare.apps.bench.report.emit`).
 
+    `samples`, when given, is the requests per round at each concurrency (at least one
+    per client) instead of 500 and 5000 (with `quick` 100 and 640)."""
     per_round = {1: 100, 64: 640} if quick else {1: 500, 64: 5000}
     if samples is not None:
         per_round = {c: max(c, samples) for c in CONCURRENCIES}
@@ -168,7 +165,7 @@ def run_proxy_bench(
         rows=rows,
         meets_target=judged.overhead_p50_ms <= TARGET_P50_OVERHEAD_MS,
     )
-    return emit(result, json_output=json_output, out_dir=out_dir, quiet=quiet, text=_print_table)
+    return result
 
 
 @dataclass(frozen=True)
@@ -344,7 +341,7 @@ def _latency(samples: list[float], seconds: float) -> Latency:
     )
 
 
-def _print_table(result: ProxyBenchResult) -> None:
+def print_table(result: ProxyBenchResult) -> None:
     print(
         f"ecshare proxy overhead over instant stub backends ({result.cpus} CPUs, load "
         f"{result.load_average[0]} -> {result.load_average[1]}, Python {result.python}, "

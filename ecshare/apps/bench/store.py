@@ -17,7 +17,6 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -27,7 +26,7 @@ from ecshare.apps.bench.schema import ReportHeader, load_average, machine_info, 
 from ecshare.apps.bench.synthetic import format_size
 from ecshare.store import Region, Store
 
-__all__ = ["run_store_bench"]
+__all__ = ["measure_store", "print_table"]
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -190,7 +189,7 @@ def _churn_table(
     return TableResult(live, churn_s / ops * 1e6, pin_s / ops * 1e6)
 
 
-def _print_table(result: StoreBenchResult) -> None:
+def print_table(result: StoreBenchResult) -> None:
     print(
         f"ecshare store bench: block {result.block_size // KiB} KiB, {result.samples} samples, "
         f"{BATCH_BYTES // MiB} MiB of distinct buffers per sample"
@@ -216,21 +215,18 @@ def _print_table(result: StoreBenchResult) -> None:
     )
 
 
-def run_store_bench(
-    json_output: bool = False,
+def measure_store(
     quick: bool = False,
     sizes: Sequence[int] | None = None,
-    out_dir: Path | None = None,
     quiet: bool = False,
     samples: int | None = None,
-) -> int:
-    """Run the bench over `sizes` (default `SIZES`); print it, and write files to `out_dir`.
+) -> StoreBenchResult:
+    """Run the bench over `sizes` (default `SIZES`); the caller prints it and writes its
+    files (`ecshare.apps.bench.report.emit`).
 
     `samples`, when given, is the number of timed samples of every figure instead of
     the default (15 per size and 7 of each table figure; with `quick` 5 and 3).
     """
-    from ecshare.apps.bench.report import emit
-
     load_start = load_average()
     sizes = sorted(set(sizes or SIZES))
     table_samples = samples or (3 if quick else 7)
@@ -270,4 +266,4 @@ def run_store_bench(
         table=table,
         meets_targets=meets,
     )
-    return emit(result, json_output=json_output, out_dir=out_dir, quiet=quiet, text=_print_table)
+    return result

@@ -1,12 +1,14 @@
-"""Running the proxy: in a caller's event loop (`start_proxy`) or as `ecshare proxy` (`run_proxy`).
+"""Running the proxy: in a caller's event loop (`start_proxy`) or as one proxy process
+(`serve_worker`).
 
-With `workers` > 1, `run_proxy` hands over to `ecshare.apps.proxy.workers`, which runs that
-many proxy processes on one port; each of them serves through `serve_worker` here.
+`ecshare proxy` starts in `ecshare.apps.proxy.workers.run_proxy`, which serves through
+`serve_worker` here, or, with `workers` > 1, runs that many proxy processes on one port,
+each of them serving through `serve_worker`. This module imports nothing of that one.
 
 Handler cancellation is on: when a client disconnects, its handler is cancelled at once,
 which closes the upstream connection, even while the proxy waits on a silent backend.
 Client connections are capped (`edge`).
-`run_proxy` uses uvloop when it is installed, prints one ready line
+`serve_worker` uses uvloop when it is installed, prints one ready line
 (`ecshare.apps.ready.ProxyReady`, with the URL) once it accepts
 connections, and stops cleanly on SIGINT/SIGTERM.
 """
@@ -104,19 +106,6 @@ async def serve_until_signalled(
         await stop.wait()
     finally:
         await running.stop()
-
-
-def run_proxy(config: ProxyConfig) -> int:
-    """Serve until SIGINT or SIGTERM; the `ecshare proxy` command."""
-    if not config.keys() and config.host not in ("127.0.0.1", "::1", "localhost"):
-        log.warning(
-            "serving on %s without an API key: anyone who can connect may use it", config.host
-        )
-    if config.workers > 1:
-        from ecshare.apps.proxy.workers import supervise
-
-        return supervise(config)
-    return serve_worker(config, reuse_port=False)
 
 
 def serve_worker(config: ProxyConfig, *, reuse_port: bool) -> int:

@@ -1,4 +1,4 @@
-"""`ecshare proxy --workers N`: N proxy processes serving one port.
+"""`ecshare proxy` (`run_proxy`), and with `--workers N`, N proxy processes serving one port.
 
 One Python process answers a few thousand requests a second at most, whatever the machine.
 Each worker is a whole proxy (its own event loop, backend pools, health checks and
@@ -56,6 +56,18 @@ _PR_SET_PDEATHSIG = 1
 
 class WorkerFailed(RuntimeError):
     """A worker could not start, or workers keep dying."""
+
+
+def run_proxy(config: ProxyConfig) -> int:
+    """Serve until SIGINT or SIGTERM; the `ecshare proxy` command: one process
+    (`ecshare.apps.proxy.server.serve_worker`), or `config.workers` under `supervise`."""
+    if not config.keys() and config.host not in ("127.0.0.1", "::1", "localhost"):
+        log.warning(
+            "serving on %s without an API key: anyone who can connect may use it", config.host
+        )
+    if config.workers > 1:
+        return supervise(config)
+    return serve_worker(config, reuse_port=False)
 
 
 class _Worker:
