@@ -14,7 +14,7 @@ over ZMQ with their request ids (the producer answers a repeat from its reply
 cache, pinning nothing twice), and so are its unanswered Releases (releasing a
 released grant does nothing), so a lost lane costs a round trip, never a fetch.
 
-A grant is the session's that made it, and so are its Releases (DESIGN.md,
+A grant is the session's that made it, and so are its Releases (docs/ARCHITECTURE.md,
 invariant 4): `release` takes the session a grant was made on and drops the
 Releases of any other, and a new session (`connect`) drops every Release still
 queued, carried or unanswered from the one it replaces: that session's grants end

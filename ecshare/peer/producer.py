@@ -11,7 +11,7 @@ read. A session ending (Bye, or heartbeats stopping) does not end its grants:
 a read may still be moving over the data plane while the control plane is
 cut, so they run to their leases (the consumer gives up before then).
 
-A Release ends only a grant of the process and session that made it (DESIGN.md,
+A Release ends only a grant of the process and session that made it (docs/ARCHITECTURE.md,
 invariant 4): a grant id is never reused, not even by a later process on the same
 endpoint, since each carries this producer's random epoch; and a session's Release
 (or completion notice) names only that session's grants. A consumer's Releases that

@@ -1,6 +1,6 @@
 """A producer SIGKILLed and restarted on the same endpoint, within the heartbeat
 timeout, over UCX TCP: no Release made for a grant of the process that died ends a
-grant of the one that took its place (DESIGN.md, invariant 4), so no block is
+grant of the one that took its place (docs/ARCHITECTURE.md, invariant 4), so no block is
 reused while a READ may still move it (invariant 2).
 
 The consumer keeps a Release for the dead process queued across the restart: it

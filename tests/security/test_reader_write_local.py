@@ -9,7 +9,7 @@ CAP_SYS_PTRACE) can neither attach it nor read or write it through the producer'
 memory. UCX draws no such line: a process of any user holding the producer's NIXL
 metadata writes the region through it (where cross-memory attach is refused, UCX takes
 another of its transports), so that metadata is the key, handed out only after
-authentication (DESIGN.md, invariant 5), and UCX's endpoints must be reachable only by
+authentication (docs/ARCHITECTURE.md, invariant 5), and UCX's endpoints must be reachable only by
 trusted peers. Only root can run a process as another user, so the test of the
 other-user half needs root; the same-user half runs anywhere.
 """
