@@ -15,6 +15,7 @@ from ecshare.errors import IllegalTransition
 from ecshare.store.allocator import AllocatorError, BlockAllocator, Run
 from ecshare.store.dtypes import dtype_itemsize
 from ecshare.store.entries import (
+    DigestMismatch,
     Entry,
     EntryExists,
     EntryMeta,
@@ -37,6 +38,7 @@ __all__ = [
     "LANDING_BYTES",
     "AllocatorError",
     "BlockAllocator",
+    "DigestMismatch",
     "Entry",
     "EntryExists",
     "EntryMeta",

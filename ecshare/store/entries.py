@@ -23,6 +23,12 @@ the hash index (the item can be fetched again into other blocks) and its
 blocks go back only when its writer says the read has ended. A read that never
 ends keeps them for good: leaked and counted, never reused.
 
+A reservation (``reserve``) is an ALLOCATED entry with no key yet, outside the
+index: its writer learns which item it holds only once the bytes are in, and
+``adopt`` then puts it in the index under that key and commits it READY in one
+step (its blocks past the item's size go back), or, given a key already live,
+frees it and raises. It can be aborted or quarantined like any ALLOCATED entry.
+
 With ``on_free``/``on_allocate`` hooks (the store's debug canary) the table
 calls them under its lock with the runs being freed or handed out; with
 ``on_leave``, with each READY entry that leaves the index (evicted or doomed).
@@ -61,6 +67,7 @@ from ecshare.store.allocator import BlockAllocator, Run
 __all__ = [
     "MAX_BLOCK_SIZE",
     "MIN_BLOCK_SIZE",
+    "DigestMismatch",
     "Entry",
     "EntryExists",
     "EntryMeta",
@@ -111,6 +118,10 @@ class InvalidMeta(StoreError, ValueError):
 
 class EntryTooLarge(StoreError, ValueError):
     """More bytes than the whole store holds, even with everything evicted."""
+
+
+class DigestMismatch(StoreError):
+    """Bytes whose xxh3-64 is not the one their writer said they have."""
 
 
 class PinConflict(StoreError):
@@ -268,6 +279,7 @@ class EntryTable:
         self._evicting: set[Entry] = set()
         self._quarantined: set[Entry] = set()
         self._quarantined_blocks = 0
+        self._unkeyed: set[Entry] = set()  # ALLOCATED reservations without a key yet
         self._on_free = on_free
         self._on_allocate = on_allocate
         self._on_leave = on_leave
@@ -301,7 +313,12 @@ class EntryTable:
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self._entries) + len(self._evicting) + len(self._quarantined)
+            return (
+                len(self._entries)
+                + len(self._evicting)
+                + len(self._quarantined)
+                + len(self._unkeyed)
+            )
 
     def __contains__(self, mm_hash: object) -> bool:
         with self._lock:
@@ -311,53 +328,145 @@ class EntryTable:
 
     def allocate(self, mm_hash: str, nbytes: int, meta: EntryMeta | None = None) -> Entry:
         """Reserve blocks for ``nbytes``, evicting LRU unpinned READY entries if needed."""
-        if nbytes <= 0:
-            raise InvalidMeta(f"{mm_hash}: entries must hold at least one byte, got {nbytes}")
-        nblocks = -(-nbytes // self._block_size)
-        if nblocks > self._alloc.total_blocks:
-            raise EntryTooLarge(
-                f"{mm_hash}: {nbytes} bytes need {nblocks} blocks, "
-                f"capacity is {self._alloc.total_blocks} blocks of {self._block_size}"
-            )
+        nblocks = self._blocks_for(mm_hash, nbytes)
         if meta is None:
             meta = EntryMeta(dtype="uint8", shape=(nbytes,))
         with self._lock:
             if mm_hash in self._entries:
                 raise EntryExists(f"{mm_hash} is already {self._entries[mm_hash].state.name}")
-            short = nblocks - self._alloc.free_blocks
-            if short > 0:
-                # We check before evicting anything. A request that cannot
-                # succeed must not empty the cache on its way to failing.
-                if short > self._lru_blocks:
-                    raise StoreFull(
-                        f"{mm_hash}: need {nblocks} blocks of {self._block_size}, "
-                        f"{self._alloc.free_blocks} free + {self._lru_blocks} evictable of "
-                        f"{self._alloc.total_blocks}; {self._counts[EntryState.ALLOCATED]} "
-                        f"being written, {self._pinned_entries} pinned"
-                    )
-                self._evict_lru(short)
-            runs = self._alloc.allocate(nblocks)
-            if runs is None:  # cannot happen: free blocks were checked above
-                raise RuntimeError(f"allocator refused {nblocks} of {self._alloc.free_blocks}")
-            if self._on_allocate is not None:
-                self._on_allocate(runs)
-            extents = tuple(_byte_extents(runs, self._block_size, nbytes))
-            entry = Entry(
-                mm_hash,
-                nbytes,
-                tuple(runs),
-                meta,
-                nblocks,
-                extents,
-                last_used=self._clock(),
-                tag=next(self._tag_ids),
-            )
-            if self._tags is not None:
-                self._tags[runs[0].start] = entry.tag
+            entry = self._take_blocks(mm_hash, nbytes, nblocks, meta)
             self._entries[mm_hash] = entry
-            self._counts[EntryState.ALLOCATED] += 1
-            self._bytes_used += nbytes
             return entry
+
+    def reserve(self, nbytes: int) -> Entry:
+        """An ALLOCATED entry of ``nbytes`` with no key, outside the index, for a writer
+        that learns its key later (``adopt``); evicts like ``allocate``."""
+        nblocks = self._blocks_for("a reservation", nbytes)
+        with self._lock:
+            entry = self._take_blocks("", nbytes, nblocks, EntryMeta(shape=(nbytes,)))
+            self._unkeyed.add(entry)
+            return entry
+
+    def adopt(
+        self,
+        entry: Entry,
+        mm_hash: str,
+        nbytes: int,
+        meta: EntryMeta,
+        *,
+        holds: Sequence[Hold] = (),
+    ) -> Entry:
+        """A reservation's first ``nbytes`` become the READY entry ``mm_hash``, in one
+        step; its blocks past them go back. Called by its writer once every write into
+        it has ended: a key already live, or a size it cannot hold, frees the whole
+        reservation and raises (EntryExists, InvalidMeta); an entry that is not a
+        reservation of this table raises NotFound and changes nothing."""
+        for hold in holds:
+            _check_lease(hold.lease_s)
+        with self._lock:
+            if entry not in self._unkeyed:
+                raise NotFound(f"no reservation of this table holds {mm_hash!r}'s blocks")
+            problem: StoreError | None = None
+            if not mm_hash:
+                problem = InvalidMeta("a reservation needs a key to be adopted")
+            elif not 0 < nbytes <= entry.nbytes:
+                problem = InvalidMeta(
+                    f"{mm_hash}: {nbytes} bytes do not fit a reservation of {entry.nbytes}"
+                )
+            elif mm_hash in self._entries:
+                problem = EntryExists(f"{mm_hash} is already {self._entries[mm_hash].state.name}")
+            if problem is not None:
+                self._unkeyed.discard(entry)
+                self._fire(entry, "abort")
+                raise problem
+            keep = -(-nbytes // self._block_size)
+            kept: list[Run] = []
+            tail: list[Run] = []
+            left = keep
+            for run in entry.runs:
+                if left >= run.count:
+                    kept.append(run)
+                elif left > 0:
+                    kept.append(Run(run.start, left))
+                    tail.append(Run(run.start + left, run.count - left))
+                else:
+                    tail.append(run)
+                left -= run.count
+            if tail:
+                if self._on_free is not None:
+                    self._on_free(tail)
+                self._alloc.free(tail)
+            self._bytes_used += nbytes - entry.nbytes
+            self._unkeyed.discard(entry)
+            entry.mm_hash = mm_hash
+            entry.nbytes = nbytes
+            entry.runs = tuple(kept)
+            entry.nblocks = keep
+            entry.extents = tuple(_byte_extents(kept, self._block_size, nbytes))
+            entry.meta = meta
+            self._entries[mm_hash] = entry
+            self._fire(entry, "commit")
+            entry.last_used = self._clock()
+            self._lru_add(entry)
+            for hold in holds:
+                self._pin(mm_hash, hold.owner, hold.grant_id, hold.lease_s)
+            return entry
+
+    def abort_reserved(self, entry: Entry) -> None:
+        """ALLOCATED -> FREED for a reservation; NotFound, changing nothing, for any
+        other entry."""
+        with self._lock:
+            if entry not in self._unkeyed:
+                raise NotFound(f"no reservation of this table is {entry.mm_hash!r}")
+            self._unkeyed.discard(entry)
+            self._fire(entry, "abort")
+
+    def _blocks_for(self, what: str, nbytes: int) -> int:
+        if nbytes <= 0:
+            raise InvalidMeta(f"{what}: entries must hold at least one byte, got {nbytes}")
+        nblocks = -(-nbytes // self._block_size)
+        if nblocks > self._alloc.total_blocks:
+            raise EntryTooLarge(
+                f"{what}: {nbytes} bytes need {nblocks} blocks, "
+                f"capacity is {self._alloc.total_blocks} blocks of {self._block_size}"
+            )
+        return nblocks
+
+    def _take_blocks(self, mm_hash: str, nbytes: int, nblocks: int, meta: EntryMeta) -> Entry:
+        """A new ALLOCATED entry's blocks, evicting if need be (lock held); not indexed."""
+        short = nblocks - self._alloc.free_blocks
+        if short > 0:
+            # We check before evicting anything. A request that cannot
+            # succeed must not empty the cache on its way to failing.
+            if short > self._lru_blocks:
+                raise StoreFull(
+                    f"{mm_hash or 'a reservation'}: need {nblocks} blocks of {self._block_size}, "
+                    f"{self._alloc.free_blocks} free + {self._lru_blocks} evictable of "
+                    f"{self._alloc.total_blocks}; {self._counts[EntryState.ALLOCATED]} "
+                    f"being written, {self._pinned_entries} pinned"
+                )
+            self._evict_lru(short)
+        runs = self._alloc.allocate(nblocks)
+        if runs is None:  # cannot happen: free blocks were checked above
+            raise RuntimeError(f"allocator refused {nblocks} of {self._alloc.free_blocks}")
+        if self._on_allocate is not None:
+            self._on_allocate(runs)
+        extents = tuple(_byte_extents(runs, self._block_size, nbytes))
+        entry = Entry(
+            mm_hash,
+            nbytes,
+            tuple(runs),
+            meta,
+            nblocks,
+            extents,
+            last_used=self._clock(),
+            tag=next(self._tag_ids),
+        )
+        if self._tags is not None:
+            self._tags[runs[0].start] = entry.tag
+        self._counts[EntryState.ALLOCATED] += 1
+        self._bytes_used += nbytes
+        return entry
 
     def commit(
         self,
@@ -390,6 +499,10 @@ class EntryTable:
     def abort(self, mm_hash: str, *, expect: Entry | None = None) -> None:
         """ALLOCATED -> FREED: the writer gives up; the blocks go back at once."""
         with self._lock:
+            if expect is not None and expect in self._unkeyed:
+                self._unkeyed.discard(expect)
+                self._fire(expect, "abort")
+                return
             entry = self._live(mm_hash, expect)
             self._fire(entry, "abort")
             del self._entries[mm_hash]
@@ -401,9 +514,13 @@ class EntryTable:
         ``release_quarantined``.
         """
         with self._lock:
-            entry = self._live(mm_hash, expect)
+            if expect in self._unkeyed:
+                self._unkeyed.discard(expect)
+                entry = expect
+            else:
+                entry = self._live(mm_hash, expect)
+                del self._entries[mm_hash]
             self._fire(entry, "quarantine")
-            del self._entries[mm_hash]
             self._quarantined.add(entry)
             self._quarantined_blocks += entry.nblocks
 
@@ -583,7 +700,10 @@ class EntryTable:
                 used_blocks=self._alloc.used_blocks,
                 block_size=self._block_size,
                 bytes_used=self._bytes_used,
-                entries=len(self._entries) + len(self._evicting) + len(self._quarantined),
+                entries=len(self._entries)
+                + len(self._evicting)
+                + len(self._quarantined)
+                + len(self._unkeyed),
                 ready=self._counts[EntryState.READY],
                 allocated=self._counts[EntryState.ALLOCATED],
                 evicting=self._counts[EntryState.EVICTING],
@@ -599,7 +719,12 @@ class EntryTable:
         """Raise AssertionError if any bookkeeping disagrees (tests, fault harness). O(blocks)."""
         with self._lock:
             self._alloc.check_invariants()
-            live = [*self._entries.values(), *self._evicting, *self._quarantined]
+            live = [
+                *self._entries.values(),
+                *self._evicting,
+                *self._quarantined,
+                *self._unkeyed,
+            ]
             owner_of: list[str | None] = [None] * self._alloc.total_blocks
             used = 0
             for entry in live:
@@ -637,6 +762,8 @@ class EntryTable:
                 raise AssertionError("evicting set holds an entry that is not pinned+EVICTING")
             if any(e.state is not EntryState.QUARANTINED or e.pins for e in self._quarantined):
                 raise AssertionError("quarantined set holds an entry that is not QUARANTINED")
+            if any(e.state is not EntryState.ALLOCATED or e.mm_hash for e in self._unkeyed):
+                raise AssertionError("a reservation without a key is not ALLOCATED")
             if self._quarantined_blocks != sum(e.nblocks for e in self._quarantined):
                 raise AssertionError("quarantined block count disagrees")
             self._check_pins(live)

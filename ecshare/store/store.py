@@ -41,6 +41,7 @@ import xxhash
 from ecshare.store.allocator import Run
 from ecshare.store.dtypes import PLAIN_KINDS, dtype_itemsize, numpy_dtype
 from ecshare.store.entries import (
+    DigestMismatch,
     Entry,
     EntryMeta,
     EntryState,
@@ -51,6 +52,7 @@ from ecshare.store.entries import (
     Pin,
     StoreError,
     StoreStats,
+    _byte_extents,
 )
 from ecshare.store.region import Region
 
@@ -199,6 +201,47 @@ class Store:
         if meta is not None:
             _check_meta(meta, nbytes, mm_hash)
         return self._table.allocate(mm_hash, nbytes, meta)
+
+    def reserve(self, nbytes: int) -> Entry:
+        """Reserve ``nbytes`` of blocks for a writer that learns only later which item it
+        writes (a push into a consumer's standing credit): an ALLOCATED entry with no
+        key, never found by ``get``, to ``adopt``, ``abort`` or ``quarantine``."""
+        return self._table.reserve(nbytes)
+
+    def adopt(
+        self,
+        entry: Entry,
+        mm_hash: str,
+        nbytes: int,
+        meta: EntryMeta,
+        *,
+        holds: Sequence[Hold] = (),
+    ) -> Entry:
+        """Commit a reservation's first ``nbytes`` as the READY entry ``mm_hash``, once
+        every write into it has ended; the rest of its blocks go back.
+
+        Never an entry with bytes other than its writer's word: a ``meta.checksum``
+        is checked against the bytes first. Bad input frees the whole reservation and
+        raises: a size that does not fit it or its meta (InvalidMeta), bytes that do
+        not have that checksum (DigestMismatch), a key already live (EntryExists). An
+        entry that is not a reservation of this store raises NotFound, and nothing
+        changes."""
+        try:
+            if not 0 < nbytes <= entry.nbytes:
+                raise InvalidMeta(
+                    f"{mm_hash}: {nbytes} bytes do not fit a reservation of {entry.nbytes}"
+                )
+            _check_meta(meta, nbytes, mm_hash)
+            if meta.checksum is not None:
+                digest = xxhash.xxh3_64()
+                for off, n in _byte_extents(entry.runs, self._block_size, nbytes):
+                    digest.update(self._region.view(off, n))
+                if digest.intdigest() != meta.checksum:
+                    raise DigestMismatch(f"{mm_hash}: the bytes written are not the item's")
+        except StoreError:
+            self._table.abort_reserved(entry)  # NotFound, changing nothing, if not one
+            raise
+        return self._committed(self._table.adopt(entry, mm_hash, nbytes, meta, holds=holds))
 
     def tag_offset(self, entry: Entry) -> int | None:
         """Byte offset in the region of the word holding `entry`'s tag while its blocks
