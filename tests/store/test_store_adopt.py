@@ -65,7 +65,7 @@ def test_adopted_reservation_is_ready_with_its_writers_bytes_and_gives_back_the_
     credit = store.reserve(8 * BLOCK)
     data = np.random.default_rng(1).integers(0, 256, 3 * BLOCK + 100, dtype=np.uint8)
     _write(store, credit.extents, data)
-    meta = EntryMeta("uint8", (data.nbytes,), xxhash.xxh3_64_intdigest(data))
+    meta = EntryMeta("uint8", (data.nbytes,), xxhash.xxh3_64_intdigest(data.tobytes()))
     hold = Hold("reader", "g1", 10.0)
     entry = store.adopt(credit, "h1", data.nbytes, meta, holds=[hold])
     assert entry.state is EntryState.READY and entry.mm_hash == "h1"
@@ -113,7 +113,7 @@ def test_adopt_of_bytes_without_the_said_digest_makes_no_entry(store: Store) -> 
     credit = store.reserve(4 * BLOCK)
     data = np.full(BLOCK, 7, dtype=np.uint8)
     _write(store, credit.extents, data)
-    wrong = xxhash.xxh3_64_intdigest(np.full(BLOCK, 8, dtype=np.uint8))
+    wrong = xxhash.xxh3_64_intdigest(np.full(BLOCK, 8, dtype=np.uint8).tobytes())
     with pytest.raises(DigestMismatch):
         store.adopt(credit, "h1", BLOCK, EntryMeta("uint8", (BLOCK,), wrong))
     assert store.get("h1") is None and credit.state is EntryState.FREED and _free(store) == 16
