@@ -47,6 +47,9 @@ CAP_RENEW: Final = "lease.renew"
 # consumer's region. A consumer lists it only to producers it allows to push,
 # a producer only when its data plane can write; both must list it.
 CAP_PUSH: Final = "push.write"
+# Standing credit, with push: the consumer grants blocks ahead of time (`PushCredit`),
+# and a push that fits them writes with no offer (`PushCredited`; docs/PUSH.md).
+CAP_PUSH_CREDIT: Final = "push.credit"
 # A FetchRequest may carry Releases (`FetchRequest.releases`), which the producer
 # applies before it grants, with no answer of their own.
 CAP_RELEASE_IN_REQUEST: Final = "release.in_request"
@@ -60,6 +63,7 @@ LOCAL_CAPABILITIES: Final = (
     CAP_CHECKSUM_XXH3_64,
     CAP_RENEW,
     CAP_PUSH,
+    CAP_PUSH_CREDIT,
     CAP_RELEASE_IN_REQUEST,
     CAP_READ_DIRECT,
 )
@@ -373,6 +377,36 @@ class PushDone(_Message, frozen=True, kw_only=True, tag="push_done"):
     detail: Text = ""
 
 
+class PushCredit(_Message, frozen=True, kw_only=True, tag="push_credit"):
+    """Consumer -> producer, on a session that agreed to push: blocks reserved ahead
+    of time, so that a push whose item fits needs no offer. The producer may write
+    one item into the first bytes of `extents`, once, telling `PushCredited` first;
+    the credit ends, like a reservation, with the write's notification or a
+    `PushDone` whose `push_id` is `credit_id` (written=False: returned unused).
+
+    It is bound to its session: a producer process that did not open `session_id`
+    (a restarted one) answers it `PushDone(written=False)` and writes nothing.
+    """
+
+    session_id: Token
+    credit_id: Token
+    extents: Annotated[list[Extent], msgspec.Meta(min_length=1, max_length=MAX_EXTENTS_PER_ITEM)]
+
+
+class PushCredited(_Message, frozen=True, kw_only=True, tag="push_credited"):
+    """Producer -> consumer: what it writes into credit `credit_id` (sent before the
+    write), as a `PushOffer` would have said it; the consumer checks it as an offer
+    and commits the credit's first `nbytes` under `mm_hash` when the write ends."""
+
+    session_id: Token
+    credit_id: Token
+    mm_hash: MMHash
+    nbytes: Annotated[int, msgspec.Meta(ge=1, le=1 << 48)]
+    dtype: Annotated[str, msgspec.Meta(max_length=32)] = ""
+    shape: Annotated[list[Dim], msgspec.Meta(max_length=MAX_NDIM)] = []
+    checksum: Annotated[int, msgspec.Meta(ge=0)] | None = None
+
+
 class Error(_Message, frozen=True, kw_only=True, tag="error"):
     code: ErrorCode
     message: Text
@@ -447,6 +481,8 @@ Message = Union[  # noqa: UP007 - msgspec needs a runtime Union of tagged struct
     PushOffer,
     PushReply,
     PushDone,
+    PushCredit,
+    PushCredited,
     Located,
 ]
 MESSAGE_TYPES: Final = Message.__args__  # type: ignore[attr-defined]

@@ -379,6 +379,17 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
             "given up (the item is pulled), its blocks held until the write has ended.",
         ),
     ] = 1.0
+    push_credit_bytes: Annotated[
+        int,
+        Meta(
+            ge=0,
+            le=1 << 40,
+            description="Consumer: blocks reserved ahead of time for each producer session "
+            "that pushes here (a standing credit, at most a quarter of the region), so that a "
+            "push of an item that fits is written with no offer round trip; a larger item, or "
+            "one pushed while the credit is in use, is offered as usual. 0: no credit.",
+        ),
+    ] = 8 << 20
     push_wait_s: Annotated[
         Seconds,
         Meta(

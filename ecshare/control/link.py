@@ -32,6 +32,7 @@ CONSUMER_TO_PRODUCER: Final[frozenset[type]] = frozenset(
         p.Bye,
         p.StatusRequest,
         p.PushReply,
+        p.PushCredit,
     }
 )
 PRODUCER_TO_CONSUMER: Final[frozenset[type]] = frozenset(
@@ -45,6 +46,7 @@ PRODUCER_TO_CONSUMER: Final[frozenset[type]] = frozenset(
         p.StatusReply,
         p.PushOffer,
         p.PushDone,
+        p.PushCredited,
         p.Located,
     }
 )

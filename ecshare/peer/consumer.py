@@ -932,6 +932,7 @@ class Consumer(NetworkThread):
             if not self._inbox.on_notification(agent, note):
                 self._count("unexpected_notifications")
         self._inbox.step(now)
+        self._top_up_credits(now)
         self._release_unawaited(now)
         self._dispatch(now)
         self._expire(now)
@@ -1030,7 +1031,9 @@ class Consumer(NetworkThread):
         return [
             c
             for c in p.LOCAL_CAPABILITIES
-            if (push or c != p.CAP_PUSH) and (self._config.direct_reads or c != p.CAP_READ_DIRECT)
+            if (push or c != p.CAP_PUSH)
+            and (self._config.direct_reads or c != p.CAP_READ_DIRECT)
+            and ((push and self._config.push_credit_bytes > 0) or c != p.CAP_PUSH_CREDIT)
         ]
 
     def _push_link(self, link: PeerLink) -> PushLink:
@@ -1118,6 +1121,8 @@ class Consumer(NetworkThread):
             self._on_offer(link, msg, now)
         elif isinstance(msg, p.PushDone):
             self._inbox.on_done(link.endpoint, msg)
+        elif isinstance(msg, p.PushCredited):
+            self._on_credited(link, msg, now)
         elif isinstance(msg, p.Error) and msg.request_id:
             link.answered(msg.request_id)
             transfers = link.pending.pop(msg.request_id, None) or []
@@ -1131,6 +1136,7 @@ class Consumer(NetworkThread):
                 self._peer_failed(link, problem[0], problem[1], now)
             elif welcomed and link.state is PeerLinkState.READY:
                 self._warm_up(link)
+                self._on_welcomed(link, msg, now)
 
     # -- direct reads ------------------------------------------------------------------------
 
@@ -1340,6 +1346,42 @@ class Consumer(NetworkThread):
             # allowed): that fetch pulls now rather than after `push_wait_s`. Refused
             # while another push of the item is reserved, it waits for that one.
             self._pull_now(msg.mm_hash)
+
+    def _on_welcomed(self, link: PeerLink, msg: p.Message, now: float) -> None:
+        """A session is up: where both sides agreed to standing credit, grant the first."""
+        if isinstance(msg, p.Welcome) and p.CAP_PUSH_CREDIT in msg.capabilities:
+            self._inbox.credit_agreed(link.endpoint, link.session_id)
+            self._grant_credit(link, now)
+
+    def _grant_credit(self, link: PeerLink, now: float) -> None:
+        if link.client is None or link.state is not PeerLinkState.READY:
+            return
+        credit = self._inbox.credit_for(self._push_link(link), now)
+        if credit is not None:
+            link.client.send(credit)
+
+    def _top_up_credits(self, now: float) -> None:
+        """Sessions whose credit the region had no room for try again."""
+        if self._inbox.credits_wanted:
+            for link in self._links.values():
+                self._grant_credit(link, now)
+
+    def _on_credited(self, link: PeerLink, msg: p.PushCredited, now: float) -> None:
+        """A producer writes an item into its credit: checked as an offer would be."""
+        if self.phases is not None:
+            self.phases.mark(msg.mm_hash, "c_credit_woke", self._woke_at)
+        taken = self._inbox.on_credited(self._push_link(link), msg, now)
+        self._grant_credit(link, now)  # the next push's, while this write lands
+        reserved = self._inbox.reserved(msg.mm_hash)
+        if taken and reserved is not None:
+            with self._lock:
+                t = self._inflight.get(msg.mm_hash)
+                if t is not None and t in self._transfers and t.state is TransferState.QUEUED:
+                    t.awaiting_push = True
+                    t.not_before = max(t.not_before, reserved.deadline)
+                    t.deadline = max(t.deadline, reserved.deadline + (t.deadline - t.started))
+        elif not taken and reserved is None:
+            self._pull_now(msg.mm_hash)  # as for a refused offer
 
     def _pull_now(self, mm_hash: str) -> None:
         """A fetch of `mm_hash` still waiting for a push stops waiting and pulls, picked

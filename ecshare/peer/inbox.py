@@ -28,6 +28,20 @@ write: the reservation stays fenced, probed again later, and is counted leaked
 (`push_fences_leaked`) until a word comes. Where none ever comes they stay held:
 leaked and counted, never reused.
 
+Standing credit. On a session where both sides listed `CAP_PUSH_CREDIT`, the
+inbox also keeps one reservation with no key yet (`Store.reserve`, at most
+`push_credit_bytes`) granted to the producer ahead of time (`PushCredit`). A push
+whose item fits it is written there with no offer: the producer says what it
+writes (`PushCredited`, sent before the write), the inbox checks that word as it
+checks an offer, and the credit is then a reservation like any other, except
+that it commits by `Store.adopt` (which checks the digest, where one is
+required, before anything is READY). A claim it refuses leaves the blocks to
+the write's end, then frees them. The credit's blocks follow the same rules as
+any reservation's from the moment it is granted: a session lost fences and
+probes an unused credit too (the producer returns it unused with a
+`PushDone(written=False)`, kept for its next session if need be), and a new
+credit is granted once the last one is claimed.
+
 Only the consumer's network thread calls in here, except `pending`.
 """
 
@@ -35,7 +49,10 @@ from __future__ import annotations
 
 import collections
 import enum
+import itertools
 import logging
+import math
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
@@ -45,6 +62,7 @@ from ecshare.config import Config
 from ecshare.peer.notices import PUSH_NOTICE
 from ecshare.peer.phases import PhaseLog
 from ecshare.store import (
+    DigestMismatch,
     Entry,
     EntryExists,
     EntryMeta,
@@ -53,6 +71,7 @@ from ecshare.store import (
     Hold,
     InvalidMeta,
     Store,
+    StoreError,
     StoreFull,
 )
 from ecshare.transport.base import DataTransport, FailureKind, PeerInfo, ReadState, Segment
@@ -64,6 +83,8 @@ _PROBE_INTERVAL_S: Final = 1.0
 _OVER_REMEMBERED: Final = 4096
 # A failed probe that is the backend's own word that the producer's endpoint is gone.
 _WRITE_ENDED: Final = frozenset({FailureKind.PEER_DISCONNECTED, FailureKind.NOT_FOUND})
+# A credit that could not be reserved (the region full) is tried again this much later.
+_CREDIT_RETRY_S: Final = 1.0
 
 
 class ReservationState(enum.Enum):
@@ -94,9 +115,15 @@ class Reservation:
     peer: PeerInfo  # to probe the producer's data plane once the session is gone
     checksum: int | None
     deadline: float
-    reply: p.PushReply
+    reply: p.PushReply | None  # None for a credit: it was granted, not offered
     reserved_at: float
     state: ReservationState = ReservationState.RESERVED
+    credit: bool = False  # a standing credit: no key until the producer claims it
+    claimed: bool = False  # a credit whose PushCredited came
+    refused: bool = False  # a claim refused: the blocks go back when the write ends
+    written_early: bool = False  # a credit's write ended before its claim came
+    meta: EntryMeta | None = None  # a claimed credit's, for `Store.adopt`
+    nbytes: int = 0  # a claimed credit's: its first bytes that hold the item
     probe: object | None = None  # an outstanding probe read
     next_probe: float = 0.0
     orphaned: bool = False  # its session is gone: only the data plane can end it now
@@ -158,6 +185,12 @@ class Inbox:
         # a probe then goes to the endpoint the write may come from, never to an agent
         # loaded anew, which may fail for reasons of its own.
         self._kept: dict[str, int] = {}
+        # (endpoint, session id) -> the credit granted there and not claimed yet.
+        self._credits: dict[tuple[str, str], Reservation] = {}
+        self._credit_retry: dict[tuple[str, str], float] = {}  # after the region was full
+        self._credit_sessions: set[tuple[str, str]] = set()  # that agreed to credit
+        # This process's credit ids: never reused, not even by a later process.
+        self._credit_ids = (f"k{n}.{secrets.token_hex(6)}" for n in itertools.count(1))
         # Per-item timestamps of each step of a push (see peer/phases.py); off unless set.
         self.phases: PhaseLog | None = None
 
@@ -183,7 +216,9 @@ class Inbox:
 
     @property
     def busy(self) -> bool:
-        return bool(self._all)
+        """A push is under way; a credit nobody claimed is none (the producer is told
+        of the session's end and returns it, and its blocks stay held until then)."""
+        return any(not r.credit or r.claimed for r in self._all.values())
 
     def keeps(self, agent: str) -> bool:
         """The inbox keeps `agent` loaded for probes of orphaned reservations."""
@@ -195,9 +230,13 @@ class Inbox:
     def on_offer(self, link: PushLink, msg: p.PushOffer, now: float) -> p.PushReply:
         self._count("push_offers", 1)
         known = self._all.get((link.endpoint, msg.session_id, msg.push_id))
-        if known is not None:
+        if known is not None and known.reply is not None:
             self._count("push_duplicate_offers", 1)
             return known.reply
+        if known is not None or (link.agent, msg.push_id) in self._by_agent:
+            # It names a credit (or a push of another session): its notice is taken.
+            self._count("push_refused.invalid", 1)
+            return self._reply(msg, p.PushStatus.INVALID, "push id in use")
         status, detail = self._refusal(link, msg)
         if status is not None:
             self._count(f"push_refused.{status.value}", 1)
@@ -214,9 +253,7 @@ class Inbox:
         except (InvalidMeta, EntryTooLarge) as exc:
             self._count("push_refused.invalid", 1)
             return self._reply(msg, p.PushStatus.INVALID, str(exc))
-        deadline_s = self._config.push_deadline_s + self._config.fetch_deadline_per_gib_s * (
-            msg.nbytes / (1 << 30)
-        )
+        deadline_s = self._deadline_s(msg.nbytes)
         reply = self._reply(
             msg,
             p.PushStatus.ACCEPTED,
@@ -248,6 +285,9 @@ class Inbox:
         if r is None:
             self._count("push_done_after_end" if key in self._over_keys else "push_unknown_done", 1)
             return
+        if r.credit and not r.claimed and not msg.written:
+            self._count("push_credits_returned", 1)
+            self._credits.pop((r.endpoint, r.session_id), None)
         if self.phases is not None:
             self.phases.mark(r.mm_hash, "c_done")
         if r.state is ReservationState.FENCED:
@@ -284,10 +324,105 @@ class Inbox:
             if r.state is ReservationState.FENCED:
                 self._probe(r, now)
 
+    def credit_agreed(self, endpoint: str, session_id: str) -> None:
+        """Both sides of this session listed `CAP_PUSH_CREDIT`."""
+        self._credit_sessions.add((endpoint, session_id))
+
+    @property
+    def credits_wanted(self) -> bool:
+        """A session that agreed to credit holds none (the region had no room)."""
+        return len(self._credits) < len(self._credit_sessions)
+
+    def credit_for(self, link: PushLink, now: float) -> p.PushCredit | None:
+        """A credit to grant on `link`, if it should have one and has none: reserved
+        here, to be sent by the caller."""
+        nbytes = self._credit_bytes()
+        where = (link.endpoint, link.session_id)
+        if (
+            not nbytes
+            or not link.allowed
+            or where not in self._credit_sessions
+            or where in self._credits
+            or now < self._credit_retry.get(where, 0.0)
+        ):
+            return None
+        try:
+            entry = self._store.reserve(nbytes)
+        except StoreError as exc:
+            self._count("push_credits_unavailable", 1)
+            log.info("no credit for %s now: %s", link.endpoint, exc)
+            self._credit_retry[where] = now + _CREDIT_RETRY_S
+            return None
+        self._credit_retry.pop(where, None)
+        r = Reservation(
+            endpoint=link.endpoint,
+            session_id=link.session_id,
+            push_id=next(self._credit_ids),
+            mm_hash="",
+            entry=entry,
+            agent=link.agent,
+            peer=link.peer,
+            checksum=None,
+            deadline=math.inf,  # standing until claimed
+            reply=None,
+            reserved_at=now,
+            credit=True,
+        )
+        self._all[(r.endpoint, r.session_id, r.push_id)] = r
+        self._by_agent[(r.agent, r.push_id)] = r
+        self._credits[where] = r
+        self._count("push_credits_granted", 1)
+        return p.PushCredit(
+            session_id=r.session_id,
+            credit_id=r.push_id,
+            extents=[p.Extent(o, n) for o, n in entry.extents],
+        )
+
+    def on_credited(self, link: PushLink, msg: p.PushCredited, now: float) -> bool:
+        """The producer writes an item into a credit; True when the claim was taken
+        (the item's push is now reserved here, as an accepted offer's would be)."""
+        key = (link.endpoint, msg.session_id, msg.credit_id)
+        r = self._all.get(key)
+        if r is None or not r.credit or r.claimed:
+            why = "replayed" if r is not None or key in self._over_keys else "unknown"
+            self._count(f"push_credit_refused.{why}", 1)
+            return False
+        r.claimed = True
+        if self._credits.get((r.endpoint, r.session_id)) is r:
+            del self._credits[(r.endpoint, r.session_id)]
+        deadline_s = self._deadline_s(msg.nbytes)
+        why = self._credit_refusal(link, r, msg)
+        if why:
+            self._count(f"push_credit_refused.{why}", 1)
+            log.info("credited push of %s from %s refused: %s", msg.mm_hash, r.endpoint, why)
+            r.refused = True
+            if r.state is ReservationState.RESERVED:
+                r.deadline = now + deadline_s
+                if r.written_early:
+                    self._over(r)
+            return False
+        checksum = msg.checksum if self._config.checksum != "none" else None
+        r.mm_hash = msg.mm_hash
+        r.nbytes = msg.nbytes
+        r.checksum = checksum
+        r.meta = EntryMeta(dtype=msg.dtype or "uint8", shape=tuple(msg.shape), checksum=checksum)
+        r.deadline = now + deadline_s
+        r.reserved_at = now
+        self._reserved[r.mm_hash] = r
+        self._count("push_credit_claims", 1)
+        if self.phases is not None:
+            self.phases.mark(r.mm_hash, "c_claimed")
+        if r.written_early:
+            self._written(r)
+        return True
+
     def session_lost(self, link: PushLink, now: float) -> None:
         """The link's session is gone: its reservations wait for the write's end,
         and a probe asks our data plane whether the producer is still there. Call
         before the link retires the producer's agent: the probe keeps it loaded."""
+        self._credits.pop((link.endpoint, link.session_id), None)
+        self._credit_retry.pop((link.endpoint, link.session_id), None)
+        self._credit_sessions.discard((link.endpoint, link.session_id))
         for r in list(self._all.values()):
             if r.endpoint != link.endpoint or r.session_id != link.session_id:
                 continue
@@ -318,9 +453,39 @@ class Inbox:
             if entry.state is EntryState.READY:
                 return p.PushStatus.PRESENT, ""
             return p.PushStatus.BUSY, "being written here"
+        if msg.mm_hash in self._reserved:
+            return p.PushStatus.BUSY, "being written here"
         if not self._may_reserve(msg.mm_hash):
             return p.PushStatus.BUSY, "being fetched"
         return None, ""
+
+    def _credit_refusal(self, link: PushLink, r: Reservation, msg: p.PushCredited) -> str:
+        """Why a claim of credit `r` is not taken, the checks of an offer; "" if it is."""
+        if not link.allowed or not self._config.push_name:
+            return "forbidden"
+        if r.state is not ReservationState.RESERVED:
+            return "fenced"
+        if msg.nbytes > r.entry.nbytes:
+            return "too_large"
+        if self._config.checksum != "none" and msg.checksum is None:
+            return "invalid"
+        entry = self._store.get(msg.mm_hash)
+        if entry is not None:
+            return "present" if entry.state is EntryState.READY else "busy"
+        if msg.mm_hash in self._reserved or not self._may_reserve(msg.mm_hash):
+            return "busy"
+        return ""
+
+    def _credit_bytes(self) -> int:
+        """A credit's size: `push_credit_bytes`, at most a quarter of the region's blocks."""
+        stats = self._store.stats()
+        quarter = stats.total_blocks // 4 * stats.block_size
+        return min(self._config.push_credit_bytes, quarter) if self._config.push_name else 0
+
+    def _deadline_s(self, nbytes: int) -> float:
+        return self._config.push_deadline_s + self._config.fetch_deadline_per_gib_s * (
+            nbytes / (1 << 30)
+        )
 
     @staticmethod
     def _reply(
@@ -345,6 +510,9 @@ class Inbox:
             return
         if r.state is not ReservationState.RESERVED:
             return
+        if r.credit:
+            self._adopt(r)
+            return
         if self._config.checksum != "none" and (
             r.checksum is None or self._store.checksum(r.entry) != r.checksum
         ):
@@ -358,6 +526,37 @@ class Inbox:
             self.phases.mark(r.mm_hash, "committed")
         self._count("push_committed", 1)
         self._count("push_committed_bytes", r.entry.nbytes)
+        self._ended(r, True)
+
+    def _adopt(self, r: Reservation) -> None:
+        """A credit's write has ended: commit what it was claimed to hold, if it checks."""
+        if not r.claimed:
+            r.written_early = True  # its claim, sent before the write, is on its way
+            return
+        if r.refused or r.meta is None:
+            self._over(r)
+            return
+        try:
+            self._store.adopt(
+                r.entry, r.mm_hash, r.nbytes, r.meta, holds=self._holds_for(r.mm_hash)
+            )
+        except StoreError as exc:  # the store freed the blocks: the write has ended
+            failure = (
+                "checksum_failures" if isinstance(exc, DigestMismatch) else "credit_refused.adopt"
+            )
+            self._count(f"push_{failure}", 1)
+            log.warning("credited push of %s from %s not kept: %s", r.mm_hash, r.endpoint, exc)
+            r.move(ReservationState.RELEASED)
+            self._drop(r)
+            self._ended(r, False)
+            return
+        r.move(ReservationState.COMMITTED)
+        self._drop(r)
+        if self.phases is not None:
+            self.phases.mark(r.mm_hash, "committed")
+        self._count("push_committed", 1)
+        self._count("push_credit_committed", 1)
+        self._count("push_committed_bytes", r.nbytes)
         self._ended(r, True)
 
     def _over(self, r: Reservation) -> None:
@@ -375,16 +574,22 @@ class Inbox:
         was = r.state
         r.move(ReservationState.RELEASED)
         self._drop(r)
-        if was is ReservationState.RESERVED:
+        if was is ReservationState.RESERVED and r.mm_hash:
             self._ended(r, False)
 
     def _fence(self, r: Reservation, why: str) -> None:
         log.info("push %s of %s from %s given up (%s)", r.push_id, r.mm_hash, r.endpoint, why)
         self._store.quarantine(r.entry)
         r.move(ReservationState.FENCED)
-        self._reserved.pop(r.mm_hash, None)
+        if self._reserved.get(r.mm_hash) is r:
+            del self._reserved[r.mm_hash]
+        if self._credits.get((r.endpoint, r.session_id)) is r:
+            del self._credits[(r.endpoint, r.session_id)]
         self._count("push_fenced", 1)
-        self._ended(r, False)
+        if r.mm_hash:
+            self._ended(r, False)
+        if r.written_early:
+            self._over(r)  # its write's word came already: nothing writes the blocks now
 
     def _inconclusive(self, r: Reservation, why: str) -> None:
         """A probe said nothing of the write: the blocks stay fenced, counted leaked."""
@@ -409,6 +614,8 @@ class Inbox:
                     self._transport.remove_peer(r.agent)  # no link uses it any more
         if self._reserved.get(r.mm_hash) is r:
             del self._reserved[r.mm_hash]
+        if self._credits.get((r.endpoint, r.session_id)) is r:
+            del self._credits[(r.endpoint, r.session_id)]
 
     def _probe(self, r: Reservation, now: float) -> None:
         """For an orphaned reservation, ask our data plane whether the producer can

@@ -436,6 +436,8 @@ class Producer(NetworkThread):
         # A session belongs to the key that opened it: another authenticated
         # peer naming it is told it does not exist, and nothing changes.
         if session is None or session.user != user:
+            if isinstance(msg, p.PushCredit):  # never to be written: the blocks go back
+                return p.PushDone(session_id=msg.session_id, push_id=msg.credit_id, written=False)
             self._count("no_session")
             return p.Error(code=p.ErrorCode.NO_SESSION, message="unknown session; say hello")
         session.last_seen = time.monotonic()
@@ -452,6 +454,10 @@ class Producer(NetworkThread):
             if self._pusher is not None:
                 self._pusher.on_reply(session.session_id, msg, self._woke_at)
             return None
+        if isinstance(msg, p.PushCredit):
+            if self._pusher is not None:
+                return self._pusher.on_credit(session.session_id, msg)
+            return p.PushDone(session_id=msg.session_id, push_id=msg.credit_id, written=False)
         if isinstance(msg, p.Bye):
             self._end_session(session, "bye", keep_leases=True)
             return None
@@ -529,7 +535,7 @@ class Producer(NetworkThread):
                 c
                 for c in p.negotiate_capabilities(msg.capabilities)
                 if (c != p.CAP_CHECKSUM_XXH3_64 or cfg.checksum != "none")
-                and (c != p.CAP_PUSH or push is not None)
+                and (c not in (p.CAP_PUSH, p.CAP_PUSH_CREDIT) or push is not None)
                 and (c != p.CAP_READ_DIRECT or self._direct)
             ],
             lease_ms=int(cfg.grant_lease_s * 1000),
@@ -575,6 +581,7 @@ class Producer(NetworkThread):
             agent=agent,
             region_size=dp.region_size,
             send=lambda message: server.send(session.route, message),
+            credits=p.CAP_PUSH_CREDIT in msg.capabilities,
         )
 
     def _on_status(self, user: str, msg: p.StatusRequest) -> p.Message:

@@ -18,6 +18,15 @@ Where the session that asked is gone when the write ends, the `PushDone` is
 kept (bounded) and sent to the next session of the same key and push name,
 so that a consumer that only lost its control connection hears of it.
 
+Standing credit. A consumer may grant a session a credit (`PushCredit`): blocks
+reserved ahead of time. A push whose item fits the credit held skips the offer:
+it says what it writes (`PushCredited`, before the write, on the same session)
+and writes into the credit's first bytes at once; the rest is as above, its
+`PushDone` and notification naming the credit. A credit is used once; the
+consumer grants the next. Otherwise (none held, the item too large) the push
+offers, as ever. A credit still unused when its session ends is returned with a
+`PushDone(written=False)`, kept for the consumer's next session like any other.
+
 All of it runs on the producer's network thread; `Producer.push` only queues.
 """
 
@@ -45,6 +54,8 @@ log = logging.getLogger(__name__)
 PUSH_OWNER_PREFIX: Final = "push:"
 # PushDones kept for consumers whose session ended before the write did.
 _UNREPORTED_PER_CONSUMER: Final = 1024
+# Credit ids a session remembers as used, so that a repeated grant is never written.
+_USED_CREDITS: Final = 1024
 # A write still moving when its call returns is polled this long, napping between,
 # before the loop goes on (see `Pusher._write`).
 _WRITE_WAIT_S: Final = 0.0005
@@ -95,6 +106,11 @@ class PushTarget:
     agent: str  # the consumer's data-plane name, loaded into our transport
     region_size: int
     send: Callable[[p.Message], bool]
+    credits: bool = False  # the session agreed to standing credit
+    credit: p.PushCredit | None = None  # the one held now, unused
+    used_credits: collections.OrderedDict[str, None] = field(
+        default_factory=collections.OrderedDict
+    )
 
 
 @dataclass(eq=False)
@@ -111,6 +127,10 @@ class _Push:
     offered_at: float = 0.0
     handle: object | None = None
     session_gone: bool = False
+    pin_id: str = ""  # the source's pin: the push id, or for a credited push its own
+
+    def __post_init__(self) -> None:
+        self.pin_id = self.pin_id or self.push_id
 
     def move(self, new: PushState) -> None:
         if new not in _LEGAL[self.state]:
@@ -194,6 +214,10 @@ class Pusher:
         target = self._targets.pop(session_id, None)
         if target is None:
             return ""
+        if target.credit is not None:
+            # Unused: its blocks are the consumer's again, which it hears on its next session.
+            self._report_later(target, self._returned(target.session_id, target.credit))
+            target.credit = None
         for push in list(self._pushes.values()):
             if push.target is not target:
                 continue
@@ -228,7 +252,7 @@ class Pusher:
     def renew_pins(self) -> None:
         """Keep every source pinned while its write may read it: leases never end them."""
         for push in self._pushes.values():
-            self._store.renew(push.owner, push.push_id, self._config.push_pin_s)
+            self._store.renew(push.owner, push.pin_id, self._config.push_pin_s)
 
     def on_reply(self, session_id: str, msg: p.PushReply, woke_at: float = 0.0) -> None:
         """`woke_at`: when the loop's poll returned with it (for `phases` only)."""
@@ -259,7 +283,30 @@ class Pusher:
             why = f"{msg.status.value}: {msg.detail}" if msg.detail else msg.status.value
             self._end(push, PushState.REFUSED, why, tell=False)
             return
-        self._write(push, msg)
+        self._write(push, [(e.offset, e.length) for e in msg.extents])
+
+    def on_credit(self, session_id: str, msg: p.PushCredit) -> p.Message | None:
+        """A consumer's standing credit; the answer to send back, if any (the credit
+        returned unused)."""
+        target = self._targets.get(session_id)
+        if target is None or not target.credits:
+            self._count("push_credits_refused", 1)
+            return self._returned(session_id, msg, "no credited push on this session")
+        if msg.credit_id in target.used_credits or (
+            target.credit is not None and target.credit.credit_id == msg.credit_id
+        ):
+            self._count("push_credits_repeated", 1)  # never written twice
+            return None
+        if msg.credit_id in self._pushes or msg.credit_id.startswith("p"):
+            # Our own offers' ids start with "p": a credit never takes one of theirs.
+            self._count("push_bad_extents", 1)
+            return self._returned(session_id, msg, "credit id in use")
+        if any(e.length <= 0 or e.offset + e.length > target.region_size for e in msg.extents):
+            self._count("push_bad_extents", 1)
+            return self._returned(session_id, msg, "credit extents invalid")
+        old, target.credit = target.credit, msg
+        self._count("push_credits", 1)
+        return self._returned(session_id, old, "replaced") if old is not None else None
 
     def stop(self) -> None:
         """The producer is stopping: its data plane closes after this, ending every write."""
@@ -295,20 +342,42 @@ class Pusher:
         if target is None or why:
             future.set_result(PushOutcome(mm_hash, to, PushState.REFUSED, why))
             return
-        push_id = f"p{next(self._ids)}"
+        pin_id = f"p{next(self._ids)}"
         owner = PUSH_OWNER_PREFIX + target.session_id
         try:
-            self._store.pin(mm_hash, owner, push_id, self._config.push_pin_s)
+            self._store.pin(mm_hash, owner, pin_id, self._config.push_pin_s)
         except (NotFound, NotReady) as exc:
             self._count("push_refused.not_ready", 1)
             future.set_result(PushOutcome(mm_hash, to, PushState.REFUSED, str(exc)))
             return
-        entry = self._store.pinned_entry(owner, push_id)
+        entry = self._store.pinned_entry(owner, pin_id)
         assert entry is not None and entry.state is EntryState.READY
-        push = _Push(push_id, mm_hash, to, target, owner, asked, [future], nbytes=entry.nbytes)
+        credit = self._credit_for(target, entry.nbytes)
+        push_id = credit.credit_id if credit is not None else pin_id
+        push = _Push(
+            push_id, mm_hash, to, target, owner, asked, [future], nbytes=entry.nbytes, pin_id=pin_id
+        )
         push.offered_at = time.monotonic()
         self._pushes[push_id] = push
         self._single[(to, mm_hash)] = push
+        if credit is not None:
+            # Said before the write, on the session the write's PushDone will follow.
+            target.send(
+                p.PushCredited(
+                    session_id=target.session_id,
+                    credit_id=credit.credit_id,
+                    mm_hash=mm_hash,
+                    nbytes=entry.nbytes,
+                    dtype=entry.meta.dtype,
+                    shape=list(entry.meta.shape),
+                    checksum=entry.meta.checksum,
+                )
+            )
+            if self.phases is not None:
+                self.phases.mark(mm_hash, "credited")
+            self._count("push_credit_writes", 1)
+            self._write(push, _first_bytes(credit.extents, entry.nbytes))
+            return
         if self.phases is not None:
             self.phases.mark(mm_hash, "offer_sent")
         target.send(
@@ -330,9 +399,32 @@ class Pusher:
         found = [t for t in self._targets.values() if t.push_name == to]
         return found[-1] if found else None
 
-    def _write(self, push: _Push, msg: p.PushReply) -> None:
-        entry = self._store.pinned_entry(push.owner, push.push_id)
-        dest = [(e.offset, e.length) for e in msg.extents]
+    def _credit_for(self, target: PushTarget, nbytes: int) -> p.PushCredit | None:
+        """The target's credit, taken for a push of `nbytes`, if it fits; else None (the
+        push offers, counted)."""
+        credit = target.credit
+        if not target.credits:
+            return None
+        if credit is None:
+            self._count("push_credit_fallbacks.none_held", 1)
+            return None
+        if nbytes > sum(e.length for e in credit.extents):
+            self._count("push_credit_fallbacks.too_large", 1)
+            return None
+        target.credit = None
+        target.used_credits[credit.credit_id] = None
+        while len(target.used_credits) > _USED_CREDITS:
+            target.used_credits.popitem(last=False)
+        return credit
+
+    @staticmethod
+    def _returned(session_id: str, credit: p.PushCredit, why: str = "unused") -> p.PushDone:
+        return p.PushDone(
+            session_id=session_id, push_id=credit.credit_id, written=False, detail=why
+        )
+
+    def _write(self, push: _Push, dest: list[tuple[int, int]]) -> None:
+        entry = self._store.pinned_entry(push.owner, push.pin_id)
         if (
             entry is None
             or sum(n for _, n in dest) != entry.nbytes
@@ -396,7 +488,7 @@ class Pusher:
         """The push is over: the backend has ended its write, or none was posted."""
         assert push.handle is None, "a push ends only once its write has"
         push.move(state)
-        self._store.unpin(push.owner, push.push_id)
+        self._store.unpin(push.owner, push.pin_id)
         del self._pushes[push.push_id]
         if self._single.get((push.to, push.mm_hash)) is push:
             del self._single[(push.to, push.mm_hash)]
@@ -423,3 +515,14 @@ class Pusher:
         )
         for future in push.futures:
             future.set_result(outcome)
+
+
+def _first_bytes(extents: list[p.Extent], nbytes: int) -> list[tuple[int, int]]:
+    """The first `nbytes` of `extents`, in order."""
+    out = []
+    for e in extents:
+        if nbytes <= 0:
+            break
+        out.append((e.offset, min(e.length, nbytes)))
+        nbytes -= e.length
+    return out

@@ -61,7 +61,8 @@ pytestmark = pytest.mark.timeout(90)
 
 TCP = {"ucx_tls": "tcp", "ucx_net_devices": "lo"}
 CANARY = {"store_canary": True}
-PUSH = {"push_name": "pd-0", **CANARY}
+# The offered path (a standing credit off); the credited path: test_peer_push_credit.py.
+PUSH = {"push_name": "pd-0", "push_credit_bytes": 0, **CANARY}
 CONSUMER_SCRIPT = HERE / "peer_consumer_process.py"
 
 

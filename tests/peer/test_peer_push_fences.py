@@ -30,7 +30,13 @@ from ecshare.transport.loopback import Completion
 
 pytestmark = pytest.mark.timeout(60)
 
-PUSH = {"push_name": "pd-0", "store_canary": True, "push_deadline_s": 30.0}
+# The offered path (a standing credit off); the credited path: test_peer_push_credit.py.
+PUSH = {
+    "push_name": "pd-0",
+    "push_credit_bytes": 0,
+    "store_canary": True,
+    "push_deadline_s": 30.0,
+}
 
 
 def _push_when_connected(producer: Producer, h: str) -> bool:
