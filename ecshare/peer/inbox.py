@@ -541,10 +541,10 @@ class Inbox:
                 r.entry, r.mm_hash, r.nbytes, r.meta, holds=self._holds_for(r.mm_hash)
             )
         except StoreError as exc:  # the store freed the blocks: the write has ended
-            failure = (
-                "checksum_failures" if isinstance(exc, DigestMismatch) else "credit_refused.adopt"
-            )
-            self._count(f"push_{failure}", 1)
+            if isinstance(exc, DigestMismatch):
+                self._count("push_checksum_failures", 1)
+            else:
+                self._count("push_credit_refused.adopt", 1)
             log.warning("credited push of %s from %s not kept: %s", r.mm_hash, r.endpoint, exc)
             r.move(ReservationState.RELEASED)
             self._drop(r)

@@ -119,6 +119,16 @@ EXAMPLES: list[p.Message] = [
     ),
     p.PushReply(session_id="s1", push_id="p2", status=p.PushStatus.FULL, detail="no room"),
     p.PushDone(session_id="s1", push_id="p1", written=True),
+    p.PushCredit(session_id="s1", credit_id="k1.ab", extents=[p.Extent(0, 8_388_608)]),
+    p.PushCredited(
+        session_id="s1",
+        credit_id="k1.ab",
+        mm_hash="h1",
+        nbytes=4_505_600,
+        dtype="bfloat16",
+        shape=[880, 2560],
+        checksum=12345,
+    ),
     p.Located(
         session_id="s1",
         entries=[

@@ -101,6 +101,7 @@ def seed_messages(session_id: str = "fuzz-session", grant_id: str = "g-fuzz") ->
         p.HeartbeatAck(),
         p.Bye(session_id=session_id),
         p.Error(code=p.ErrorCode.OVERLOADED, message="busy", request_id="r-fuzz"),
+        p.PushCredit(session_id=session_id, credit_id="k1", extents=[p.Extent(0, 4096)]),
         p.Located(
             session_id=session_id,
             entries=[
