@@ -23,8 +23,10 @@ The 2 ms hop is the tight case; 5 ms is closer to a real one: an HTTP hop throug
 the proxy on one host plus the PD's media-free preprocessing (tokenising and
 placeholder expansion) takes a few milliseconds on server hardware.
 
-Both processes record per-step timestamps of every push (`ecshare.peer.phases`)
-on the host's one monotonic clock, so each push row also says where a push's
+A push whose item fits the PD's standing credit is written with no offer
+(``CREDIT_STEPS``); one that does not (16 MiB against the default 8 MiB credit) is
+offered (``PUSH_STEPS``). Both processes record per-step timestamps of every push
+(`ecshare.peer.phases`) on the host's one monotonic clock, so each push row also says where a push's
 time goes, from the entry turning READY to its commit at the PD: the median of
 each step over all pushes, and over the late ones alone (those not yet local
 when the scheduler asked), which shows the step that made them late.
@@ -79,6 +81,17 @@ PUSH_STEPS: Final = (
     ("reserved", "reserve"),
     ("p_reply_woke", "reply to producer thread"),
     ("reply_read", "read reply"),
+    ("write_posted", "WRITE call"),
+    ("write_done", "WRITE to DONE"),
+    ("c_word", "word to consumer"),
+    ("committed", "check, commit"),
+)
+# A push into the consumer's standing credit: no offer, no reply; the claim goes just
+# before the WRITE (docs/PUSH.md, "Standing credit").
+CREDIT_STEPS: Final = (
+    ("push_call", "Producer.push call"),
+    ("p_picked", "wake producer thread"),
+    ("credited", "pin, send claim"),
     ("write_posted", "WRITE call"),
     ("write_done", "WRITE to DONE"),
     ("c_word", "word to consumer"),
@@ -187,15 +200,21 @@ def _by_key(records: Sequence[tuple[str, str, float]]) -> dict[str, dict[str, fl
 
 
 def _steps_ms(marks: Sequence[dict[str, float]]) -> dict[str, float]:
-    """The median milliseconds of each step of PUSH_STEPS, from "ready" on."""
-    out: dict[str, float] = {}
-    before = "ready"
-    for mark, name in PUSH_STEPS:
-        spans = [m[mark] - m[before] for m in marks if mark in m and before in m]
-        if spans:
-            out[name] = round(statistics.median(spans) * 1000, 4)
-        before = mark
-    return out
+    """The median milliseconds of each step, from "ready" on: of CREDIT_STEPS for a push
+    written into a credit, of PUSH_STEPS for an offered one (each step over the pushes
+    that took it, in the order of the offered path with the claim after the wake)."""
+    spans: dict[str, list[float]] = {}
+    for m in marks:
+        before = "ready"
+        for mark, name in CREDIT_STEPS if "credited" in m else PUSH_STEPS:
+            if mark in m and before in m:
+                spans.setdefault(name, []).append(m[mark] - m[before])
+            before = mark
+    order = [name for _, name in PUSH_STEPS]
+    order.insert(order.index("wake producer thread") + 1, "pin, send claim")
+    return {
+        name: round(statistics.median(spans[name]) * 1000, 4) for name in order if name in spans
+    }
 
 
 def _push_marks(
