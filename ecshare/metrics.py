@@ -418,6 +418,7 @@ COUNTED: Final[tuple[Counted, ...]] = (
         "push_credits",
         "push_credits_refused",
         "push_credits_repeated",
+        "push_credit_voids",
         "lane_unavailable",
         "located",
         "located_sent",

@@ -407,6 +407,19 @@ class PushCredited(_Message, frozen=True, kw_only=True, tag="push_credited"):
     checksum: Annotated[int, msgspec.Meta(ge=0)] | None = None
 
 
+class PushCreditVoid(_Message, frozen=True, kw_only=True, tag="push_credit_void"):
+    """Consumer -> producer, on a new session with the same producer process: credit
+    `credit_id`, granted on this consumer's ended session `credit_session`, is void.
+    Unless it is writing into it (its `PushDone` then follows the write), the producer
+    drops it, never writes into it from now on, and answers `PushDone(session_id=
+    credit_session, push_id=credit_id, written=False)`: so a credit whose grant or
+    whose return a cut control connection lost still comes back."""
+
+    session_id: Token
+    credit_session: Token
+    credit_id: Token
+
+
 class Error(_Message, frozen=True, kw_only=True, tag="error"):
     code: ErrorCode
     message: Text
@@ -483,6 +496,7 @@ Message = Union[  # noqa: UP007 - msgspec needs a runtime Union of tagged struct
     PushDone,
     PushCredit,
     PushCredited,
+    PushCreditVoid,
     Located,
 ]
 MESSAGE_TYPES: Final = Message.__args__  # type: ignore[attr-defined]

@@ -33,6 +33,7 @@ CONSUMER_TO_PRODUCER: Final[frozenset[type]] = frozenset(
         p.StatusRequest,
         p.PushReply,
         p.PushCredit,
+        p.PushCreditVoid,
     }
 )
 PRODUCER_TO_CONSUMER: Final[frozenset[type]] = frozenset(

@@ -1351,6 +1351,9 @@ class Consumer(NetworkThread):
         """A session is up: where both sides agreed to standing credit, grant the first."""
         if isinstance(msg, p.Welcome) and p.CAP_PUSH_CREDIT in msg.capabilities:
             self._inbox.credit_agreed(link.endpoint, link.session_id)
+            assert link.client is not None
+            for void in self._inbox.voids_for(self._push_link(link)):
+                link.client.send(void)
             self._grant_credit(link, now)
 
     def _grant_credit(self, link: PeerLink, now: float) -> None:

@@ -39,8 +39,10 @@ required, before anything is READY). A claim it refuses leaves the blocks to
 the write's end, then frees them. The credit's blocks follow the same rules as
 any reservation's from the moment it is granted: a session lost fences and
 probes an unused credit too (the producer returns it unused with a
-`PushDone(written=False)`, kept for its next session if need be), and a new
-credit is granted once the last one is claimed.
+`PushDone(written=False)`, kept for its next session if need be; on that next
+session the inbox also voids it, `PushCreditVoid`, since its grant may never
+have reached the producer), and a new credit is granted once the last one is
+claimed.
 
 Only the consumer's network thread calls in here, except `pending`.
 """
@@ -332,6 +334,24 @@ class Inbox:
     def credits_wanted(self) -> bool:
         """A session that agreed to credit holds none (the region had no room)."""
         return len(self._credits) < len(self._credit_sessions)
+
+    def voids_for(self, link: PushLink) -> list[p.PushCreditVoid]:
+        """For a new session with the same producer process: the fenced credits of its
+        ended sessions nobody claimed. The producer may never have had them (their
+        grant lost with the connection), so only its answer to this ends them; a credit
+        of a producer process gone is ended by the probe instead."""
+        return [
+            p.PushCreditVoid(
+                session_id=link.session_id, credit_session=r.session_id, credit_id=r.push_id
+            )
+            for r in self._all.values()
+            if r.credit
+            and not r.claimed
+            and r.state is ReservationState.FENCED
+            and r.endpoint == link.endpoint
+            and r.agent == link.agent
+            and r.session_id != link.session_id
+        ]
 
     def credit_for(self, link: PushLink, now: float) -> p.PushCredit | None:
         """A credit to grant on `link`, if it should have one and has none: reserved

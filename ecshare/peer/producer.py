@@ -454,10 +454,14 @@ class Producer(NetworkThread):
             if self._pusher is not None:
                 self._pusher.on_reply(session.session_id, msg, self._woke_at)
             return None
-        if isinstance(msg, p.PushCredit):
+        if isinstance(msg, p.PushCredit | p.PushCreditVoid):
             if self._pusher is not None:
                 return self._pusher.on_credit(session.session_id, msg)
-            return p.PushDone(session_id=msg.session_id, push_id=msg.credit_id, written=False)
+            return (
+                None
+                if isinstance(msg, p.PushCreditVoid)
+                else p.PushDone(session_id=msg.session_id, push_id=msg.credit_id, written=False)
+            )
         if isinstance(msg, p.Bye):
             self._end_session(session, "bye", keep_leases=True)
             return None

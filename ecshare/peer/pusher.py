@@ -25,7 +25,9 @@ and writes into the credit's first bytes at once; the rest is as above, its
 `PushDone` and notification naming the credit. A credit is used once; the
 consumer grants the next. Otherwise (none held, the item too large) the push
 offers, as ever. A credit still unused when its session ends is returned with a
-`PushDone(written=False)`, kept for the consumer's next session like any other.
+`PushDone(written=False)`, kept for the consumer's next session like any other;
+one the consumer says is void (`PushCreditVoid`: its grant or return may have been
+lost with a cut connection) is dropped, answered so, and never written after.
 
 All of it runs on the producer's network thread; `Producer.push` only queues.
 """
@@ -162,6 +164,8 @@ class Pusher:
         self._targets: dict[str, PushTarget] = {}  # session id -> target
         # (user, push name) -> PushDones whose session ended before the write did.
         self._unreported: dict[tuple[str, str], collections.deque[p.PushDone]] = {}
+        # Credit ids a consumer said are void: never written, whenever their grant comes.
+        self._void_credits: collections.OrderedDict[str, None] = collections.OrderedDict()
         # Per-item timestamps of each step of a push (see peer/phases.py); off unless set.
         self.phases: PhaseLog | None = None
 
@@ -285,9 +289,14 @@ class Pusher:
             return
         self._write(push, [(e.offset, e.length) for e in msg.extents])
 
-    def on_credit(self, session_id: str, msg: p.PushCredit) -> p.Message | None:
-        """A consumer's standing credit; the answer to send back, if any (the credit
-        returned unused)."""
+    def on_credit(self, session_id: str, msg: p.PushCredit | p.PushCreditVoid) -> p.Message | None:
+        """A consumer's standing credit, or its word that one is void; the answer to send
+        back, if any (the credit returned unused)."""
+        if isinstance(msg, p.PushCreditVoid):
+            return self._void(msg)
+        if msg.credit_id in self._void_credits:
+            self._count("push_credits_refused", 1)  # voided before it came: never written
+            return self._returned(session_id, msg, "void")
         target = self._targets.get(session_id)
         if target is None or not target.credits:
             self._count("push_credits_refused", 1)
@@ -307,6 +316,20 @@ class Pusher:
         old, target.credit = target.credit, msg
         self._count("push_credits", 1)
         return self._returned(session_id, old, "replaced") if old is not None else None
+
+    def _void(self, msg: p.PushCreditVoid) -> p.Message | None:
+        self._count("push_credit_voids", 1)
+        if msg.credit_id in self._pushes:
+            return None  # being written: its PushDone follows the write
+        self._void_credits[msg.credit_id] = None
+        while len(self._void_credits) > _USED_CREDITS:
+            self._void_credits.popitem(last=False)
+        for target in self._targets.values():
+            if target.credit is not None and target.credit.credit_id == msg.credit_id:
+                target.credit = None
+        return p.PushDone(
+            session_id=msg.credit_session, push_id=msg.credit_id, written=False, detail="void"
+        )
 
     def stop(self) -> None:
         """The producer is stopping: its data plane closes after this, ending every write."""

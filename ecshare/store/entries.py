@@ -250,6 +250,8 @@ class StoreStats(msgspec.Struct, frozen=True):
     quarantined_blocks: int = 0
     canary_violations: int = 0  # freed blocks found written (Store's debug canary)
     foreign_writes: int = 0  # READY entries found changed since their commit (Store.verify)
+    reserved: int = 0  # ALLOCATED reservations with no key yet (Store.reserve), among allocated
+    reserved_blocks: int = 0
 
 
 class EntryTable:
@@ -713,6 +715,8 @@ class EntryTable:
                 reaped_pins=self._reaped,
                 quarantined=len(self._quarantined),
                 quarantined_blocks=self._quarantined_blocks,
+                reserved=len(self._unkeyed),
+                reserved_blocks=sum(e.nblocks for e in self._unkeyed),
             )
 
     def check_invariants(self) -> None:

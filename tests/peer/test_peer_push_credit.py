@@ -63,7 +63,8 @@ def test_credited_push_lands_with_no_offer_and_the_credit_is_topped_up(
     # The next credit stands: granted once the last one was claimed, held by the producer.
     assert wait_until(lambda: producer.counters["push_credits"] == 2, 5)
     stats = cnode.store.stats()
-    assert stats.allocated == 1 and stats.quarantined == 0 and stats.canary_violations == 0
+    assert stats.allocated == stats.reserved == 1 and stats.quarantined == 0
+    assert stats.canary_violations == 0
     cnode.store.check_invariants()
     assert wait_until(lambda: pnode.store.stats().pins == 0, 5)
 
@@ -283,4 +284,43 @@ def test_producer_sigkill_mid_credited_write_gives_the_blocks_back_only_once_pro
     time.sleep(0.3)
     fill_region(cnode.store)
     assert cnode.store.stats().canary_violations == 0
+    cnode.store.check_invariants()
+
+
+def test_credit_whose_grant_may_be_lost_is_voided_on_the_next_session_and_only_then_freed(
+    fake_producer: FakeProducer, make_consumer: MakeConsumer, keyring: Keyring
+) -> None:
+    """The session ends (here: the producer says it does not know it) with a credit
+    unused: the consumer cannot tell whether the grant ever reached the producer, so
+    the credit stays fenced, its producer alive (the probe says so), until the same
+    producer process, asked on the next session, says it is void."""
+    cnode, consumer, credit = _credited_session(fake_producer, make_consumer, keyring)
+    old_session = fake_producer.session_id
+    fake_producer.server.send(
+        fake_producer.route,
+        p.Error(code=p.ErrorCode.NO_SESSION, message="unknown session; say hello"),
+    )
+    hello: p.Hello = fake_producer.recv(p.Hello)
+    assert hello.session_id != old_session
+    assert cnode.store.stats().quarantined_blocks >= 128  # the credit, fenced
+    fake_producer.welcome(
+        hello, [p.CAP_RENEW, p.CAP_PUSH, p.CAP_PUSH_CREDIT, p.CAP_CHECKSUM_XXH3_64]
+    )
+    void: p.PushCreditVoid = fake_producer.recv(p.PushCreditVoid)
+    assert (void.session_id, void.credit_session, void.credit_id) == (
+        hello.session_id,
+        old_session,
+        credit.credit_id,
+    )
+    fake_producer.recv(p.PushCredit)  # the new session's own
+    time.sleep(0.2)
+    assert consumer.fenced_pushes() == 1  # nothing but the producer's word frees it
+    fake_producer.server.send(
+        fake_producer.route,
+        p.PushDone(session_id=old_session, push_id=credit.credit_id, written=False),
+    )
+    assert wait_until(lambda: cnode.store.stats().quarantined == 0, 5)
+    assert consumer.fenced_pushes() == 0 and consumer.counter_snapshot()["push_fenced_ended"] == 1
+    stats = cnode.store.stats()
+    assert stats.reserved == 1 and stats.canary_violations == 0
     cnode.store.check_invariants()

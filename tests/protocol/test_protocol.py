@@ -120,6 +120,7 @@ EXAMPLES: list[p.Message] = [
     p.PushReply(session_id="s1", push_id="p2", status=p.PushStatus.FULL, detail="no room"),
     p.PushDone(session_id="s1", push_id="p1", written=True),
     p.PushCredit(session_id="s1", credit_id="k1.ab", extents=[p.Extent(0, 8_388_608)]),
+    p.PushCreditVoid(session_id="s2", credit_session="s1", credit_id="k1.ab"),
     p.PushCredited(
         session_id="s1",
         credit_id="k1.ab",

@@ -323,6 +323,8 @@ def _region_check(node: str, stats: NodeStats, *, excuse_quarantine: bool = Fals
     s = stats.store
     unaccounted = s.total_blocks - s.free_blocks - s.used_blocks
     excused = s.quarantined_blocks if excuse_quarantine else 0
+    # A consumer's standing push credit (one per push session) is held by design.
+    excused += s.reserved_blocks
     return RegionCheck(
         node=node,
         total_blocks=s.total_blocks,
@@ -330,7 +332,7 @@ def _region_check(node: str, stats: NodeStats, *, excuse_quarantine: bool = Fals
         used_blocks=s.used_blocks,
         ready_blocks=stats.used_by_ready,
         pins=s.pins,
-        allocated=s.allocated,
+        allocated=s.allocated - s.reserved,
         evicting=s.evicting,
         verified_entries=stats.verified,
         leaked_blocks=(s.used_blocks - stats.used_by_ready - excused) + abs(unaccounted),
