@@ -187,6 +187,61 @@ class EntryTableMachine(RuleBasedStateMachine):
         assert self.table.get(mm_hash) is None  # fetchable again, into other blocks
         assert self.table.stats().quarantined_blocks >= len(blocks)
 
+    @rule(nbytes=st.integers(1, 8 * BLOCK))
+    def reserve(self, nbytes: int) -> None:
+        need = -(-nbytes // BLOCK)
+        protected = self.protected()
+        room = self.table.stats().free_blocks + sum(e.nblocks for e in self.evictable())
+        if need > self.table.capacity_blocks:
+            with pytest.raises(EntryTooLarge):
+                self.table.reserve(nbytes)
+            return
+        if room < need:
+            with pytest.raises(StoreFull):
+                self.table.reserve(nbytes)
+            return
+        entry = self.table.reserve(nbytes)
+        assert entry.state is EntryState.ALLOCATED and entry.mm_hash == ""
+        assert self.table.get("") is None  # no key: never found, never a hit
+        self.entries.append(entry)
+        assert all(e.state is not EntryState.FREED for e in protected), "evicted a protected entry"
+
+    @rule(
+        data=st.data(),
+        mm_hash=st.sampled_from(HASHES),
+        nbytes=st.integers(0, 8 * BLOCK + 1),
+        end=st.sampled_from(["adopt", "adopt", "abort", "quarantine"]),
+    )
+    def end_reservation(self, data: st.DataObject, mm_hash: str, nbytes: int, end: str) -> None:
+        held = [e for e in self.live() if e.state is EntryState.ALLOCATED and not e.mm_hash]
+        if not held:
+            return
+        entry = data.draw(st.sampled_from(held), label="reservation")
+        if end == "abort":
+            self.table.abort("", expect=entry)
+            assert entry.state is EntryState.FREED
+            return
+        if end == "quarantine":
+            self.table.quarantine("", expect=entry)
+            assert entry.state is EntryState.QUARANTINED
+            return
+        meta = EntryMeta("uint8", (nbytes,))
+        exists = self.table.get(mm_hash) is not None
+        if not 0 < nbytes <= entry.nbytes:
+            with pytest.raises(InvalidMeta):
+                self.table.adopt(entry, mm_hash, nbytes, meta)
+        elif exists:
+            with pytest.raises(EntryExists):
+                self.table.adopt(entry, mm_hash, nbytes, meta)
+        else:
+            assert self.table.adopt(entry, mm_hash, nbytes, meta) is entry
+            assert entry.state is EntryState.READY and self.table.get(mm_hash) is entry
+            assert entry.nblocks == -(-nbytes // BLOCK) and entry.nbytes == nbytes
+            return
+        assert entry.state is EntryState.FREED  # bad input: the blocks go back, no entry
+        with pytest.raises(NotFound):  # and it is no reservation any more
+            self.table.adopt(entry, mm_hash, 1, EntryMeta("uint8", (1,)))
+
     @rule(data=st.data())
     def end_quarantine(self, data: st.DataObject) -> None:
         held = [e for e in self.live() if e.state is EntryState.QUARANTINED]
