@@ -384,6 +384,8 @@ class Consumer(NetworkThread):
         self._pool: ClientPool | None = None
         self.counters = Counts()
         self._counters_lock = self.counters.lock  # the latency figures share it
+        # Loop passes finished, for a watcher's proof that the loop ran (one writer).
+        self.passes = 0
         # Every fetch's latency, in buckets (under `_counters_lock`).
         self._latency_counts = [0] * (len(LATENCY_BUCKETS_S) + 1)
         self._latency_sum_s = 0.0
@@ -731,6 +733,7 @@ class Consumer(NetworkThread):
         try:
             while not self._stop.is_set():
                 self._step(self._wait())
+                self.passes += 1
         except BaseException as exc:
             log.exception("consumer network thread failed; every fetch now fails as internal")
             with self._lock:

@@ -142,6 +142,26 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: floa
         time.sleep(interval_s)
 
 
+def stays(predicate: Callable[[], bool], loop: Any, passes: int = 3, window_s: float = 0.3) -> bool:
+    """Whether `predicate` holds at every look until `loop` (a Consumer: anything with a
+    `passes` count) has finished `passes` more passes and `window_s` has gone by.
+
+    A check that nothing happened proves nothing before the loop that would do it has
+    run: the first pass counted may have begun before this call, the second did not, so
+    `passes` >= 2 ensure the loop looked at the state as it stands now.
+    """
+    start = loop.passes
+    deadline = time.monotonic() + window_s
+    while True:
+        if not predicate():
+            return False
+        if loop.passes >= start + passes and time.monotonic() >= deadline:
+            return True
+        if time.monotonic() >= deadline + 10.0:
+            raise AssertionError(f"the loop made {loop.passes - start} of {passes} passes")
+        time.sleep(0.01)
+
+
 # -- keys ----------------------------------------------------------------------------------------
 
 
