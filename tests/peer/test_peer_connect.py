@@ -18,7 +18,15 @@ import pytest
 pytest.importorskip("nixl._api")
 
 from loopback_testing import MakeLoopConsumer, MakeLoopProducer
-from peer_testing import Keyring, MakeConsumer, MakeProducer, expected, stored_bytes, wait_until
+from peer_testing import (
+    Keyring,
+    MakeConsumer,
+    MakeProducer,
+    expected,
+    stays,
+    stored_bytes,
+    wait_until,
+)
 
 from ecshare.transport.loopback import Completion
 
@@ -41,8 +49,12 @@ def test_connect_opens_the_session_before_any_fetch(
     assert (result.nbytes, result.attempts) == (nbytes, 1)
     assert np.array_equal(stored_bytes(cnode, h), expected(h, nbytes))
     assert producer.session_count() == 1  # the fetch used the session connect opened
+    opened = producer.counters["sessions_opened"]
     consumer.connect([producer.address])  # already up: left as it is
-    assert wait_until(lambda: producer.session_count() == 1, 0.2)
+    assert stays(
+        lambda: (producer.session_count(), producer.counters["sessions_opened"]) == (1, opened),
+        consumer,
+    )
     # The data plane was wired up at the Welcome, and nothing of it is left over.
     assert consumer.counters["warm_ups"] == 1
     assert consumer.counters["reads_started"] == 1  # the fetch's own READ
@@ -62,9 +74,12 @@ def test_connect_never_takes_the_place_of_a_link(
     assert wait_until(lambda: [p.up for p in consumer.peer_liveness()] == [True], 10.0)
     consumer.connect([second.address])  # no room: a warm-up evicts nobody
 
-    assert wait_until(lambda: first.session_count() == 1, 0.5)
-    assert [p.endpoint for p in consumer.peer_liveness()] == [first.address]
-    assert second.session_count() == 0
+    def untouched() -> bool:
+        links = [p.endpoint for p in consumer.peer_liveness()]
+        sessions = (first.session_count(), second.session_count())
+        return (links, sessions) == ([first.address], (1, 0))
+
+    assert stays(untouched, consumer), (consumer.peer_liveness(), second.session_count())
 
 
 def test_a_producer_not_up_yet_is_not_quarantined_by_an_early_connect(
@@ -113,11 +128,11 @@ def test_a_warm_up_read_holds_its_block_until_the_read_has_ended(
     assert wait_until(lambda: consumer.counters["warm_ups"] == 1, 10.0)
 
     # Its destination is held, not handed out again, while the read may still land.
-    for _ in range(3):
+    def held() -> bool:
         stats = cnode.store.stats()
-        assert (stats.quarantined, stats.quarantined_blocks) == (1, 1), stats
-        assert cnode.transport.in_flight == 1
-        wait_until(lambda: False, 0.1)
+        return (stats.quarantined, stats.quarantined_blocks, cnode.transport.in_flight) == (1, 1, 1)
+
+    assert stays(held, consumer), (cnode.store.stats(), cnode.transport.in_flight)
     assert consumer.fenced_reads() == (0, 0.0)  # not a read given up: a warm-up
 
     pnode.transport.resume()
