@@ -8,7 +8,6 @@ that whole READ, over UCX TCP where the READ is asynchronous.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import numpy as np
@@ -22,6 +21,7 @@ from peer_testing import (
     MakeConsumer,
     MakeProducer,
     expected,
+    stays,
     stored_bytes,
     throttle_progress,
     wait_until,
@@ -81,11 +81,14 @@ def test_batch_read_given_up_fences_every_destination_until_the_one_read_ends(
             future.result(timeout=10)
         assert failed.value.reason is FailureReason.DEADLINE, failed.value
     assert consumer.counter_snapshot()["read_posts"] == 1
-    time.sleep(0.2)  # the READ is still in flight: its blocks are held, not reused
-    stats = cnode.store.stats()
     # Beside them, the session's one-block warm-up read, waiting on the producer too.
     assert consumer.counter_snapshot()["warm_ups"] == 1
-    assert (stats.quarantined, consumer.fenced_reads()[0]) == (3 + 1, 3), stats
+
+    # The READ is still in flight: its blocks stay held, not reused, pass after pass.
+    def held() -> bool:
+        return (cnode.store.stats().quarantined, consumer.fenced_reads()[0]) == (3 + 1, 3)
+
+    assert stays(held, consumer), cnode.store.stats()
     assert all(cnode.store.get(h) is None for h in sizes)
 
     gate.set()  # the producer progresses; the READ ends and every block comes back

@@ -40,6 +40,7 @@ from peer_testing import (
     ProducerProcess,
     SpawnProducer,
     expected,
+    stays,
     stored_bytes,
     wait_until,
 )
@@ -501,7 +502,8 @@ def test_direct_reads_off_on_either_side_keeps_every_fetch_granted(
     )
     _up(consumer, producer.address)
     pnode.store.put("h", expected("h", MiB))
-    time.sleep(0.2)  # room for a Located that must not come
+    # Room for a Located that must not come.
+    assert stays(lambda: "locations_heard" not in consumer.counter_snapshot(), consumer)
 
     result = consumer.fetch(["h"], [producer.address])[0].result(timeout=10)
 
@@ -715,9 +717,11 @@ def test_direct_read_given_up_over_tcp_is_fenced_until_the_read_ends(
             consumer.fetch([h], [producer.address])[0].result(timeout=10)
         counters = consumer.counter_snapshot()
         assert counters["direct_reads"] == 1 and counters["reads_fenced"] == 1
-        time.sleep(0.3)  # the READ is still in flight: its blocks are held, not reused
-        assert consumer.fenced_reads()[0] == 1
-        assert cnode.store.stats().quarantined == 1
+        # The READ is still in flight: its blocks are held, not reused.
+        assert stays(
+            lambda: (consumer.fenced_reads()[0], cnode.store.stats().quarantined) == (1, 1),
+            consumer,
+        ), cnode.store.stats()
         assert cnode.store.get(h) is None
     finally:
         os.kill(producer.process.pid, signal.SIGCONT)
@@ -761,10 +765,18 @@ def test_producer_frozen_during_the_tag_read_keeps_its_slot_held_over_tcp(
         assert frozen == [8]  # the bytes had landed; only the tag READ was to go
         assert counters["direct_reads"] == 1 and counters["tag_reads"] == 1
         assert "reads_fenced" not in counters and counters["tag_reads_fenced"] == 1
-        time.sleep(0.3)  # the tag READ is still in flight: its slot stays held
-        assert consumer.tag_reads_held() == 1
-        assert consumer.fenced_reads()[0] == 0
-        assert cnode.store.stats().quarantined == 0  # the blocks are back already
+        # The tag READ is still in flight: its slot stays held; the blocks are back already.
+        assert stays(
+            lambda: (
+                (
+                    consumer.tag_reads_held(),
+                    consumer.fenced_reads()[0],
+                    cnode.store.stats().quarantined,
+                )
+                == (1, 0, 0)
+            ),
+            consumer,
+        ), cnode.store.stats()
         assert cnode.store.get(h) is None
     finally:
         transport.read = real_read  # type: ignore[method-assign]
@@ -956,8 +968,7 @@ def test_located_entries_reach_only_sessions_that_read_directly(
     pnode.store.put("h", expected("h", 4096))
 
     assert _located(direct, 1)
-    time.sleep(0.2)
-    assert "locations_heard" not in granted.counter_snapshot()
+    assert stays(lambda: "locations_heard" not in granted.counter_snapshot(), granted)
     assert _sent(producer) == 1
 
 
