@@ -14,6 +14,7 @@ import os
 import time
 from collections.abc import Mapping
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,7 +32,11 @@ def address(mm: mmap.mmap) -> int:
     return int(np.frombuffer(mm, dtype=np.uint8).ctypes.data)
 
 
-def _serve(conn: Connection, name: str, size: int, seed: int, env: dict[str, str]) -> None:
+def _serve(
+    conn: Connection, name: str, size: int, seed: int, env: dict[str, str], stderr: str | None
+) -> None:
+    if stderr is not None:  # UCX writes its fatal errors straight to descriptor 2
+        os.dup2(os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), 2)
     os.environ.update(env)
     mm = mmap.mmap(-1, size)
     np.frombuffer(mm, dtype=np.uint8)[:] = pattern(seed, size)
@@ -63,16 +68,31 @@ def _serve(conn: Connection, name: str, size: int, seed: int, env: dict[str, str
 
 
 class Producer:
-    """Handle on one producer process."""
+    """Handle on one producer process; with `stderr`, its descriptor 2 goes to that file."""
 
     def __init__(
-        self, name: str, size: int, seed: int, env: Mapping[str, str] | None = None
+        self,
+        name: str,
+        size: int,
+        seed: int,
+        env: Mapping[str, str] | None = None,
+        stderr: Path | None = None,
     ) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.seed = seed
+        self.stderr = stderr
         self.proc = ctx.Process(
-            target=_serve, args=(child, name, size, seed, {**LOOPBACK, **(env or {})}), daemon=True
+            target=_serve,
+            args=(
+                child,
+                name,
+                size,
+                seed,
+                {**LOOPBACK, **(env or {})},
+                None if stderr is None else str(stderr),
+            ),
+            daemon=True,
         )
         self.proc.start()
         child.close()

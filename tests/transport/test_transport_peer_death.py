@@ -44,6 +44,8 @@ import signal
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -53,22 +55,31 @@ pytest.importorskip("nixl._api")
 from nixl_peer_proc import Producer, Reader, pattern
 from test_nixl_transport import SIZE, Side
 
+from ecshare.apps.chaos.crashes import ConsumerEnd, Stop, ucx_abort_evidence
 from ecshare.transport import ReadState, Segment
 
 TCP = {"UCX_TLS": "tcp"}
 pytestmark = pytest.mark.timeout(120)
 
+
+class KnownUcxAbort(Exception):
+    """The target died of the known abort, with every sign the chaos harness asks of it."""
+
+
+# Only that abort is expected: any other death of the target fails the test.
 UCX_SW_GET_ABORT = pytest.mark.xfail(
     strict=True,
-    raises=AssertionError,
+    raises=KnownUcxAbort,
     reason="UCX 1.23.0: ucp_get_req_handler aborts when its reply to a dead reader fails "
     "(ucp_request.inl:356); no UCX or NIXL setting avoids it, see the module docstring",
 )
 
 
 @pytest.fixture
-def target() -> Iterator[Producer]:
-    p = Producer(f"target-{uuid.uuid4().hex[:8]}", SIZE, seed=21, env=TCP)
+def target(tmp_path: Path) -> Iterator[Producer]:
+    p = Producer(
+        f"target-{uuid.uuid4().hex[:8]}", SIZE, seed=21, env=TCP, stderr=tmp_path / "target.err"
+    )
     try:
         yield p
     finally:
@@ -77,29 +88,63 @@ def target() -> Iterator[Producer]:
         p.stop()
 
 
-def _assert_alive(p: Producer, what: str) -> None:
-    p.proc.join(0)
-    assert p.proc.exitcode is None, f"the target died {what} (exit code {p.proc.exitcode})"
+@dataclass
+class Timeline:
+    """The stop of the target and the reader's death, on one clock (seconds from t0)."""
+
+    t0: float = field(default_factory=time.monotonic)
+    stopped_s: float = 0.0
+    reader_killed_s: float = 0.0
+    resumed_s: float = 0.0
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+
+def _assert_alive(p: Producer, what: str, timeline: Timeline) -> None:
+    p.proc.join(1.0)  # a dying process's end is seen once it has been reaped
+    if p.proc.exitcode is None:
+        return
+    assert p.stderr is not None
+    stderr = p.stderr.read_text(errors="replace")
+    evidence = ucx_abort_evidence(
+        exitcode=p.proc.exitcode,
+        stderr=stderr,
+        transport="tcp",
+        stops=[Stop("pause_producer", timeline.stopped_s, timeline.resumed_s)],
+        ends=[ConsumerEnd("kill_consumer", "reader", timeline.reader_killed_s)],
+        died_at_s=timeline.now(),
+    )
+    if evidence is not None:
+        raise KnownUcxAbort(evidence)
+    raise AssertionError(
+        f"the target died {what} (exit code {p.proc.exitcode}), not of the known UCX abort; "
+        f"its stderr ended: {stderr[-2000:]!r}"
+    )
 
 
 @UCX_SW_GET_ABORT
 def test_target_survives_a_reader_killed_while_it_was_stopped(target: Producer) -> None:
+    timeline = Timeline()
     reader = Reader(target.info, SIZE, env=TCP)
     try:
         os.kill(target.proc.pid, signal.SIGSTOP)
+        timeline.stopped_s = timeline.now()
         reader.post_read()  # its GET requests wait, unread, in the stopped target's socket
         time.sleep(0.2)
     finally:
         reader.kill()
+        timeline.reader_killed_s = timeline.now()
     time.sleep(1.0)  # the target stays stopped a while after the reader's death
     os.kill(target.proc.pid, signal.SIGCONT)
+    timeline.resumed_s = timeline.now()
 
     # A round trip through the target's loop: it has progressed UCX since SIGCONT.
     # If it died instead, the assertion below says how.
     with contextlib.suppress(EOFError, OSError, TimeoutError):
         target.notifs()
     time.sleep(0.5)
-    _assert_alive(target, "after SIGCONT, serving a reader that had died")
+    _assert_alive(target, "after SIGCONT, serving a reader that had died", timeline)
 
     # And it still serves a new reader.
     side = Side(ucx_env=TCP)
@@ -110,4 +155,4 @@ def test_target_survives_a_reader_killed_while_it_was_stopped(target: Producer) 
         assert np.array_equal(side.mem, pattern(21, SIZE))
     finally:
         side.close()
-    _assert_alive(target, "serving a new reader")
+    _assert_alive(target, "serving a new reader", timeline)
