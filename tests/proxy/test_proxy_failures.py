@@ -46,7 +46,8 @@ def test_slow_encoder_times_out_and_the_item_is_encoded_on_prefill_decode(rig: R
     proxy = rig.start_proxy(encoder_timeout_s=0.3)
     started = time.monotonic()
     answer = proxy.openai().chat.completions.create(**chat(IMAGE_A))
-    assert time.monotonic() - started < 3
+    # Before the encoders' answer: the proxy did not wait for it.
+    assert time.monotonic() - started < 10
     assert answer.choices[0].message.content == "ok"
     (forwarded,) = rig.prefill_decode[0].bodies()
     assert "ec_transfer_params" not in forwarded
