@@ -18,13 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import json
 import os
 import random
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
@@ -37,12 +35,12 @@ import openai
 import pytest
 from aiohttp import web
 from early_start import EarlyStart, Starting
+from launch_testing import Launching, start_launch
 from proxy_stubs import ENCODER, PREFILL_DECODE, StubBackend, serve_stubs
 
 from ecshare.apps.proxy.app import Proxy
 from ecshare.apps.proxy.config import ProxyConfig
 from ecshare.apps.proxy.server import RunningProxy, start_proxy
-from ecshare.apps.ready import LaunchReady, parse_ready
 
 if TYPE_CHECKING:
     from ecshare.vllm.servers import VllmServer
@@ -220,58 +218,17 @@ def _real_cases() -> dict[str, dict[str, Any]]:
     }
 
 
-@dataclass
-class Launching:
-    """`ecshare launch` started: its output as it comes (`lines`), and `ready`, set at its
-    ready line or when it exits."""
-
-    proc: subprocess.Popen[str]
-    lines: list[str]
-    ready: threading.Event
-
-    def stop(self) -> None:
-        """SIGTERM, and SIGKILL to its group (the instances too) if it has not ended in 60 s."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-
-
-def start_launch(tmp: Path, model: Path) -> Starting[Launching]:
-    command = [
-        sys.executable, "-m", "ecshare", "launch", "--model", str(model),
-        "--encoders", "1", "--pd", "1", "--port", "0", "--served-model-name", "tiny",
-        "--ec-extra-config", json.dumps({"region_bytes": 64 << 20}),
-        "--workdir", str(tmp / "work"), "--proxy-workers", "2",
-    ]  # fmt: skip
-    proc = subprocess.Popen(
-        command,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    launching = Launching(proc, [], threading.Event())
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            launching.lines.append(line.rstrip("\n"))
-            if parse_ready(line, LaunchReady) is not None:
-                launching.ready.set()
-        launching.ready.set()  # it exited
-
-    threading.Thread(target=read, daemon=True).start()
+def start_real_launch(tmp: Path, model: Path) -> Starting[Launching]:
+    launching = start_launch(
+        tmp / "work", model, "--encoders", "1", "--pd", "1", "--served-model-name", "tiny",
+        "--proxy-workers", "2",
+    )  # fmt: skip
     return Starting(launching, [launching])
 
 
 # test_proxy_real_backends.py's `early_start` (tests/early_start.py): the launch may start
 # before that module's turn.
-early_launch = EarlyStart("launch", 2, start_launch)
+early_launch = EarlyStart("launch", 2, start_real_launch)
 
 
 @pytest.fixture(scope="session")
@@ -297,11 +254,7 @@ def real_vllm_backends(
     try:
         plain_vllm.wait_ready()
         reference = {name: post_chat(plain_vllm.url, body) for name, body in cases.items()}
-        launching.ready.wait(400)
-        found = [r for r in (parse_ready(x, LaunchReady) for x in lines) if r is not None]
-        if not found:
-            raise AssertionError("ecshare launch did not get ready:\n" + "\n".join(lines[-40:]))
-        info = found[0]
+        info = launching.info(400)
         launched = Launched(
             launching.proc,
             info.url,

@@ -26,12 +26,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
-import signal
 import subprocess
 import sys
-import threading
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,9 +40,10 @@ if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("nixl") 
         allow_module_level=True,
     )
 
+import launch_testing
 from early_start import EarlyStart, Starting
+from launch_testing import Launching
 
-from ecshare.apps.ready import LaunchReady, parse_ready
 from ecshare.vllm.servers import VllmServer, read_by_label, read_metrics
 
 pytestmark = [pytest.mark.timeout(1800), pytest.mark.vllm_serve]
@@ -108,61 +105,16 @@ def run_bench_serve(base_url: str, tokenizer: Path, tmp: Path, name: str) -> dic
     return saved
 
 
-@dataclass
-class Launching:
-    """`ecshare launch` started: its output as it comes (`lines`); `ready` is set at its
-    ready line or when it exits."""
-
-    proc: subprocess.Popen[str]
-    lines: list[str]
-    ready: threading.Event
-
-    def info(self, timeout_s: float = START_TIMEOUT_S) -> LaunchReady:
-        self.ready.wait(timeout_s)
-        for line in self.lines:
-            found = parse_ready(line, LaunchReady)
-            if found is not None:
-                return found
-        raise AssertionError("ecshare launch did not get ready:\n" + "\n".join(self.lines[-40:]))
-
-    def stop(self) -> None:
-        """SIGTERM, as a user's Ctrl-C; SIGKILL to its group (the instances too) after 60 s."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-
-
 def start_launch(workdir: Path, model: Path, *flags: str) -> Launching:
-    command = [
-        sys.executable, "-m", "ecshare", "launch", "--model", str(model),
-        "--served-model-name", MODEL_NAME, "--port", "0",
-        "--ec-extra-config", json.dumps({"region_bytes": 64 << 20}),
-        "--workdir", str(workdir), "--ready-timeout", str(START_TIMEOUT_S), *flags,
-    ]  # fmt: skip
-    proc = subprocess.Popen(
-        command,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
+    return launch_testing.start_launch(
+        workdir,
+        model,
+        "--served-model-name",
+        MODEL_NAME,
+        "--ready-timeout",
+        str(START_TIMEOUT_S),
+        *flags,
     )
-    launching = Launching(proc, [], threading.Event())
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            launching.lines.append(line.rstrip("\n"))
-            if parse_ready(line, LaunchReady) is not None:
-                launching.ready.set()
-        launching.ready.set()  # it exited
-
-    threading.Thread(target=read, daemon=True).start()
-    return launching
 
 
 def start_push_launch(tmp: Path, model: Path) -> Starting[Launching]:
@@ -205,7 +157,7 @@ def bench_launch(
     """The bench's result against a launch, and its prefill/decode instance's counters.
     Those of all but the last few requests are published long before the bench ends
     (vLLM records a step's counts as it streams the step's outputs)."""
-    info = launching.info()
+    info = launching.info(START_TIMEOUT_S)
     result = run_bench_serve(info.url, model, tmp, name)
     (pd,) = info.prefill_decode
     counters = read_metrics(pd)
@@ -236,7 +188,7 @@ def test_vllm_bench_serve_runs_against_epd_push_a_single_instance_and_epd_pull_w
     try:
         # Every instance of the first runs is up before any runs, so that none shares the
         # cores with a start-up.
-        push.info()
+        push.info(START_TIMEOUT_S)
         plain_vllm.wait_ready(START_TIMEOUT_S)
         results["epd_push"], pushed = bench_launch(push, model, tmp_path, "epd_push")
     finally:
