@@ -12,7 +12,9 @@ everything, the proxy's workers included, went down.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
+import json
 import os
 import time
 import urllib.error
@@ -115,6 +117,26 @@ def test_text_only_request_through_the_proxy(real_vllm_backends: Launched) -> No
 
     assert ids == _reference(real_vllm_backends, "text_only")
     assert _delta(_pd_metrics(real_vllm_backends), before, "fetches_started_total") == 0
+
+
+def test_real_vllm_refuses_mixed_raw_and_embedded_images(real_vllm_backends: Launched) -> None:
+    """What the proxy keeps media whole for (apps/proxy/media.py), and what the stub's
+    refusal copies (test_proxy_media_free.py): asked straight, the real prefill/decode
+    instance answers 400 to a request with a raw image beside a metadata-only one."""
+    body = copy.deepcopy(real_vllm_backends.cases["one_image"])
+    stand_in = {"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 2, 2]}}
+    body["messages"][0]["content"].insert(0, {**stand_in, "uuid": "0" * 64})
+    request = urllib.request.Request(
+        real_vllm_backends.prefill_decode[0] + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=60)
+
+    assert refused.value.code == 400
+    assert "Mixing raw image and embedding inputs is not allowed" in refused.value.read().decode()
 
 
 def test_launch_reported_its_proxy_and_stops_everything_on_sigterm(
