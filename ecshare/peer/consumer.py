@@ -5,52 +5,27 @@ thread-safe, and returns one future per item: either a `FetchResult` (the
 entry is READY in the local store) or a `FetchFailed` with a typed reason, so
 the caller can encode locally instead.
 
-Everything else runs on the Consumer's own thread: handshakes, batched
-requests, data-plane READs, checksum checks, retries with backoff, failover
-between peers, quarantine of failing peers, heartbeats and lease renewal. One
-exception saves a hand-off: when that thread sleeps in poll and the peer's
-fetch lane is up, `fetch()` sends the request itself, on the lane, without
-waiting for anything (`_send_now`); the answer wakes the thread as ever.
-And a caller that blocks on a fetch's future while its direct read (below) is
-still queued lends its thread to it (`_Fetching`, `_lend`): it waits anyway,
-and a READ made there saves handing the fetch to the network thread and its
-result back. fetch() itself never does that unless asked (`read_here`): an
-engine's scheduler, which never blocks on a future, must never make a copy.
+Everything else runs on the Consumer's own thread, whose loop ties the parts
+of the peer layer together: the fetch book (`ecshare.peer.fetchbook`: which
+fetches exist and what is due), the link pool (`ecshare.peer.links`:
+handshakes, heartbeats, quarantine), the data-plane READs and their fences
+(`ecshare.peer.reads`), direct reads (`ecshare.peer.direct`) and the push
+inbox (`ecshare.peer.inbox`). Two exceptions save a hand-off between threads:
+when that thread sleeps in poll and the peer's fetch lane is up, `fetch()`
+sends the request itself (`_send_now`); and a caller that blocks on a fetch's
+future while its direct read is still queued makes the READ on its own thread
+(`ecshare.peer.lending`, `_read_here`).
 
-Two promises bind the reads (DESIGN.md, invariants 2 and 4):
+Two promises bind the reads (docs/ARCHITECTURE.md, invariants 2 and 4):
 - A read's destination blocks are handed to nobody else while the read may
-  still write them. A read given up for any reason (deadline, peer failure,
-  shutdown) is *fenced*: its entry goes QUARANTINED in the store and returns
-  only when the transport says the read has ended, which over TCP or RDMA can
-  be long after we stopped caring (`_fence` and `_poll_fenced` are the only
-  way such blocks go back). The items granted in one reply are read with one
-  data-plane READ (`_SharedRead`): an item given up while it moves stays
-  fenced until that whole READ has ended.
+  still write them: a read given up for any reason is fenced, and its blocks
+  come back only when the transport says it has ended (`ecshare.peer.reads`).
 - Nothing is committed that was read outside the producer's lease. A grant's
   lease (on the wire, per item) is counted from when we sent the request, so
-  it can only end early on our clock. A read is given up `_lease_margin`
+  it can only end early on our clock. A read is given up `lease_margin`
   before that unless a renewal extended it, and a read that nevertheless
-  finishes after it is discarded.
-
-Direct reads (`direct_reads`, capability `read.direct`): a producer tells the
-sessions that agreed where each entry it commits lies (`p.Located`). A fetch of
-such an entry READs it there at once, with no request and no grant. Nothing
-holds the producer's blocks meanwhile, so the bytes are kept only if they are
-shown to be the entry's: up to `DIGEST_MAX` bytes by their xxh3-64 against the
-digest told (whatever `checksum` says); larger ones by the entry's tag, a word
-the producer's store holds for the entry while its blocks are its own and never
-again once they are freed (`ecshare.store.entries`, "Tags"), read back with a
-second READ once the bytes have landed, into this side's landing (one READ for
-the tags of a pass, one descriptor where they lie close: `ecshare.peer.landing`).
-A tag found there means the blocks had not been freed when it was read, so the
-bytes read before it were the entry's; this needs no pass over the bytes. A
-mismatch (the entry was evicted and its blocks reused) or a failed READ falls
-back to a granted read from the same producer. The destination follows the
-same rule as any read's: fenced if given up, back only once the READs have
-ended; so do the landing's slots (a destination whose bytes have landed goes
-back at once, while only its tag's READ moves). This bends the lease rule above
-on purpose: a direct read may run outside any lease, and it is the digest or the
-tag, not the lease, that decides what is committed.
+  finishes after it is discarded. A direct read runs outside any lease on
+  purpose: its tag or digest, not a lease, decides what is committed.
 
 Push (with `push_name` set, docs/PUSH.md): producers this consumer allows may
 offer entries on their sessions; the `Inbox` reserves blocks and commits what
@@ -70,13 +45,9 @@ import math
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
-from concurrent.futures._base import FINISHED as _FINISHED
-from concurrent.futures._base import RUNNING as _RUNNING
-from concurrent.futures._base import InvalidStateError
 from dataclasses import dataclass
-from typing import Any, TypeVar, cast
 
 import msgspec
 import zmq
@@ -85,13 +56,16 @@ from ecshare import protocol as p
 from ecshare.config import Config
 from ecshare.control import AuthenticationFailed, ClientPool, KeyPair, LinkSettings, Waker
 from ecshare.counts import Counts
-from ecshare.peer.dataplane import announced
+from ecshare.peer import direct
+from ecshare.peer.fetchbook import FetchBook
 from ecshare.peer.inbox import Inbox, PushLink, Reservation
-from ecshare.peer.landing import TAGS_PER_READ, TagLanding, TagRead
+from ecshare.peer.landing import TAGS_PER_READ, TagLanding
+from ecshare.peer.lending import COPY_PROBE_BYTES, LEND_MIN_WAIT_S, Fetching
 from ecshare.peer.link import PeerLink, PeerLinkState
-from ecshare.peer.locator import DIGEST_MAX
+from ecshare.peer.links import LinkPool
 from ecshare.peer.notices import Notices
 from ecshare.peer.phases import PhaseLog
+from ecshare.peer.reads import READ_NAP_S, READ_WAIT_S, FenceKind, Reads
 from ecshare.peer.thread import NetworkThread
 from ecshare.peer.transfer import (
     LATENCY_BUCKETS_S,
@@ -102,7 +76,6 @@ from ecshare.peer.transfer import (
     TransferState,
 )
 from ecshare.store import (
-    Entry,
     EntryExists,
     EntryMeta,
     EntryState,
@@ -112,187 +85,25 @@ from ecshare.store import (
     NotFound,
     NotReady,
     Store,
-    StoreError,
     StoreFull,
 )
-from ecshare.transport.base import (
-    DataTransport,
-    FailureKind,
-    PeerInfo,
-    ReadState,
-    ReadStatus,
-    Segment,
-    pair_segments,
-)
+from ecshare.transport.base import DataTransport, FailureKind, ReadState, Segment, pair_segments
+
+__all__ = ["EXPOSED_MODES", "LEND_MIN_WAIT_S", "Consumer", "FetchItem", "LatencyHistogram"]
 
 log = logging.getLogger(__name__)
-
-_Held = TypeVar("_Held")  # what a READ still moving keeps from reuse
 
 # The loop never sleeps longer than this, so stop() and new work are prompt
 # even if a wake-up were lost.
 _MAX_IDLE_S = 0.1
-# While reads are moving, the loop polls them for this long before it looks at its
-# sockets again, napping this long between polls (see `_wait_reads`).
-_READ_WAIT_S = 0.0005
-_READ_NAP_S = 0.00005
 # Items committed by a push and not yet asked for, remembered (this many at most)
 # so that the fetch that finds one counts as pushed.
 _PUSHED_REMEMBERED = 65536
-# The key of a session's warm-up read's destination (see `_warm_up`); never READY.
-_WARM_UP_KEY = "ecshare-warm-up:"
-# Entries producers said where they lie (`p.Located`), remembered at most (the
-# oldest go first): a fetch of one reads it directly.
-_LOCATIONS_REMEMBERED = 16384
 EXPOSED_MODES = ("pushed", "pulled")
-# A caller that blocks on a fetch's future for at least this long (or with no
-# timeout) lends its thread to the fetch's direct read (`_Fetching`): a READ made
-# there cannot be cut short, so a shorter wait is left to the network thread.
-LEND_MIN_WAIT_S = 1.0
-# ...and only to reads from a producer on this host (its memory readable from here:
-# `PeerLink.peek`), or whose last READ of at least this much ended inside the read
-# call (`PeerLink.copies_in_call`), over a transport that may copy inside the call at
-# all (`DataTransport.may_copy_in_call`). On one host (cross-memory attach) every READ
-# does; across hosts they do not, and the network thread would end the READ anyway.
-# Over UCX TCP on loopback some do, but lending there was measured to slow the
-# bench's raw READs of the same producer (64 KiB: 0.3-0.6 ms to 1.4-3.6 ms).
-_COPY_PROBE_BYTES = 1 << 20
-# A lone entry over this size, from a producer whose tags are read from its memory
-# (`PeerLink.peek`), is checked by its tag rather than its digest: after an idle
-# gap, here, the read of a tag took about 30 us and a digest 25 us at 64 KiB, 85 us
-# at 1 MiB.
-PEEK_OVER_DIGEST = 256 << 10
 
 
 def _died(exc: BaseException) -> str:
     return f"the consumer's network thread died: {type(exc).__name__}: {exc}"
-
-
-def _lease_margin(lease_s: float) -> float:
-    """How long before a lease ends a read still moving is given up: covers this
-    thread's reaction time (a long synchronous read, a stall), not the clocks,
-    which are never compared."""
-    return min(1.0, 0.1 * lease_s)
-
-
-class _SharedRead:
-    """One data-plane READ for the granted items of one reply. Each item's transfer
-    holds it as its `read_handle`; the transport's handle is released when the last
-    of them lets it go, so a destination given up early is fenced, as ever, until
-    the backend has ended the whole READ. One READ instead of one per item saves
-    the backend's per-transfer work and merges items that lie end to end."""
-
-    __slots__ = ("ended", "handle", "landing", "users")
-
-    def __init__(self, handle: object, users: int, landing: TagRead | None = None) -> None:
-        self.handle = handle
-        self.users = users
-        # The transport's word that the READ has ended, kept: its users see it in one
-        # pass, and asking the backend again for each of them costs it each time.
-        self.ended: ReadStatus | None = None
-        self.landing = landing  # a READ of tags: the slots it writes
-
-
-class _Fetching(Future[FetchResult]):
-    """A fetch's future. A caller that blocks on it (`result` or `exception`) while
-    its direct read is still queued lends its thread to the fetch: the READ, the
-    check and the commit are made there (`Consumer._lend`), rather than handed to
-    the network thread and the result handed back, where a READ from its producer
-    is a copy made inside the read call (one host: `_COPY_PROBE_BYTES`). A caller
-    that polls `done()`, or waits with `concurrent.futures.wait` (as an engine's
-    scheduler, which must not make copies, would), or waits less than
-    `LEND_MIN_WAIT_S` (a READ made on its thread cannot be cut short), is never
-    lent."""
-
-    def __init__(self, consumer: weakref.ref[Consumer]) -> None:
-        # Future's fields, set here rather than by its __init__: running from the start
-        # (no executor queues it), and without the condition, which is made on first
-        # use (`_condition`). Most fetches end without anyone waiting on it: a lent
-        # one, or a local hit. A condition costs 10 to 15 us to make after an idle gap.
-        self._state = _RUNNING
-        self._result: FetchResult | None = None
-        self._exception: BaseException | None = None
-        self._waiters: list[Any] = []
-        self._done_callbacks: list[Callable[[Future[FetchResult]], object]] = []
-        self._consumer = consumer  # weak: a future kept after its consumer is gone lends nothing
-
-    @property
-    def _condition(self) -> threading.Condition:  # type: ignore[override]
-        """The future's condition, made by whichever thread first needs it (one wins,
-        `dict.setdefault` being atomic). Every waiter (`result`, `wait`, `as_completed`,
-        `add_done_callback`) takes it before it reads the state; `_end` stores the state
-        before it looks for the condition; so a waiter either sees the fetch ended or
-        is there to be woken."""
-        cond = self.__dict__.get("_cond")
-        if cond is None:
-            cond = self.__dict__.setdefault("_cond", threading.Condition())
-        return cast(threading.Condition, cond)
-
-    def set_result(self, result: FetchResult) -> None:
-        self._end(result, None)
-
-    def set_exception(self, exception: BaseException | None) -> None:
-        self._end(None, exception)
-
-    def _end(self, result: FetchResult | None, exception: BaseException | None) -> None:
-        """Future.set_result and set_exception, with the condition only if one was made.
-        One thread ends a fetch (the network thread, or the caller it lends to)."""
-        if self._state == _FINISHED:
-            raise InvalidStateError(f"{self._state}: {self!r}")
-        self._result, self._exception = result, exception
-        self._state = _FINISHED
-        cond = self.__dict__.get("_cond")
-        if cond is not None:  # someone may wait: wake them, as Future does
-            with cond:
-                for waiter in self._waiters:
-                    if exception is None:
-                        waiter.add_result(self)
-                    else:
-                        waiter.add_exception(self)
-                cond.notify_all()
-        self._invoke_callbacks()  # type: ignore[attr-defined]
-
-    def result(self, timeout: float | None = None) -> FetchResult:
-        self._lent(timeout)
-        # A fetch that has ended well (the lent one, most often) is answered without
-        # the future's lock: its result is set before its state, once, and never
-        # changes. This too runs cold, after the copy.
-        if self._state == _FINISHED and self._exception is None:
-            return cast(FetchResult, self._result)
-        return super().result(timeout)
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        self._lent(timeout)
-        return super().exception(timeout)
-
-    def _lent(self, timeout: float | None) -> None:
-        # Its state read unlocked (`done()` takes the future's lock): one that ends
-        # meanwhile finds nothing queued to lend to. This runs cold, after an idle gap.
-        if (timeout is None or timeout >= LEND_MIN_WAIT_S) and self._state == _RUNNING:
-            consumer = self._consumer()
-            if consumer is not None:
-                consumer._lend()
-
-
-@dataclass(frozen=True)
-class _Fenced:
-    """A read given up while the data plane may still write its destination."""
-
-    handle: object
-    dest: Entry
-    endpoint: str
-    session_id: str  # the session its grant belongs to
-    grant_id: str
-    since: float
-
-
-@dataclass(frozen=True)
-class _Located:
-    """Where a producer said an entry lies, on which session."""
-
-    endpoint: str
-    session_id: str
-    where: p.Location
 
 
 @dataclass(frozen=True)
@@ -350,38 +161,47 @@ class Consumer(NetworkThread):
         any producer when insecure)."""
         self._store = store
         self._config = config
-        self._fingerprint = fingerprint
         self._transport = transport
         self._keys = keys
         self._server_key = server_public_key
         self._name = name
         self._init_thread()
-        self._lock = threading.Lock()
         # Held by the network thread for everything but its wait in poll, so that a
         # caller who finds it free may send its own requests (`_send_now`).
         self._net_lock = threading.Lock()
-        self._weak = weakref.ref(self)  # for each fetch's `_Fetching`
+        self._weak = weakref.ref(self)  # for each fetch's `Fetching`
         self._serving = False  # under _net_lock: the network thread's loop runs
-        self._incoming: collections.deque[Transfer] = collections.deque()
+        self._book = FetchBook()
+        # The book's parts, by the names the push glue below knows them by.
+        self._lock = self._book.lock
+        self._incoming = self._book.incoming
+        self._inflight = self._book.inflight
+        self._transfers = self._book.transfers
         self._connects: list[str] = []  # endpoints `connect` asked for, not yet seen to
-        self._inflight: dict[str, Transfer] = {}  # mm_hash -> transfer (single-flight)
-        self._transfers: list[Transfer] = []  # owned by the network thread
-        self._links: dict[str, PeerLink] = {}
-        self._fenced: list[_Fenced] = []  # reads to see end before their blocks go back
-        self._warming: list[tuple[object, Entry]] = []  # warm-up reads, until they end
-        # mm_hash -> where its producer said it lies (see "Direct reads" above).
-        self._located: collections.OrderedDict[str, _Located] = collections.OrderedDict()
-        # Direct reads whose bytes have landed and whose tags are to be read back, and
-        # where those land (none in a store without tags: only digests are checked).
-        self._tags_due: list[tuple[PeerLink, Transfer]] = []
+        self._peers = LinkPool(
+            config,
+            transport,
+            name=name,
+            fingerprint=fingerprint,
+            server_key=server_public_key,
+            push_keys=push_keys,
+            count=self._count,
+            busy=self._busy_endpoints,
+            ended=self._session_ended,
+            retire=self._retire_agent,
+        )
+        self._links = self._peers.links
+        # Where tags of direct reads land (none in a store without tags: only digests
+        # are checked), and the direct reads whose bytes have landed and whose tags
+        # are to be read back.
         self._landing = TagLanding(store) if store.landing is not None else None
-        # READs of tags given up while they may still write their slots, until they end.
-        self._landings_fenced: list[tuple[object, TagRead]] = []
+        self._tags_due: list[tuple[PeerLink, Transfer]] = []
+        self._locations = direct.Locations(tags=self._landing is not None, count=self._count)
+        self._reads = Reads(store, transport, self._landing, self._count)
         # Peers whose data plane a caller reading on its own thread (`_read_here`)
         # found gone, for the network thread to end.
         self._peers_lost: list[tuple[str, str]] = []
         self._request_ids = itertools.count(1)
-        self._pool: ClientPool | None = None
         self.counters = Counts()
         self._counters_lock = self.counters.lock  # the latency figures share it
         # Loop passes finished, for a watcher's proof that the loop ran (one writer).
@@ -396,7 +216,6 @@ class Consumer(NetworkThread):
         self._reply_s = 0.0
         # Successes of this pass of the loop, resolved just before it blocks (`_deliver`).
         self._results: list[tuple[Future[FetchResult], FetchResult]] = []
-        self._push_keys = push_keys
         self._inbox = Inbox(
             store,
             config,
@@ -453,8 +272,7 @@ class Consumer(NetworkThread):
         fetches of entries whose places are known (direct reads) READ from this
         thread; on one host the copy is made inside this call, and the futures of
         those that landed are resolved before it returns. That saves the two
-        hand-overs between threads (about 0.2 ms after an idle gap here). The rest
-        goes to the network thread as ever.
+        hand-overs between threads. The rest goes to the network thread as ever.
         """
         if self._thread is None:
             raise RuntimeError("consumer not started")
@@ -465,7 +283,7 @@ class Consumer(NetworkThread):
             for raw in items:
                 item = FetchItem(raw) if isinstance(raw, str) else raw
                 futures.append(self._start_one(item, tuple(item.peers or peers), now))
-                located = located or item.mm_hash in self._located
+                located = located or item.mm_hash in self._locations
             queued = bool(self._incoming)
         if queued and read_here and self._waker is not None:
             ended = self._read_here()
@@ -510,7 +328,7 @@ class Consumer(NetworkThread):
             self._net_lock.release()
 
     def _lend(self) -> None:
-        """A caller blocks on an unfinished fetch's future (`_Fetching`): the direct
+        """A caller blocks on an unfinished fetch's future (`Fetching`): the direct
         reads queued now are made on its thread, as `fetch(read_here=True)` makes
         them, unless the network thread is at them already. fetch() has woken that
         thread; it waits for `_net_lock` meanwhile, and then finds them done."""
@@ -587,13 +405,13 @@ class Consumer(NetworkThread):
     def _start_one(
         self, item: FetchItem, peers: tuple[str, ...], now: float
     ) -> Future[FetchResult]:
-        running = self._inflight.get(item.mm_hash)
+        running = self._book.running(item.mm_hash)
         if running is not None:
             self._count("single_flight_joins")
             if item.hold is not None:
                 running.holds.append(item.hold)  # the network thread reads it at commit
             return running.future
-        future: Future[FetchResult] = _Fetching(self._weak)
+        future: Future[FetchResult] = Fetching(self._weak)
         entry = self._store.get(item.mm_hash)
         if entry is not None and entry.state is EntryState.READY and self._held(item):
             self._count("local_hits")
@@ -638,8 +456,7 @@ class Consumer(NetworkThread):
             not_before=now + wait_s,
             awaiting_push=item.pushed,
         )
-        self._inflight[item.mm_hash] = transfer
-        self._incoming.append(transfer)
+        self._book.add(transfer)
         if self.phases is not None:
             self.phases.mark(item.mm_hash, "call", now)
         self._count("fetches")
@@ -648,8 +465,7 @@ class Consumer(NetworkThread):
     # -- lifecycle ---------------------------------------------------------------------------
 
     def pending(self) -> int:
-        with self._lock:
-            return len(self._inflight)
+        return self._book.pending()
 
     def push_pending(self, mm_hash: str) -> bool:
         """A producer's push of `mm_hash` is reserved here and not over: a fetch of it
@@ -664,10 +480,11 @@ class Consumer(NetworkThread):
 
     def fenced_reads(self) -> tuple[int, float]:
         """Reads given up but not yet ended, and the age of the oldest (0 if none)."""
-        fenced = tuple(self._fenced)  # owned by the network thread; a copy is one step
-        if not fenced:
-            return 0, 0.0
-        return len(fenced), time.monotonic() - min(f.since for f in fenced)
+        return self._reads.held(FenceKind.GIVEN_UP)
+
+    def fences(self) -> dict[str, int]:
+        """Fenced READs not yet ended, per kind: given up, warm-up, tag landing."""
+        return self._reads.by_kind()
 
     def tag_reads_held(self) -> int:
         """READs of tags holding a chunk of the landing: not yet ended, or not yet seen
@@ -717,7 +534,7 @@ class Consumer(NetworkThread):
         try:
             cfg = self._config
             self._waker = Waker()
-            self._pool = ClientPool(
+            self._peers.pool = ClientPool(
                 keys=self._keys,
                 server_public_key=self._server_key,
                 insecure=cfg.insecure,
@@ -755,15 +572,11 @@ class Consumer(NetworkThread):
             for pollable, flags in link.pollables():
                 poller.register(pollable, flags)
         now = time.monotonic()
-        wake_at = now + _MAX_IDLE_S
-        reading = []
-        for t in self._transfers:
-            wake_at = min(wake_at, t.deadline, t.not_before if t.not_before > now else wake_at)
-            if t.state is TransferState.READING and t.read_handle is not None:
-                reading.append(t.read_handle)
+        wake_at = self._book.wake_at(now, now + _MAX_IDLE_S)
+        reading = [t.read_handle for t in self._book.reading()]
         if reading:
             self._deliver()
-            self._wait_reads(reading)
+            self._reads.wait(reading)
             wake_at = now  # look at the reads (and the sockets) again at once
         if self._inbox.awaiting_writes:
             # Writes into our region over TCP land only as our data plane progresses.
@@ -801,16 +614,14 @@ class Consumer(NetworkThread):
         """Until when the loop waits awake, polling without blocking, for the answer
         to a request it has sent; 0.0: it blocks in poll as usual.
 
-        A thread that blocks in poll for longer sleeps deeply, and on a small host an
-        answer that comes a fraction of a millisecond later finds it asleep with its
-        caches cold: waking it and reading the answer took 0.2 to 0.4 ms per fetch
-        after an idle gap here, against about 0.1 ms awake. So while a request is
-        unanswered the loop polls without blocking, napping the shortest time the OS
-        gives between polls (`time.sleep(0)`: about 80 us, a quarter of a core, here),
-        for at most `reply_spin_s` after the oldest was sent, and for twice the
-        typical answer's time once there is one; never where answers typically take
-        longer than that bound. Each nap gives the GIL away, so an engine thread of
-        the same process is not held up.
+        A thread that blocks in poll sleeps deeply, and on a small host an answer that
+        comes a fraction of a millisecond later finds it asleep with its caches cold.
+        So while a request is unanswered the loop polls without blocking, napping the
+        shortest time the OS gives between polls (`time.sleep(0)`), for at most
+        `reply_spin_s` after the oldest was sent, and for twice the typical answer's
+        time once there is one; never where answers typically take longer than that
+        bound. Each nap gives the GIL away, so an engine thread of the same process
+        is not held up.
         """
         limit = self._config.reply_spin_s
         if limit <= 0 or self._reply_s > limit:
@@ -822,35 +633,15 @@ class Consumer(NetworkThread):
 
     def _answered(self, transfers: list[Transfer], now: float) -> None:
         """Learn how long answers take (a moving average, for `_spin_until`)."""
-        if transfers and transfers[0].requested_at:
-            took = now - transfers[0].requested_at
+        g = transfers[0].granted if transfers else None
+        if g is not None and g.requested_at:
+            took = now - g.requested_at
             self._reply_s = took if not self._reply_s else 0.8 * self._reply_s + 0.2 * took
 
-    def _wait_reads(self, handles: list[object]) -> None:
-        """Poll reads still moving (TCP, RDMA) for up to `_READ_WAIT_S`, napping between.
-
-        Each poll also progresses our side of the data plane, which an asynchronous
-        read needs as much as the target's, so waiting for the next pass of the
-        whole loop left TCP reads stalled. A nap between polls leaves a core to the
-        other side's progress on a small host. Measured over UCX_TLS=tcp on 2 cores
-        (excess over a raw READ, p50): 1.7 ms at 1 MiB polling without naps, 0.6 ms
-        with 50 us naps. Returns when one read has ended, or when the time is up so
-        that the sockets get their turn.
-        """
-        poll = self._poll_handle
-        until = time.monotonic() + _READ_WAIT_S
-        while True:
-            for handle in handles:
-                if poll(handle).state is not ReadState.PENDING:
-                    return
-            if time.monotonic() >= until:
-                return
-            time.sleep(_READ_NAP_S)
-
     def _wait_pushes(self) -> None:
-        """Progress our data plane for up to `_READ_WAIT_S`, napping between, and keep
-        the notices for the inbox; returns early on the first one (see `_wait_reads`)."""
-        until = time.monotonic() + _READ_WAIT_S
+        """Progress our data plane for up to `READ_WAIT_S`, napping between, and keep
+        the notices for the inbox; returns early on the first one (see `Reads.wait`)."""
+        until = time.monotonic() + READ_WAIT_S
         while True:
             notes = self._notices.take("push")
             if notes:
@@ -858,23 +649,19 @@ class Consumer(NetworkThread):
                 return
             if time.monotonic() >= until:
                 return
-            time.sleep(_READ_NAP_S)
+            time.sleep(READ_NAP_S)
 
     def _take_incoming(self) -> list[Transfer]:
         """The fetches `fetch` queued, from now on the network thread's."""
-        picked = []
-        with self._lock:
-            while self._incoming:
-                t = self._incoming.popleft()
-                self._transfers.append(t)
-                picked.append(t)
-                if self.phases is not None:
-                    self.phases.mark(t.mm_hash, "picked")
-                reserved = self._inbox.reserved(t.mm_hash)
-                if reserved is not None:  # a push is being written: wait for it
-                    t.awaiting_push = True
-                    t.not_before = max(t.not_before, reserved.deadline)
-                    t.deadline = max(t.deadline, reserved.deadline + (t.deadline - t.started))
+        picked = self._book.take_incoming()
+        for t in picked:
+            if self.phases is not None:
+                self.phases.mark(t.mm_hash, "picked")
+            reserved = self._inbox.reserved(t.mm_hash)
+            if reserved is not None:  # a push is being written: wait for it
+                t.awaiting_push = True
+                t.not_before = max(t.not_before, reserved.deadline)
+                t.deadline = max(t.deadline, reserved.deadline + (t.deadline - t.started))
         return picked
 
     def _step(self, events: dict[object, int]) -> None:
@@ -885,13 +672,13 @@ class Consumer(NetworkThread):
             if link is not None and link.state is PeerLinkState.READY:
                 self._peer_failed(link, FailureReason.PEER_UNREACHABLE, detail, now)
                 continue
-            for t in list(self._transfers):  # the session is gone already: on with them
-                if t.peer == endpoint and t.state is TransferState.READING and t.dest is None:
+            for t in self._book.of_peer(endpoint):  # the session is gone already: on with them
+                if t.state is TransferState.READING and t.dest is None:
                     self._move_on(t, FailureReason.PEER_UNREACHABLE, detail)
         taken = self._take_incoming()
-        if taken and self._located:
+        if taken and self._locations:
             # New fetches of located entries are read before anything else here: the
-            # rest of the pass is tens of microseconds of cold code after an idle gap.
+            # rest of the pass is cold code after an idle gap.
             self._dispatch_direct(now)
             woken_by_fetch = self._waker is not None and set(events) <= {self._waker.fileno()}
             done = all(t.state is TransferState.DONE for t in taken)
@@ -907,7 +694,7 @@ class Consumer(NetworkThread):
         for endpoint in dict.fromkeys(connects):
             # A warm-up never takes the room of a link in use or evicts one.
             if endpoint in self._links or len(self._links) < self._config.max_peer_links:
-                link = self._link(endpoint)
+                link = self._peers.link(endpoint)
                 if link is not None and link.state is PeerLinkState.IDLE:
                     link.connect(now)
         if self._config.push_name:
@@ -940,7 +727,7 @@ class Consumer(NetworkThread):
         self._dispatch(now)
         self._expire(now)
         self._renew(now)
-        self._close_idle_links(now)
+        self._peers.close_idle(now)
         for link in self._links.values():
             if link.releases_due(now):
                 link.flush_releases()
@@ -950,103 +737,12 @@ class Consumer(NetworkThread):
     def _busy_endpoints(self) -> set[str]:
         return (
             {t.peer or "" for t in self._transfers}
-            | {f.endpoint for f in self._fenced}
+            | self._reads.endpoints()
             | self._inbox.endpoints()
         )
 
-    def _close_idle_links(self, now: float) -> None:
-        if self._config.push_name:
-            return  # producers push over these sessions: idle is their normal state
-        idle_s = self._config.peer_link_idle_s
-        stale = [
-            link
-            for link in self._links.values()
-            if now - max(link.last_used, link.created) > idle_s
-        ]
-        if not stale:
-            return
-        busy = self._busy_endpoints()
-        for link in stale:
-            if link.endpoint not in busy:
-                self._drop_link(link, "peer_links_closed_idle")
-
-    def _drop_link(self, link: PeerLink, counter: str) -> None:
-        link.flush_releases()
-        link.close()
-        del self._links[link.endpoint]
-        self._count(counter)
-
-    def _link(self, endpoint: str) -> PeerLink | None:
-        """The link to `endpoint`, made if need be; None when the bound leaves no room."""
-        link = self._links.get(endpoint)
-        if link is None and len(self._links) >= self._config.max_peer_links:
-            busy = self._busy_endpoints() - {endpoint}
-            idle = [x for x in self._links.values() if x.endpoint not in busy]
-            if not idle:
-                return None
-            self._drop_link(min(idle, key=lambda x: x.last_used), "peer_links_evicted")
-        if link is None:
-            assert self._pool is not None
-            link = PeerLink(
-                endpoint,
-                config=self._config,
-                pool=self._pool,
-                transport=self._transport,
-                hello=self._hello,
-                count=self._count,
-                ended=self._session_ended,
-                retire=self._retire_agent,
-            )
-            self._links[endpoint] = link
-        return link
-
-    def _push_allowed(self) -> bool:
-        """Producers on our links may push here. The pool pins one producer key for
-        every endpoint, so the answer is the same for each link."""
-        if not self._config.push_name:
-            return False
-        return self._server_key is None or self._server_key in self._push_keys
-
-    def _hello(self, session_id: str) -> p.Hello:
-        info = self._transport.local_info()
-        if self._push_allowed():
-            # Our memory's layout goes only to a producer whose key we pinned and allow
-            # to push; to anyone else, the agent's name and nothing more.
-            return p.Hello(
-                versions=list(p.SUPPORTED_VERSIONS),
-                session_id=session_id,
-                client_name=self._name,
-                fingerprint=self._fingerprint,
-                capabilities=self._capabilities(push=True),
-                data_plane=announced(info),
-                push_name=self._config.push_name or "",
-            )
-        return p.Hello(
-            versions=list(p.SUPPORTED_VERSIONS),
-            session_id=session_id,
-            client_name=self._name,
-            fingerprint=self._fingerprint,
-            capabilities=self._capabilities(push=False),
-            data_plane=announced(info, layout=False),
-        )
-
-    def _capabilities(self, *, push: bool) -> list[str]:
-        return [
-            c
-            for c in p.LOCAL_CAPABILITIES
-            if (push or c != p.CAP_PUSH)
-            and (self._config.direct_reads or c != p.CAP_READ_DIRECT)
-            and ((push and self._config.push_credit_bytes > 0) or c != p.CAP_PUSH_CREDIT)
-        ]
-
     def _push_link(self, link: PeerLink) -> PushLink:
-        return PushLink(
-            endpoint=link.endpoint,
-            session_id=link.session_id,
-            agent=link.agent,
-            peer=link.peer_info or PeerInfo(self._transport.kind, "-", b"", 0, 0),
-            allowed=self._push_allowed() and link.pushes,
-        )
+        return self._peers.push_link(link)
 
     def _session_ended(self, link: PeerLink) -> None:
         """However a session ends (a dead peer, NO_SESSION, a new handshake, a close),
@@ -1068,9 +764,7 @@ class Consumer(NetworkThread):
             return
         if problem is None:
             return
-        if link.state is PeerLinkState.HELLO_SENT and not any(
-            t.peer == link.endpoint for t in self._transfers
-        ):
+        if link.state is PeerLinkState.HELLO_SENT and not self._book.of_peer(link.endpoint):
             # A session opened ahead of any fetch (connect(), a push consumer's start-up)
             # to a producer not up yet: start over instead of quarantining it, or the
             # first fetches after it comes up would be refused for quarantine_s.
@@ -1084,9 +778,8 @@ class Consumer(NetworkThread):
         log.warning("peer %s failed (%s): %s", link.endpoint, reason.value, detail)
         self._count(f"peer_failures.{reason.value}")
         link.quarantine(now, reason)  # its session's reservations are orphaned first
-        for t in list(self._transfers):
-            if t.peer == link.endpoint:
-                self._move_on(t, reason, detail)  # a read in flight is fenced on the way
+        for t in self._book.of_peer(link.endpoint):
+            self._move_on(t, reason, detail)  # a read in flight is fenced on the way
 
     def _on_message(self, link: PeerLink, msg: p.Message, now: float) -> None:
         link.heard(now)
@@ -1117,7 +810,7 @@ class Consumer(NetworkThread):
                 if t.state is TransferState.REQUESTED:
                     self._move_on(t, FailureReason.MISSING, "not in reply")
         elif isinstance(msg, p.Located):
-            self._on_located(link, msg)
+            self._locations.heard(link, msg)
         elif isinstance(msg, p.Renewed):
             self._on_renewed(link, msg)
         elif isinstance(msg, p.PushOffer):
@@ -1138,111 +831,46 @@ class Consumer(NetworkThread):
             if problem is not None:
                 self._peer_failed(link, problem[0], problem[1], now)
             elif welcomed and link.state is PeerLinkState.READY:
-                self._warm_up(link)
+                if link.region_size and link.agent:
+                    self._reads.warm_up(link.agent, link.session_id, link.endpoint)
                 self._on_welcomed(link, msg, now)
 
     # -- direct reads ------------------------------------------------------------------------
-
-    def _on_located(self, link: PeerLink, msg: p.Located) -> None:
-        """Remember where a producer says entries lie; a location that does not fit its
-        region (or itself) is dropped and counted, as a bad grant would be."""
-        if not link.direct or link.state is not PeerLinkState.READY:
-            self._count("locations_off_session")
-            return
-        if msg.session_id != link.session_id:
-            self._count("locations_off_session")
-            return
-        region_size = link.region_size
-        for where in msg.entries:
-            tag_ok = where.tag_offset % 8 == 0 and where.tag_offset + 8 <= region_size
-            tag_checkable = where.tag and self._landing is not None
-            if (
-                sum(e.length for e in where.extents) != where.nbytes
-                or any(e.length <= 0 or e.offset + e.length > region_size for e in where.extents)
-                or (where.tag and not tag_ok)
-                or (not tag_checkable and where.checksum is None)  # nothing to check it by
-            ):
-                self._count("bad_locations")
-                continue
-            self._located[where.mm_hash] = _Located(link.endpoint, link.session_id, where)
-            self._located.move_to_end(where.mm_hash)
-            self._count("locations_heard")
-        while len(self._located) > _LOCATIONS_REMEMBERED:
-            self._located.popitem(last=False)
 
     def _any_located(self, copies_only: bool = False) -> bool:
         """A queued fetch's entry is located: the network thread is to read it directly
         (a READ is never made on the caller's thread), at the start of its next pass.
         `copies_only`: only from a producer whose READs end inside the call."""
-        if not self._located:
+        if not self._locations:
             return False
         with self._lock:
             queued = list(self._incoming)
-        for t in queued:
-            link = self._links.get(t.peer or "")
-            if (
-                link is not None
-                and (link.copies_in_call or not copies_only)
-                and self._where(t, link) is not None
-            ):
-                return True
-        return False
-
-    def _where(self, t: Transfer, link: PeerLink) -> p.Location | None:
-        """Where `t`'s entry lies at its current peer, if that peer said so on this
-        session and no direct read of it was tried there yet."""
-        if t.direct_tried or not link.direct:
-            return None
-        located = self._located.get(t.mm_hash)
-        if (
-            located is None
-            or located.endpoint != link.endpoint
-            or located.session_id != link.session_id
-        ):
-            return None
-        if t.max_nbytes and located.where.nbytes > t.max_nbytes:
-            return None  # the producer's TOO_LARGE says so, with its detail
-        return located.where
+        return self._locations.readable(queued, self._links, copies_only)
 
     def _dispatch_direct(self, now: float) -> None:
-        """READ the queued fetches whose entries' places are known, one READ per peer.
-        Runs before the requests are batched, so that one that falls back (on one host
-        a READ ends inside the call) is asked for in the same pass.
-
-        How each is checked: a lone entry of up to `DIGEST_MAX` bytes by its digest
-        (one cheap pass over it); anything more by tags, which one more READ brings
-        back for the whole batch, at no cost per byte. From a producer whose tags are
-        read from its memory, by tag from `PEEK_OVER_DIGEST` up."""
+        """READ the queued fetches whose entries' places are known, one READ per peer,
+        each checked as `Locations.read_of` says. Runs before the requests are
+        batched, so that one that falls back (on one host a READ ends inside the
+        call) is asked for in the same pass."""
         found: dict[str, tuple[PeerLink, list[tuple[Transfer, p.Location]]]] = {}
-        for t in list(self._transfers):
-            if t.state is not TransferState.QUEUED or t.not_before > now or t.awaiting_push:
+        for t in self._book.due(now):
+            if t.awaiting_push:
                 continue
             link = self._links.get(t.peer or "")
             if link is None or link.state is not PeerLinkState.READY:
                 continue
-            where = self._where(t, link)
+            where = self._locations.where(t, link)
             if where is not None:
                 found.setdefault(link.endpoint, (link, []))[1].append((t, where))
         for link, batch in found.values():
-            by_tag = sum(where.nbytes for _, where in batch) > DIGEST_MAX
+            by_tag = direct.by_tag(where for _, where in batch)
             reads: list[tuple[Transfer, list[Segment]]] = []
             for t, where in batch:
-                t.move(TransferState.REQUESTED)
-                t.move(TransferState.GRANTED)
-                t.direct = t.direct_tried = True
+                t.read = self._locations.read_of(where, link, by_tag=by_tag)
+                t.direct_tried = True
                 if self.phases is not None:
                     self.phases.mark(t.mm_hash, "granted")
-                self._describe(t, where)
-                if (
-                    where.tag
-                    and self._landing is not None
-                    and (
-                        by_tag
-                        or where.checksum is None
-                        or (link.peek is not None and where.nbytes > PEEK_OVER_DIGEST)
-                    )
-                ):
-                    t.tag, t.tag_offset = where.tag, where.tag_offset
+                FetchBook.describe(t, where, self._config.fetch_deadline_s(where.nbytes))
                 self._start_read(link, t, reads)
             self._count_add("direct_reads", len(batch))
             self._post_reads(link, reads)
@@ -1261,64 +889,41 @@ class Consumer(NetworkThread):
         for link, all_due in by_link.values():
             for i in range(0, len(all_due), TAGS_PER_READ):
                 batch = all_due[i : i + TAGS_PER_READ]
-                if not self._peek_tags(link, batch):
+                words = direct.peek_tags(link, batch, self._count)
+                if words is None:
                     self._read_tags_of(link, batch)
-
-    def _peek_tags(self, link: PeerLink, batch: list[Transfer]) -> bool:
-        """The tags of `batch` read straight from its producer's memory, and each
-        transfer checked by its own; False where they cannot be (and, where the read
-        failed, never again on this session: the tags are READ over NIXL)."""
-        if link.peek is None:
-            return False
-        words = link.peek.words([t.tag_offset for t in batch])
-        if words is None:
-            link.drop_peek()  # the producer's memory is out of reach from here
-            self._count("tag_peeks_failed")
-            return False
-        self._count_add("tag_peeks", len(batch))
-        for t, word in zip(batch, words, strict=True):
-            t.tag_read = True
-            self._read_ended(t, link, word)
-        return True
+                    continue
+                self._count_add("tag_peeks", len(batch))
+                for t, word in zip(batch, words, strict=True):
+                    assert t.direct is not None
+                    t.direct.tag_read = True
+                    self._read_ended(t, link, word)
 
     def _read_tags_of(self, link: PeerLink, batch: list[Transfer]) -> None:
         """One READ of the tags of `batch` (at most `TAGS_PER_READ`) from `link`."""
         assert self._landing is not None
-        landing = self._landing.take([t.tag_offset for t in batch])
+        offsets = [t.direct.tag_offset for t in batch if t.direct is not None]
+        landing = self._landing.take(offsets)
         if landing is None:  # every chunk is held by READs still moving
             for t in batch:
-                self._drop_dest(t)
+                self._reads.drop_dest(t)
                 self._direct_missed(t, "tag_landing_full")
             return
         for t, slot in zip(batch, landing.slots, strict=True):
-            t.tag_slot = slot
-            t.tag_read = True
+            assert t.direct is not None
+            t.direct.tag_slot = slot
+            t.direct.tag_read = True
         reads = [(batch[0], landing.segments)] + [(t, []) for t in batch[1:]]
-        shared = self._share_read(link, reads, landing)
+        shared = self._reads.post(link.agent, reads, landing)
         self._count("tag_reads")
         self._poll_shared(reads, shared)
-
-    def _intact(self, t: Transfer, landed: int) -> bool:
-        """The bytes of a direct read are the entry's: its tag was still in place after
-        them (`landed`: the word its tag READ brought back), or they have its digest."""
-        assert t.dest is not None
-        if t.tag:
-            return landed == t.tag
-        return self._store.checksum(t.dest) == t.checksum
 
     def _direct_missed(self, t: Transfer, counter: str) -> None:
         """A direct read that ended without usable bytes: ask the same peer for a grant.
         Its destination is gone already (the READ has ended)."""
         self._count(counter)
-        located = self._located.get(t.mm_hash)
-        if (
-            located is not None
-            and [(e.offset, e.length) for e in located.where.extents] == t.remote_extents
-        ):  # not a newer word of where it lies
-            del self._located[t.mm_hash]
-        t.move(TransferState.QUEUED)
-        t.clear_grant()
-        t.not_before = 0.0
+        self._locations.forget(t)
+        FetchBook.ask_instead(t)
 
     # -- pushes ------------------------------------------------------------------------------
 
@@ -1465,38 +1070,36 @@ class Consumer(NetworkThread):
         if status is p.ItemStatus.GRANTED:
             if self.phases is not None:
                 self.phases.mark(t.mm_hash, "granted")
-            t.move(TransferState.GRANTED)
-            t.grant_id = item.grant_id
+            g = self._book.grant(t, item.grant_id, item.lease_ms / 1000 or link.lease_s)
             if self._config.checksum != "none" and item.checksum is None:
                 # Silently accepting it would downgrade the integrity asked for.
-                link.release([item.grant_id], t.session_id)
+                link.release([item.grant_id], g.session_id)
                 self._count("checksum_missing")
                 self._move_on(
                     t, FailureReason.CHECKSUM_MISSING, f"{self._config.checksum} required"
                 )
                 return
-            lease_s = item.lease_ms / 1000 or link.lease_s
-            t.grant_lease(t.requested_at, lease_s)
-            if t.give_up_at(_lease_margin(t.lease_s)) <= now:
-                link.release([item.grant_id], t.session_id)
+            if t.give_up_at() <= now:
+                link.release([item.grant_id], g.session_id)
                 self._count("grants_expired_on_arrival")
                 self._move_on(t, FailureReason.DEADLINE, "the grant's lease ended in transit")
                 return
-            self._describe(t, item)
+            FetchBook.describe(t, item, self._config.fetch_deadline_s(item.nbytes))
             self._start_read(link, t, reads)
         elif status.retryable:
             if status is p.ItemStatus.OVERLOADED:
                 link.releases_ahead()  # our finished grants may be what fills the session
-            t.move(TransferState.QUEUED)
-            t.retries_here += 1
-            if t.retries_here > self._config.max_retries:
+            cfg = self._config
+            if not FetchBook.back_off(
+                t,
+                now,
+                item.retry_after_ms / 1000,
+                retries=cfg.max_retries,
+                first_s=cfg.retry_initial_backoff_s,
+                max_s=cfg.retry_max_backoff_s,
+            ):
                 self._move_on(t, FailureReason.RETRIES_EXHAUSTED, status.value)
                 return
-            backoff = min(
-                self._config.retry_max_backoff_s,
-                self._config.retry_initial_backoff_s * (2 ** (t.retries_here - 1)),
-            )
-            t.not_before = now + max(backoff, item.retry_after_ms / 1000)
             self._count(f"retries.{status.value}")
         else:
             reason = {
@@ -1506,20 +1109,17 @@ class Consumer(NetworkThread):
             }.get(status, FailureReason.MISSING)
             self._move_on(t, reason, item.detail or status.value)
 
-    def _describe(self, t: Transfer, item: p.ItemReply | p.Location) -> None:
-        """What a grant or a location says of the item: its size, meta, digest, extents."""
-        t.nbytes = item.nbytes
-        t.dtype = item.dtype
-        t.shape = tuple(item.shape)
-        t.checksum = item.checksum
-        t.remote_extents = [(e.offset, e.length) for e in item.extents]
-        t.deadline = max(t.deadline, t.started + self._config.fetch_deadline_s(item.nbytes))
+    def _release_grant(self, link: PeerLink, t: Transfer) -> None:
+        """A granted read is over: its grant goes back (a direct read has none)."""
+        g = t.granted
+        if g is not None:
+            link.release([g.grant_id], g.session_id)
 
     def _start_read(
         self, link: PeerLink, t: Transfer, reads: list[tuple[Transfer, list[Segment]]]
     ) -> None:
-        """Check the grant and take the destination; the READ goes out with the
-        reply's others (`_post_reads`)."""
+        """Check the grant (or the location) and take the destination; the READ goes out
+        with the reply's others (`_post_reads`)."""
         region_size = link.region_size
         total = sum(n for _, n in t.remote_extents)
         if (
@@ -1529,14 +1129,14 @@ class Consumer(NetworkThread):
         ):
             # A grant we cannot trust is never read.
             self._count("bad_grants")
-            link.release([t.grant_id], t.session_id)
+            self._release_grant(link, t)
             self._move_on(t, FailureReason.TRANSPORT, "grant extents invalid")
             return
         meta = EntryMeta(dtype=t.dtype or "uint8", shape=t.shape, checksum=t.checksum)
         try:
             dest = self._store.allocate(t.mm_hash, t.nbytes, meta)
         except EntryExists:
-            link.release([t.grant_id], t.session_id)
+            self._release_grant(link, t)
             existing = self._store.get(t.mm_hash)
             if (
                 existing is not None
@@ -1549,13 +1149,13 @@ class Consumer(NetworkThread):
                 self._move_on(t, FailureReason.LOCAL_STORE_FULL, "entry being written locally")
             return
         except (StoreFull, EntryTooLarge) as exc:
-            link.release([t.grant_id], t.session_id)
+            self._release_grant(link, t)
             self._move_on(t, FailureReason.LOCAL_STORE_FULL, str(exc))
             return
         except InvalidMeta as exc:
             # The grant disagrees with itself (dtype and shape against nbytes):
             # a grant we cannot trust, like one with bad extents.
-            link.release([t.grant_id], t.session_id)
+            self._release_grant(link, t)
             self._move_on(t, FailureReason.TRANSPORT, f"grant meta invalid: {exc}")
             return
         t.dest = dest
@@ -1563,7 +1163,7 @@ class Consumer(NetworkThread):
         reads.append((t, pair_segments(dest.extents, t.remote_extents)))
 
     def _post_reads(self, link: PeerLink, reads: list[tuple[Transfer, list[Segment]]]) -> None:
-        """One READ for the destinations of a reply's granted items (see `_SharedRead`)."""
+        """One READ for the destinations of a reply's granted items (`SharedRead`)."""
         reads = [
             (t, segs)
             for t, segs in reads
@@ -1575,38 +1175,18 @@ class Consumer(NetworkThread):
             start = time.monotonic()
             for t, _ in reads:
                 self.phases.mark(t.mm_hash, "read_start", start)
-        shared = self._share_read(link, reads)
+        shared = self._reads.post(link.agent, reads)
         if self.phases is not None:
             back = time.monotonic()
             for t, _ in reads:
                 self.phases.mark(t.mm_hash, "read_return", back)
         self._count_add("reads_started", len(reads))
         self._count("read_posts")
-        if (
-            self._transport.may_copy_in_call
-            and sum(t.nbytes for t, _ in reads) >= _COPY_PROBE_BYTES
-        ):
-            link.copies_in_call = self._poll_handle(shared).state is ReadState.DONE
+        if self._transport.may_copy_in_call and sum(t.nbytes for t, _ in reads) >= COPY_PROBE_BYTES:
+            link.copies_in_call = self._reads.poll(shared).state is ReadState.DONE
         self._poll_shared(reads, shared)
         if self._tags_due:
             self._read_tags()
-
-    def _share_read(
-        self,
-        link: PeerLink,
-        reads: list[tuple[Transfer, list[Segment]]],
-        landing: TagRead | None = None,
-    ) -> object:
-        """Post one READ of every segment of `reads` and give each transfer its share of
-        the handle (see `_SharedRead`); `landing`: the slots a READ of tags writes."""
-        handle = self._transport.read(link.agent, [s for _, segs in reads for s in segs])
-        if len(reads) == 1 and landing is None:
-            shared = handle
-        else:
-            shared = _SharedRead(handle, len(reads), landing)
-        for t, _ in reads:
-            t.read_handle = shared
-        return shared
 
     def _poll_shared(self, reads: list[tuple[Transfer, list[Segment]]], shared: object) -> None:
         """Look at a READ just posted for each of its transfers: on one host it has ended
@@ -1615,60 +1195,24 @@ class Consumer(NetworkThread):
             if t.state is TransferState.READING and t.read_handle is shared:
                 self._poll_read(t)
 
-    def _poll_handle(self, handle: object) -> ReadStatus:
-        if isinstance(handle, _SharedRead):
-            if handle.ended is not None:
-                return handle.ended
-            status = self._transport.poll(handle.handle)
-            if status.state is not ReadState.PENDING:
-                handle.ended = status
-            return status
-        return self._transport.poll(handle)
-
-    def _release_handle(self, handle: object) -> None:
-        """A transfer is done with its READ: the transport's handle goes (a PENDING one
-        abandoned, as `DataTransport.release` says) once no transfer holds it, and
-        so do the slots of a READ of tags, or they wait for it to end."""
-        if isinstance(handle, _SharedRead):
-            handle.users -= 1
-            if handle.users:
-                return
-            if handle.landing is not None:
-                assert self._landing is not None
-                if handle.ended is not None:
-                    self._landing.give_back(handle.landing)
-                else:  # given up while it may still write them
-                    self._landings_fenced.append((handle.handle, handle.landing))
-                    self._count("tag_reads_fenced")
-            handle = handle.handle
-        self._transport.release(handle)
-
     def _poll_reads(self) -> None:
-        for t in list(self._transfers):
+        for t in self._book.reading():
             if t.state is TransferState.READING and t.read_handle is not None:
                 self._poll_read(t)
         if self._tags_due:
             self._read_tags()
 
     def _poll_read(self, t: Transfer) -> None:
-        status = self._poll_handle(t.read_handle)
-        if status.state is ReadState.PENDING:
+        ended = self._reads.ended(t)
+        if ended is None:
             return
+        status, landed = ended
         if self.phases is not None:
             self.phases.mark(t.mm_hash, "done")
-        landed = 0  # read while the slot is held: the last user gives the slots back
-        if t.tag_slot:
-            assert self._landing is not None
-            if status.state is ReadState.DONE:
-                landed = self._landing.word(t.tag_slot)
-            t.tag_slot = 0
-        self._release_handle(t.read_handle)
-        t.read_handle = None
         link = self._links[t.candidates[t.peer_index]]
-        if t.grant_id:  # a direct read has none
-            link.release([t.grant_id], t.session_id)
+        self._release_grant(link, t)
         if status.state is ReadState.FAILED:
-            self._drop_dest(t)
+            self._reads.drop_dest(t)
             if status.failure is FailureKind.PEER_DISCONNECTED:
                 if threading.current_thread() is not self._thread:  # `_read_here`
                     # Ending the session closes its ZMQ sockets, which only the network
@@ -1682,7 +1226,7 @@ class Consumer(NetworkThread):
                     link, FailureReason.PEER_UNREACHABLE, status.detail, time.monotonic()
                 )
                 return
-            if t.direct:
+            if t.direct is not None:
                 self._direct_missed(t, "direct_reads_failed")
                 return
             self._move_on(t, FailureReason.TRANSPORT, status.detail)
@@ -1692,30 +1236,34 @@ class Consumer(NetworkThread):
     def _read_ended(self, t: Transfer, link: PeerLink, landed: int) -> None:
         """`t`'s READ has ended well: check, commit and succeed (`landed`: the word its
         tag's read brought back, if any)."""
-        if t.direct:
-            if t.tag and not t.tag_read:
+        d = t.direct
+        if d is not None:
+            if d.tag and not d.tag_read:
                 self._tags_due.append((link, t))  # `_read_tags`, with the others of this pass
                 return
-            if not self._intact(t, landed) or (t.tag and not self._verify(t)):
+            if not direct.intact(self._store, t, landed) or (d.tag and not self._verify(t)):
                 # Evicted and its blocks reused since it was located, or (a tag proves
                 # only the blocks, not their bytes) written by another reader: not this
                 # entry, and the granted read checks it again.
-                self._drop_dest(t)
+                self._reads.drop_dest(t)
                 self._direct_missed(t, "direct_reads_stale")
                 return
             if self.phases is not None:
                 self.phases.mark(t.mm_hash, "checked")
-        if time.monotonic() > t.lease_end:
-            # The producer may have reused its blocks before the read finished.
-            self._drop_dest(t)
-            self._count("lease_overruns")
-            self._move_on(t, FailureReason.DEADLINE, "the read ended after the lease ran out")
-            return
-        if not t.direct and not self._verify(t):
-            self._drop_dest(t)
-            self._count("checksum_failures")
-            self._move_on(t, FailureReason.CHECKSUM_MISMATCH, "checksum differs")
-            return
+        else:
+            g = t.granted
+            assert g is not None  # a read is direct or granted
+            if time.monotonic() > g.lease_end:
+                # The producer may have reused its blocks before the read finished.
+                self._reads.drop_dest(t)
+                self._count("lease_overruns")
+                self._move_on(t, FailureReason.DEADLINE, "the read ended after the lease ran out")
+                return
+            if not self._verify(t):
+                self._reads.drop_dest(t)
+                self._count("checksum_failures")
+                self._move_on(t, FailureReason.CHECKSUM_MISMATCH, "checksum differs")
+                return
         holds = list(t.holds)
         assert t.dest is not None  # a READ is posted only for a transfer with its destination
         self._store.commit(t.dest, holds=holds)
@@ -1783,143 +1331,42 @@ class Consumer(NetworkThread):
 
     def _fail(self, t: Transfer, reason: FailureReason, detail: str) -> None:
         if t.state is TransferState.READING:
-            self._abandon_read(t)
+            self._reads.abandon(t)
         t.move(TransferState.FAILED)
         self._count(f"failed.{reason.value}")
         self._finish(t)
         t.future.set_exception(FetchFailed(t.mm_hash, reason, detail))
 
     def _finish(self, t: Transfer) -> None:
-        if t in self._transfers:
-            self._transfers.remove(t)
-        with self._lock:
-            if self._inflight.get(t.mm_hash) is t:
-                del self._inflight[t.mm_hash]
+        self._book.finish(t)
 
     def _move_on(self, t: Transfer, reason: FailureReason, detail: str) -> None:
         """Leave the current peer: queue for the next candidate, or fail for good."""
         if t.state in (TransferState.DONE, TransferState.FAILED):
             return
         if t.state is TransferState.READING:
-            self._abandon_read(t)
-        if t.next_peer(reason):
-            if t.state is not TransferState.QUEUED:
-                t.move(TransferState.QUEUED)
-            t.clear_grant()
+            self._reads.abandon(t)
+        if FetchBook.fail_over(t, reason):
             self._count("failovers")
         else:
             self._fail(t, t.final_reason(), detail)
 
-    def _abandon_read(self, t: Transfer) -> None:
-        handle, dest = t.read_handle, t.dest
-        t.read_handle = None
-        t.dest = None
-        t.tag_slot = 0
-        if dest is None:
-            return
-        if handle is None:
-            self._store.abort(dest)
-            return
-        if t.tag_read:
-            # Only the READ of its tag moves, and it writes the landing, whose slots
-            # wait for it (`_release_handle`); the bytes' READ has ended: the blocks go.
-            self._release_handle(handle)
-            self._store.abort(dest)
-            return
-        self._fence(handle, dest, t.peer or "", t.session_id, t.grant_id)
-
-    def _fence(
-        self, handle: object, dest: Entry, endpoint: str, session_id: str, grant_id: str
-    ) -> None:
-        """Hold `dest` until the transport says `handle` has ended: the one way back."""
-        self._store.quarantine(dest)
-        self._release_handle(handle)  # abandoned: the transport keeps driving it
-        self._fenced.append(_Fenced(handle, dest, endpoint, session_id, grant_id, time.monotonic()))
-        self._count("reads_fenced")
-
-    def _drop_dest(self, t: Transfer) -> None:
-        if t.dest is not None:
-            self._store.abort(t.dest)
-            t.dest = None
-
-    def _warm_up(self, link: PeerLink) -> None:
-        """Wire the data plane to a newly welcomed producer now, not in its first fetch.
-
-        The first READ to a new peer waits for UCX's connection wire-up, which needs
-        the target to progress: measured here on one host, a first fetch after
-        `connect` took 2.7 to 18 ms (its READ 1 to 15 ms longer than the next ones),
-        against 1.3 to 1.8 ms for the next fetch. So one byte is read now from the
-        producer's region into a block of ours and thrown away. No grant is needed
-        for it: a READ changes nothing at the producer, the byte is never used, and
-        the session already has the region's registration. The block is held, like a
-        fenced read's, until the transport says the read has ended.
-        """
-        if not link.region_size or not link.agent:
-            return
-        try:
-            dest = self._store.allocate(_WARM_UP_KEY + link.session_id, 1)
-        except StoreError:  # a full region, say: the first fetch wires it up instead
-            self._count("warm_ups_skipped")
-            return
-        try:
-            handle = self._transport.read(link.agent, pair_segments(dest.extents, [(0, 1)]))
-        except Exception as exc:  # the first fetch meets it again, and says why
-            log.debug("warm-up read from %s failed to start: %s", link.endpoint, exc)
-            self._store.abort(dest)
-            self._count("warm_ups_skipped")
-            return
-        self._store.quarantine(dest)
-        self._transport.release(handle)  # abandoned: the transport drives it to its end
-        self._warming.append((handle, dest))
-        self._count("warm_ups")
-
-    def _still_moving(
-        self, held: list[tuple[object, _Held]], on_end: Callable[[_Held], None]
-    ) -> list[tuple[object, _Held]]:
-        """Those of `held` whose READ the transport has not ended; `on_end` for each of
-        the others (what it held may be used again)."""
-        keep = []
-        for handle, thing in held:
-            if self._transport.poll(handle).state is ReadState.PENDING:
-                keep.append((handle, thing))
-            else:
-                on_end(thing)
-        return keep
-
     def _poll_fenced(self) -> None:
-        if self._warming:
-            self._warming = self._still_moving(self._warming, self._store.release_quarantined)
-        if self._landings_fenced:
-            assert self._landing is not None
-            self._landings_fenced = self._still_moving(
-                self._landings_fenced, self._landing.give_back
-            )
-        if not self._fenced:
-            return
-        keep = []
-        for f in self._fenced:
-            if self._poll_handle(f.handle).state is ReadState.PENDING:
-                keep.append(f)
-                continue
-            self._store.release_quarantined(f.dest)
-            self._count("fenced_reads_ended")
+        for f in self._reads.poll_fences():
             link = self._links.get(f.endpoint)
             if link is not None:
                 link.release([f.grant_id], f.session_id)  # its pin can go before its lease
-        self._fenced = keep
 
     # -- dispatch and expiry -----------------------------------------------------------------
 
     def _dispatch(self, now: float) -> None:
-        if self._located:
+        if self._locations:
             self._dispatch_direct(now)
         batches: dict[str, list[Transfer]] = {}
-        for t in list(self._transfers):
-            if t.state is not TransferState.QUEUED or t.not_before > now:
-                continue
+        for t in self._book.due(now):
             endpoint = t.peer
             assert endpoint is not None
-            link = self._link(endpoint)
+            link = self._peers.link(endpoint)
             if link is None:
                 self._count("refused_peer_links")
                 self._move_on(
@@ -1946,12 +1393,7 @@ class Consumer(NetworkThread):
     ) -> None:
         """One FetchRequest for `chunk` (at most the link's batch)."""
         request_id = f"r{next(self._request_ids)}"
-        for t in chunk:
-            t.move(TransferState.REQUESTED)
-            t.request_id = request_id
-            t.session_id = link.session_id
-            t.requested_at = now
-            t.attempts += 1
+        self._book.ask(chunk, request_id, link.session_id, now)
         if self.phases is not None:
             sent = time.monotonic()  # before the send, so before the producer's marks
             for t in chunk:
@@ -1966,68 +1408,56 @@ class Consumer(NetworkThread):
         self._count("requests")
 
     def _expire(self, now: float) -> None:
-        for t in list(self._transfers):
-            if t.state in (TransferState.DONE, TransferState.FAILED):
-                continue
-            if now >= t.deadline:
-                # A read in flight keeps its grant: it is fenced, and released when it ends.
-                link = self._links.get(t.peer or "")
-                if t.grant_id and link is not None and t.state is not TransferState.READING:
-                    link.release([t.grant_id], t.session_id)
-                self._fail(
-                    t, FailureReason.DEADLINE, f"no data within {t.deadline - t.started:.3f} s"
-                )
-            elif t.state is TransferState.READING and now >= t.give_up_at(_lease_margin(t.lease_s)):
+        late, leases_out = self._book.expired(now)
+        for t in late:
+            # A read in flight keeps its grant: it is fenced, and released when it ends.
+            link = self._links.get(t.peer or "")
+            if link is not None and t.state is not TransferState.READING:
+                self._release_grant(link, t)
+            self._fail(t, FailureReason.DEADLINE, f"no data within {t.deadline - t.started:.3f} s")
+        for t in leases_out:
+            if t.state is TransferState.READING:  # not moved on by an earlier one
                 self._count("leases_run_out")
                 self._move_on(t, FailureReason.DEADLINE, "the grant's lease ran out")
         for link in self._links.values():
             for request_id, transfers in link.expired_requests(now):
                 for t in transfers:
-                    if t.state is TransferState.REQUESTED and t.request_id == request_id:
+                    g = t.granted
+                    if (
+                        t.state is TransferState.REQUESTED
+                        and g is not None
+                        and g.request_id == request_id
+                    ):
                         self._move_on(t, FailureReason.PEER_UNREACHABLE, "request timed out")
 
     def _renew(self, now: float) -> None:
         """Ask for more lease time for reads that need it, half-way through the lease."""
-        due: dict[str, list[Transfer]] = {}
-        for t in self._transfers:
-            if (
-                t.state is TransferState.READING
-                and not t.renew_sent
-                and now >= t.renew_at
-                and t.deadline > t.give_up_at(_lease_margin(t.lease_s))
-            ):
-                due.setdefault(t.peer or "", []).append(t)
-        for endpoint, transfers in due.items():
+        for endpoint, transfers in self._book.renewals_due(now).items():
+            granted = [g for t in transfers if (g := t.granted) is not None]
             link = self._links.get(endpoint)
             if link is None or not link.renews or link.state is not PeerLinkState.READY:
-                for t in transfers:
-                    t.renew_at = math.inf  # no renewal to be had: the lease decides
+                for g in granted:
+                    g.renew_at = math.inf  # no renewal to be had: the lease decides
                 continue
-            for t in [t for t in transfers if t.session_id != link.session_id]:
-                t.renew_at = math.inf  # a grant of an ended session: its lease decides
-            transfers = [t for t in transfers if t.session_id == link.session_id]
-            if not transfers:
+            for g in granted:
+                if g.session_id != link.session_id:
+                    g.renew_at = math.inf  # a grant of an ended session: its lease decides
+            granted = [g for g in granted if g.session_id == link.session_id]
+            if not granted:
                 continue
-            for t in transfers:
-                t.renew_sent = now
-            link.renew([t.grant_id for t in transfers])
-            self._count_add("renewals_sent", len(transfers))
+            for g in granted:
+                g.renew_sent = now
+            link.renew([g.grant_id for g in granted])
+            self._count_add("renewals_sent", len(granted))
 
     def _on_renewed(self, link: PeerLink, msg: p.Renewed) -> None:
-        asked = link.renewal_answered()
-        renewed = set(msg.renewed)
-        lease_s = msg.lease_ms / 1000
-        for t in self._transfers:
-            if t.peer != link.endpoint or not t.renew_sent or t.grant_id not in asked:
-                continue
-            if t.grant_id in renewed and lease_s > 0:
-                # Counted from when we asked, like the grant itself.
-                t.grant_lease(t.renew_sent, lease_s)
-                self._count("renewed")
-            else:
-                t.renew_at = math.inf  # refused (the grant ended): the old lease decides
-                self._count("renewals_refused")
-            t.renew_sent = 0.0
+        renewed, refused = self._book.renewed(
+            link.endpoint, link.renewal_answered(), set(msg.renewed), msg.lease_ms / 1000
+        )
+        if renewed:
+            self._count_add("renewed", renewed)
+        if refused:
+            self._count_add("renewals_refused", refused)
 
     def _shutdown(self) -> None:
         self._deliver()  # fetches that succeeded before the end keep their results
@@ -2037,32 +1467,25 @@ class Consumer(NetworkThread):
             why, detail = FailureReason.SHUTDOWN, "consumer stopping"
         for t in list(self._transfers):
             self._end_quietly(t, why, detail)
-        with self._lock:
-            stranded = list(self._incoming)
-            self._incoming.clear()
-        for t in stranded:
+        for t in self._book.take_stranded():
             self._end_quietly(t, why, detail)
         self._inbox.stop()
         deadline = time.monotonic() + self._config.shutdown_timeout_s
-        while (
-            self._fenced or self._warming or self._landings_fenced or self._inbox.busy
-        ) and time.monotonic() < deadline:
+        while (self._reads.fences or self._inbox.busy) and time.monotonic() < deadline:
             self._poll_fenced()
             if self._inbox.busy:
                 for agent, note in self._notices.take("push"):
                     self._inbox.on_notification(agent, note)
                 self._inbox.step(time.monotonic())
             time.sleep(0.001)
-        if self._fenced or self._warming:
-            # Their blocks stay quarantined; closing the transport ends the reads.
+        if self._reads.fences:
+            # Their blocks (and landing slots) stay held; closing the transport ends them.
             log.warning(
-                "%d reads still in flight at shutdown; their blocks stay quarantined",
-                len(self._fenced) + len(self._warming),
+                "%d reads still in flight at shutdown; what they write stays held: %s",
+                len(self._reads.fences),
+                self._reads.by_kind(),
             )
-        for link in self._links.values():
-            link.close()
-        if self._pool is not None:
-            self._pool.close_all()
+        self._peers.close()
         if self._waker is not None:
             self._waker.close()
 

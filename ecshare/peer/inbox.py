@@ -61,6 +61,7 @@ from typing import Final
 
 from ecshare import protocol as p
 from ecshare.config import Config
+from ecshare.peer.machine import Transitions
 from ecshare.peer.notices import PUSH_NOTICE
 from ecshare.peer.phases import PhaseLog
 from ecshare.store import (
@@ -104,6 +105,7 @@ _LEGAL: Final[dict[ReservationState, frozenset[ReservationState]]] = {
     ReservationState.COMMITTED: frozenset(),
     ReservationState.RELEASED: frozenset(),
 }
+_MOVES: Final = Transitions(_LEGAL)
 
 
 @dataclass(eq=False)
@@ -133,8 +135,7 @@ class Reservation:
     leaked: bool = False  # a probe said nothing of the write: held until a word comes
 
     def move(self, new: ReservationState) -> None:
-        if new not in _LEGAL[self.state]:
-            raise RuntimeError(f"push {self.push_id}: {self.state.value} -> {new.value}")
+        _MOVES.check(f"push {self.push_id}", self.state, new)
         self.state = new
 
 

@@ -46,6 +46,7 @@ from typing import Final
 
 from ecshare import protocol as p
 from ecshare.config import Config
+from ecshare.peer.machine import Transitions
 from ecshare.peer.notices import PUSH_NOTICE
 from ecshare.peer.phases import PhaseLog
 from ecshare.store import EntryState, NotFound, NotReady, Store
@@ -79,6 +80,7 @@ _LEGAL: Final[dict[PushState, frozenset[PushState]]] = {
     PushState.REFUSED: frozenset(),
     PushState.FAILED: frozenset(),
 }
+_MOVES: Final = Transitions(_LEGAL)
 
 
 @dataclass(frozen=True)
@@ -135,8 +137,7 @@ class _Push:
         self.pin_id = self.pin_id or self.push_id
 
     def move(self, new: PushState) -> None:
-        if new not in _LEGAL[self.state]:
-            raise RuntimeError(f"push {self.push_id}: {self.state.value} -> {new.value}")
+        _MOVES.check(f"push {self.push_id}", self.state, new)
         self.state = new
 
 

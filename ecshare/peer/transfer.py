@@ -1,14 +1,18 @@
-"""One item's fetch, as an explicit state machine.
+"""One item's fetch, as an explicit state machine, and what kind of read it is.
 
-    QUEUED -> REQUESTED -> GRANTED -> READING -> DONE
-       ^          |           |          |
-       +----------+-----------+----------+   (retry or fail over to another peer)
-    QUEUED -> DONE                           (a push of the item committed while it waited)
-    any state -> FAILED(reason)
+    QUEUED -> REQUESTED -> GRANTED -> READING -> DONE     (a granted read)
+    QUEUED -> READING -> DONE                            (a direct read: no request, no grant)
+    QUEUED -> DONE                                       (a pushed wait: the push committed)
+    REQUESTED, GRANTED, READING -> QUEUED                (retry, or fail over to another peer)
+    any state but DONE -> FAILED(reason)
 
-Every transition goes through `Transfer.move`, which refuses illegal ones and
-counts legal ones, so a reader never has to infer state from which fields
-happen to be set.
+A transfer says what its current attempt is: `read` holds a `GrantedRead` (the
+request, its grant and lease) or a `DirectRead` (where the entry was said to
+lie, and how its bytes are checked), or None while it is queued; a queued
+transfer with `awaiting_push` set waits for a producer's push. Every transition
+goes through `Transfer.move`, which refuses illegal ones (a direct read is the
+only way from QUEUED to READING), so a reader never has to infer state from
+which fields happen to be set.
 """
 
 from __future__ import annotations
@@ -21,11 +25,12 @@ from typing import Final
 import msgspec
 
 from ecshare.errors import ECShareError, IllegalTransition
+from ecshare.peer.machine import Transitions
 from ecshare.store import Entry, Hold
 
 
 class TransferState(enum.Enum):
-    QUEUED = "queued"  # waiting for a peer session, a batch, or a backoff
+    QUEUED = "queued"  # waiting for a peer session, a batch, a backoff or a push
     REQUESTED = "requested"  # in a FetchRequest on the wire
     GRANTED = "granted"  # the producer pinned it; destination not yet read
     READING = "reading"  # the data-plane READ is in flight
@@ -33,26 +38,34 @@ class TransferState(enum.Enum):
     FAILED = "failed"
 
     # Members are singletons compared by identity: hash them by it too, in C (Enum's
-    # own __hash__ is Python code, and every `move` hashes states six times).
+    # own __hash__ is Python code, and every `move` hashes states).
     __hash__ = object.__hash__
 
 
-_LEGAL: Final[dict[TransferState, frozenset[TransferState]]] = {
-    TransferState.QUEUED: frozenset(
-        {TransferState.REQUESTED, TransferState.DONE, TransferState.FAILED}
-    ),
-    TransferState.REQUESTED: frozenset(
-        {TransferState.GRANTED, TransferState.QUEUED, TransferState.FAILED}
-    ),
-    TransferState.GRANTED: frozenset(
-        {TransferState.READING, TransferState.QUEUED, TransferState.FAILED}
-    ),
-    TransferState.READING: frozenset(
-        {TransferState.DONE, TransferState.QUEUED, TransferState.FAILED}
-    ),
-    TransferState.DONE: frozenset(),
-    TransferState.FAILED: frozenset(),
-}
+_MOVES: Final = Transitions(
+    {
+        TransferState.QUEUED: (
+            TransferState.REQUESTED,
+            TransferState.READING,
+            TransferState.DONE,
+            TransferState.FAILED,
+        ),
+        TransferState.REQUESTED: (
+            TransferState.GRANTED,
+            TransferState.QUEUED,
+            TransferState.FAILED,
+        ),
+        TransferState.GRANTED: (TransferState.READING, TransferState.QUEUED, TransferState.FAILED),
+        TransferState.READING: (TransferState.DONE, TransferState.QUEUED, TransferState.FAILED),
+    }
+)
+
+
+def lease_margin(lease_s: float) -> float:
+    """How long before a lease ends a read still moving is given up: covers the network
+    thread's reaction time (a long synchronous read, a stall), not the clocks, which
+    are never compared."""
+    return min(1.0, 0.1 * lease_s)
 
 
 class FailureReason(enum.Enum):
@@ -85,9 +98,8 @@ class FetchFailed(ECShareError):
         self.detail = detail
 
 
-# The records of one fetch are msgspec Structs, built in C: a fetch makes each once,
-# on a path that runs cold after an idle gap (a dataclass's generated __init__
-# took 11 to 18 us there, against 3 to 6 us for the Struct).
+# The records of one fetch are msgspec Structs, built in C: a fetch makes each once, on
+# a path that runs cold after an idle gap, where a dataclass's __init__ costs far more.
 class FetchResult(msgspec.Struct, frozen=True):
     mm_hash: str
     nbytes: int
@@ -121,6 +133,40 @@ LATENCY_BUCKETS_S: Final = (
 )
 
 
+class GrantedRead(msgspec.Struct, eq=False):
+    """A read asked for and granted. Its lease is on this side's clock: the producer's
+    lease on the grant runs from when it handled our request, so counting from when
+    we sent it can only end early. Commit only what finished by `lease_end`."""
+
+    request_id: str
+    session_id: str  # the session of its request: the one its grant is made on
+    requested_at: float
+    grant_id: str = ""
+    lease_s: float = 0.0  # as granted (or last renewed)
+    lease_end: float = math.inf
+    renew_at: float = math.inf  # when to ask for more, if still reading
+    renew_sent: float = 0.0  # when the outstanding Renew went out (0: none)
+
+    def grant_lease(self, since: float, lease_s: float) -> None:
+        """A lease of `lease_s` counted from `since` (when we asked); renew at half of it."""
+        self.lease_s = lease_s
+        self.lease_end = since + lease_s
+        self.renew_at = since + lease_s / 2
+
+
+class DirectRead(msgspec.Struct, eq=False):
+    """A read of an entry where its producer said it lies: no request, no grant, no
+    lease; its bytes are kept only if its digest, or its tag, checks out. Checked by
+    tag (`tag` set): the word at `tag_offset` is read back after the bytes
+    (`tag_read` once that is posted, into the landing's `tag_slot`, a byte offset in
+    our region; 0 once it is read or given up) and must be `tag`."""
+
+    tag: int = 0
+    tag_offset: int = 0
+    tag_read: bool = False
+    tag_slot: int = 0
+
+
 class Transfer(msgspec.Struct, eq=False):
     mm_hash: str
     future: Future[FetchResult]
@@ -132,42 +178,24 @@ class Transfer(msgspec.Struct, eq=False):
     peer_index: int = 0
     attempts: int = 0  # requests sent, over all peers
     retries_here: int = 0  # retryable refusals from the current peer
-    not_before: float = 0.0  # backoff: do not request before this time
-    request_id: str = ""
-    session_id: str = ""  # the session of its request: the one its grant is made on
-    grant_id: str = ""
+    not_before: float = 0.0  # backoff (or a push's wait): do not request before this time
+    # The current attempt at the current peer (None while queued).
+    read: GrantedRead | DirectRead | None = None
+    # A pushed wait: a push of the item is expected or reserved; not requested before
+    # `not_before`.
+    awaiting_push: bool = False
+    direct_tried: bool = False  # a direct read was tried at the current peer: ask it
+    # What the grant or the location said of the entry.
     nbytes: int = 0
     dtype: str = ""
     shape: tuple[int, ...] = ()
     checksum: int | None = None
-    # Leases, on this side's clock: the producer's lease on the grant runs from
-    # when it handled our request, so counting from when we sent it can only
-    # end early. Commit only what finished by `lease_end`.
-    requested_at: float = 0.0
-    lease_s: float = 0.0  # as granted (or last renewed)
-    lease_end: float = math.inf
-    renew_at: float = math.inf  # when to ask for more, if still reading
-    renew_sent: float = 0.0  # when the outstanding Renew went out (0: none)
     remote_extents: list[tuple[int, int]] = msgspec.field(default_factory=list)
     read_handle: object | None = None
     dest: Entry | None = None  # the local entry being written
     reasons: list[FailureReason] = msgspec.field(default_factory=list)  # per failed peer
     holds: list[Hold] = msgspec.field(default_factory=list)  # pins to take as it commits
     holds_taken: int = 0  # of `holds`, those a push's commit took
-    # A push of the item is expected or reserved: not requested before `not_before`.
-    awaiting_push: bool = False
-    # The READ in flight is direct: no grant, no lease; kept only if the digest or
-    # the tag checks out. `direct_tried`: one was tried from the current peer; ask it
-    # instead.
-    direct: bool = False
-    direct_tried: bool = False
-    # A direct read checked by tag: read the word at `tag_offset` back after the
-    # bytes (`tag_read` once that READ is posted, into the landing's `tag_slot`,
-    # a byte offset in our region; 0 once it is read or given up) and find `tag`.
-    tag: int = 0
-    tag_offset: int = 0
-    tag_read: bool = False
-    tag_slot: int = 0
 
     @property
     def peer(self) -> str | None:
@@ -175,33 +203,40 @@ class Transfer(msgspec.Struct, eq=False):
             return self.candidates[self.peer_index]
         return None
 
+    @property
+    def granted(self) -> GrantedRead | None:
+        read = self.read
+        return read if type(read) is GrantedRead else None
+
+    @property
+    def direct(self) -> DirectRead | None:
+        read = self.read
+        return read if type(read) is DirectRead else None
+
     def move(self, new: TransferState) -> None:
-        if new not in _LEGAL[self.state]:
-            raise IllegalTransition(f"{self.mm_hash}: {self.state.value} -> {new.value}")
+        old = self.state
+        _MOVES.check(self.mm_hash, old, new)
+        if (
+            old is TransferState.QUEUED
+            and new is TransferState.READING
+            and type(self.read) is not DirectRead
+        ):
+            raise IllegalTransition(f"{self.mm_hash}: queued -> reading without a direct read")
         self.state = new
 
     def clear_grant(self) -> None:
-        self.direct = False
-        self.tag = self.tag_offset = self.tag_slot = 0
-        self.tag_read = False
-        self.request_id = ""
-        self.session_id = ""
-        self.grant_id = ""
+        """The attempt at the current peer is over: nothing of it is kept."""
+        self.read = None
         self.remote_extents = []
         self.read_handle = None
-        self.lease_end = self.renew_at = math.inf
-        self.lease_s = self.renew_sent = 0.0
 
-    def grant_lease(self, since: float, lease_s: float) -> None:
-        """A lease of `lease_s` counted from `since` (when we asked); renew at half of it."""
-        self.lease_s = lease_s
-        self.lease_end = since + lease_s
-        self.renew_at = since + lease_s / 2
-
-    def give_up_at(self, margin_s: float) -> float:
-        """When a read must be abandoned: the fetch's deadline, or `margin_s` before
-        the lease ends."""
-        return min(self.deadline, self.lease_end - margin_s)
+    def give_up_at(self) -> float:
+        """When a read must be abandoned: the fetch's deadline, or (a granted read)
+        `lease_margin` before its lease ends."""
+        read = self.read
+        if type(read) is GrantedRead:
+            return min(self.deadline, read.lease_end - lease_margin(read.lease_s))
+        return self.deadline
 
     def next_peer(self, reason: FailureReason) -> bool:
         """Give up on the current peer; True when another candidate remains."""

@@ -47,8 +47,8 @@ from peer_testing import (
 
 from ecshare import protocol as p
 from ecshare.peer import Consumer, FailureReason, FetchFailed, FetchResult, Node, Producer
-from ecshare.peer import consumer as consumer_module
-from ecshare.peer.consumer import LEND_MIN_WAIT_S
+from ecshare.peer import lending as consumer_module
+from ecshare.peer.lending import LEND_MIN_WAIT_S
 from ecshare.peer.locator import DIGEST_MAX, Locator
 from ecshare.store import EntryMeta, Store
 from ecshare.store.region import Region
@@ -72,7 +72,7 @@ def _up(consumer: Consumer, address: str) -> None:
     consumer.connect([address])
     assert wait_until(lambda: [x.up for x in consumer.peer_liveness()] == [True], 10.0)
     assert wait_until(lambda: consumer.counter_snapshot().get("warm_ups", 0) == 1, 5.0)
-    assert wait_until(lambda: not consumer._warming, 5.0)
+    assert wait_until(lambda: not consumer._reads.warming, 5.0)
 
 
 def _stopped(pid: int) -> bool:
@@ -405,7 +405,7 @@ def test_a_fetch_future_lends_only_while_its_consumer_lives(
             lent.append(1)
 
     owner = Owner()
-    future = consumer_module._Fetching(weakref.ref(owner))  # type: ignore[arg-type]
+    future = consumer_module.Fetching(weakref.ref(owner))  # type: ignore[arg-type]
     assert future.running()  # from the start, as every fetch's
     with pytest.raises(TimeoutError):
         future.result(timeout=0.05)
@@ -421,7 +421,7 @@ def test_a_fetch_future_lends_only_while_its_consumer_lives(
     with pytest.raises(TimeoutError):
         future.result(timeout=0.05)
     assert lent == [1, 1]  # its consumer is gone
-    done = consumer_module._Fetching(weakref.ref(Owner()))  # type: ignore[arg-type]
+    done = consumer_module.Fetching(weakref.ref(Owner()))  # type: ignore[arg-type]
     done.set_exception(FetchFailed("x", FailureReason.MISSING))
     assert isinstance(done.exception(), FetchFailed)
     assert lent == [1, 1]
@@ -541,7 +541,7 @@ def _welcomed(fake: FakeProducer, consumer: Consumer) -> None:
     assert p.CAP_READ_DIRECT in hello.capabilities
     fake.welcome(hello, [p.CAP_READ_DIRECT, p.CAP_CHECKSUM_XXH3_64])
     assert wait_until(lambda: [x.up for x in consumer.peer_liveness()] == [True], 5.0)
-    assert wait_until(lambda: not consumer._warming, 5.0)  # the data plane is wired up
+    assert wait_until(lambda: not consumer._reads.warming, 5.0)  # the data plane is wired up
 
 
 def _location(mm_hash: str, extents: list[tuple[int, int]], checksum: int) -> p.Location:

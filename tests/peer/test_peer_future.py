@@ -20,7 +20,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, InvalidStateError, as_co
 import pytest
 
 from ecshare.peer import FailureReason, FetchFailed, FetchResult
-from ecshare.peer.consumer import _Fetching
+from ecshare.peer.lending import Fetching as _Fetching
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -37,7 +37,7 @@ from peer_testing import (
 from ecshare import protocol as p
 from ecshare.apps.bench.synthetic import synthetic_bytes
 from ecshare.peer import FailureReason, FetchFailed
-from ecshare.peer.consumer import PEEK_OVER_DIGEST
+from ecshare.peer.direct import PEEK_OVER_DIGEST
 from ecshare.peer.peek import Peek, host_identity
 
 pytestmark = pytest.mark.timeout(90)
@@ -214,7 +214,7 @@ def test_a_producer_that_tells_another_process_gets_its_tags_read_over_nixl(
     hello: p.Hello = fake.recv(p.Hello)
     fake.welcome(hello, [p.CAP_READ_DIRECT, p.CAP_CHECKSUM_XXH3_64])
     assert wait_until(lambda: [x.up for x in consumer.peer_liveness()] == [True], 5.0)
-    assert wait_until(lambda: not consumer._warming, 5.0)
+    assert wait_until(lambda: not consumer._reads.warming, 5.0)
     assert consumer._links[fake.address].peek is None
     where = p.Location(
         mm_hash="t",
@@ -291,7 +291,7 @@ def test_a_fresh_session_to_a_producer_on_this_host_lends_from_its_first_fetch(
     cnode, consumer = make_consumer(keyring.consumer_config(), {"tag_peek": tag_peek})
     consumer.connect([producer.address])
     assert wait_until(lambda: [x.up for x in consumer.peer_liveness()] == [True], 10.0)
-    assert wait_until(lambda: not consumer._warming, 5.0)
+    assert wait_until(lambda: not consumer._reads.warming, 5.0)
     link = consumer._links[producer.address]
     assert (link.peek is not None) is tag_peek
     assert link.copies_in_call is tag_peek  # before any fetch
