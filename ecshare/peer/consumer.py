@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import bisect
 import collections
-import itertools
 import logging
 import math
 import threading
@@ -59,12 +58,13 @@ from ecshare.counts import Counts
 from ecshare.peer import direct
 from ecshare.peer.fetchbook import FetchBook
 from ecshare.peer.inbox import Inbox, PushLink, Reservation
-from ecshare.peer.landing import TAGS_PER_READ, TagLanding
-from ecshare.peer.lending import COPY_PROBE_BYTES, LEND_MIN_WAIT_S, Fetching
+from ecshare.peer.landing import TagLanding
+from ecshare.peer.lending import LEND_MIN_WAIT_S, Fetching
 from ecshare.peer.link import PeerLink, PeerLinkState
 from ecshare.peer.links import LinkPool
 from ecshare.peer.notices import Notices
 from ecshare.peer.phases import PhaseLog
+from ecshare.peer.pull import Pulls
 from ecshare.peer.reads import READ_NAP_S, READ_WAIT_S, FenceKind, Reads
 from ecshare.peer.thread import NetworkThread
 from ecshare.peer.transfer import (
@@ -76,18 +76,13 @@ from ecshare.peer.transfer import (
     TransferState,
 )
 from ecshare.store import (
-    EntryExists,
-    EntryMeta,
     EntryState,
-    EntryTooLarge,
     Hold,
-    InvalidMeta,
     NotFound,
     NotReady,
     Store,
-    StoreFull,
 )
-from ecshare.transport.base import DataTransport, FailureKind, ReadState, Segment, pair_segments
+from ecshare.transport.base import DataTransport, Segment
 
 __all__ = ["EXPOSED_MODES", "LEND_MIN_WAIT_S", "Consumer", "FetchItem", "LatencyHistogram"]
 
@@ -192,16 +187,25 @@ class Consumer(NetworkThread):
         )
         self._links = self._peers.links
         # Where tags of direct reads land (none in a store without tags: only digests
-        # are checked), and the direct reads whose bytes have landed and whose tags
-        # are to be read back.
+        # are checked).
         self._landing = TagLanding(store) if store.landing is not None else None
-        self._tags_due: list[tuple[PeerLink, Transfer]] = []
         self._locations = direct.Locations(tags=self._landing is not None, count=self._count)
         self._reads = Reads(store, transport, self._landing, self._count)
-        # Peers whose data plane a caller reading on its own thread (`_read_here`)
-        # found gone, for the network thread to end.
-        self._peers_lost: list[tuple[str, str]] = []
-        self._request_ids = itertools.count(1)
+        self._pulls = Pulls(
+            store,
+            config,
+            transport,
+            book=self._book,
+            reads=self._reads,
+            locations=self._locations,
+            landing=self._landing,
+            peers=self._peers,
+            count=self._count,
+            count_add=self._count_add,
+            succeed=self._succeed,
+            take_hold=self._take_hold,
+            on_network_thread=lambda: threading.current_thread() is self._thread,
+        )
         self.counters = Counts()
         self._counters_lock = self.counters.lock  # the latency figures share it
         # Loop passes finished, for a watcher's proof that the loop ran (one writer).
@@ -242,6 +246,7 @@ class Consumer(NetworkThread):
     @phases.setter
     def phases(self, log: PhaseLog | None) -> None:
         self._phases = log
+        self._pulls.phases = log
         self._inbox.phases = log
 
     # -- engine-facing -----------------------------------------------------------------------
@@ -317,7 +322,7 @@ class Consumer(NetworkThread):
             if not self._serving or not self._any_located(copies_only=lent):
                 return None
             taken = self._take_incoming()
-            self._dispatch_direct(time.monotonic())
+            self._pulls.dispatch_direct(time.monotonic())
             self._deliver()  # first: the caller waits for it, not for the counts
             ended = [t for t in taken if t.state in (TransferState.DONE, TransferState.FAILED)]
             here = sum(t.state is TransferState.DONE for t in ended)
@@ -373,7 +378,7 @@ class Consumer(NetworkThread):
                 if len(transfers) > link.max_batch_items:
                     return False
             for endpoint, transfers in batches.items():
-                self._request(self._links[endpoint], transfers, now, lane_only=True)
+                self._pulls.request(self._links[endpoint], transfers, now, lane_only=True)
             self._count("requests_sent_by_caller")
             # A lane that broke on the way (the network thread sends again over ZMQ),
             # or one with bytes left to write (its poll now needs POLLOUT): wake it.
@@ -666,20 +671,20 @@ class Consumer(NetworkThread):
 
     def _step(self, events: dict[object, int]) -> None:
         now = time.monotonic()
-        lost, self._peers_lost = self._peers_lost, []
+        lost, self._pulls.peers_lost = self._pulls.peers_lost, []
         for endpoint, detail in lost:
             link = self._links.get(endpoint)
             if link is not None and link.state is PeerLinkState.READY:
-                self._peer_failed(link, FailureReason.PEER_UNREACHABLE, detail, now)
+                self._pulls.peer_failed(link, FailureReason.PEER_UNREACHABLE, detail, now)
                 continue
             for t in self._book.of_peer(endpoint):  # the session is gone already: on with them
                 if t.state is TransferState.READING and t.dest is None:
-                    self._move_on(t, FailureReason.PEER_UNREACHABLE, detail)
+                    self._pulls.move_on(t, FailureReason.PEER_UNREACHABLE, detail)
         taken = self._take_incoming()
         if taken and self._locations:
             # New fetches of located entries are read before anything else here: the
             # rest of the pass is cold code after an idle gap.
-            self._dispatch_direct(now)
+            self._pulls.dispatch_direct(now)
             woken_by_fetch = self._waker is not None and set(events) <= {self._waker.fileno()}
             done = all(t.state is TransferState.DONE for t in taken)
             if woken_by_fetch and done and not self._connects:
@@ -712,7 +717,7 @@ class Consumer(NetworkThread):
                 for msg in link.receive():
                     self._on_message(link, msg, now)
             self._check_link(link, now)
-        self._poll_reads()
+        self._pulls.poll_reads()
         self._poll_fenced()
         # Idle, we leave progress to the producer side (if any): notices it took for
         # our pushes (a late one, after a PushDone committed) are picked up all the same.
@@ -725,8 +730,8 @@ class Consumer(NetworkThread):
         self._top_up_credits(now)
         self._release_unawaited(now)
         self._dispatch(now)
-        self._expire(now)
-        self._renew(now)
+        self._pulls.expire(now)
+        self._pulls.renew(now)
         self._peers.close_idle(now)
         for link in self._links.values():
             if link.releases_due(now):
@@ -760,7 +765,7 @@ class Consumer(NetworkThread):
         try:
             problem = link.tick(now)
         except AuthenticationFailed as exc:
-            self._peer_failed(link, FailureReason.AUTH_FAILED, str(exc), now)
+            self._pulls.peer_failed(link, FailureReason.AUTH_FAILED, str(exc), now)
             return
         if problem is None:
             return
@@ -772,14 +777,7 @@ class Consumer(NetworkThread):
             self._count("handshakes_retried")
             link.close()
             return
-        self._peer_failed(link, problem[0], problem[1], now)
-
-    def _peer_failed(self, link: PeerLink, reason: FailureReason, detail: str, now: float) -> None:
-        log.warning("peer %s failed (%s): %s", link.endpoint, reason.value, detail)
-        self._count(f"peer_failures.{reason.value}")
-        link.quarantine(now, reason)  # its session's reservations are orphaned first
-        for t in self._book.of_peer(link.endpoint):
-            self._move_on(t, reason, detail)  # a read in flight is fenced on the way
+        self._pulls.peer_failed(link, problem[0], problem[1], now)
 
     def _on_message(self, link: PeerLink, msg: p.Message, now: float) -> None:
         link.heard(now)
@@ -804,15 +802,15 @@ class Consumer(NetworkThread):
                     if item.grant_id:
                         link.release([item.grant_id], session_id)
                     continue
-                self._on_item(link, t, item, now, reads)
-            self._post_reads(link, reads)
+                self._pulls.on_item(link, t, item, now, reads)
+            self._pulls.post_reads(link, reads)
             for t in by_hash.values():  # the producer skipped an item: treat as missing
                 if t.state is TransferState.REQUESTED:
-                    self._move_on(t, FailureReason.MISSING, "not in reply")
+                    self._pulls.move_on(t, FailureReason.MISSING, "not in reply")
         elif isinstance(msg, p.Located):
             self._locations.heard(link, msg)
         elif isinstance(msg, p.Renewed):
-            self._on_renewed(link, msg)
+            self._pulls.on_renewed(link, msg)
         elif isinstance(msg, p.PushOffer):
             self._on_offer(link, msg, now)
         elif isinstance(msg, p.PushDone):
@@ -824,12 +822,12 @@ class Consumer(NetworkThread):
             transfers = link.pending.pop(msg.request_id, None) or []
             for t in transfers:
                 if t.state is TransferState.REQUESTED:
-                    self._move_on(t, FailureReason.PEER_UNREACHABLE, msg.message)
+                    self._pulls.move_on(t, FailureReason.PEER_UNREACHABLE, msg.message)
         else:
             welcomed = link.state is PeerLinkState.HELLO_SENT
             problem = link.on_message(msg, now)
             if problem is not None:
-                self._peer_failed(link, problem[0], problem[1], now)
+                self._pulls.peer_failed(link, problem[0], problem[1], now)
             elif welcomed and link.state is PeerLinkState.READY:
                 if link.region_size and link.agent:
                     self._reads.warm_up(link.agent, link.session_id, link.endpoint)
@@ -846,84 +844,6 @@ class Consumer(NetworkThread):
         with self._lock:
             queued = list(self._incoming)
         return self._locations.readable(queued, self._links, copies_only)
-
-    def _dispatch_direct(self, now: float) -> None:
-        """READ the queued fetches whose entries' places are known, one READ per peer,
-        each checked as `Locations.read_of` says. Runs before the requests are
-        batched, so that one that falls back (on one host a READ ends inside the
-        call) is asked for in the same pass."""
-        found: dict[str, tuple[PeerLink, list[tuple[Transfer, p.Location]]]] = {}
-        for t in self._book.due(now):
-            if t.awaiting_push:
-                continue
-            link = self._links.get(t.peer or "")
-            if link is None or link.state is not PeerLinkState.READY:
-                continue
-            where = self._locations.where(t, link)
-            if where is not None:
-                found.setdefault(link.endpoint, (link, []))[1].append((t, where))
-        for link, batch in found.values():
-            by_tag = direct.by_tag(where for _, where in batch)
-            reads: list[tuple[Transfer, list[Segment]]] = []
-            for t, where in batch:
-                t.read = self._locations.read_of(where, link, by_tag=by_tag)
-                t.direct_tried = True
-                if self.phases is not None:
-                    self.phases.mark(t.mm_hash, "granted")
-                FetchBook.describe(t, where, self._config.fetch_deadline_s(where.nbytes))
-                self._start_read(link, t, reads)
-            self._count_add("direct_reads", len(batch))
-            self._post_reads(link, reads)
-
-    def _read_tags(self) -> None:
-        """The bytes of these direct reads have landed: read their entries' tags back.
-        From a producer on this host, straight from its memory, all of them in one
-        system call (`PeerLink.peek`); else one READ per producer (per
-        `TAGS_PER_READ` of them), into the landing's slots (`ecshare.peer.landing`)."""
-        due, self._tags_due = self._tags_due, []
-        assert self._landing is not None  # no tag is asked for without one
-        by_link: dict[str, tuple[PeerLink, list[Transfer]]] = {}
-        for link, t in due:
-            if t.state is TransferState.READING and t.read_handle is None and t.dest is not None:
-                by_link.setdefault(link.endpoint, (link, []))[1].append(t)
-        for link, all_due in by_link.values():
-            for i in range(0, len(all_due), TAGS_PER_READ):
-                batch = all_due[i : i + TAGS_PER_READ]
-                words = direct.peek_tags(link, batch, self._count)
-                if words is None:
-                    self._read_tags_of(link, batch)
-                    continue
-                self._count_add("tag_peeks", len(batch))
-                for t, word in zip(batch, words, strict=True):
-                    assert t.direct is not None
-                    t.direct.tag_read = True
-                    self._read_ended(t, link, word)
-
-    def _read_tags_of(self, link: PeerLink, batch: list[Transfer]) -> None:
-        """One READ of the tags of `batch` (at most `TAGS_PER_READ`) from `link`."""
-        assert self._landing is not None
-        offsets = [t.direct.tag_offset for t in batch if t.direct is not None]
-        landing = self._landing.take(offsets)
-        if landing is None:  # every chunk is held by READs still moving
-            for t in batch:
-                self._reads.drop_dest(t)
-                self._direct_missed(t, "tag_landing_full")
-            return
-        for t, slot in zip(batch, landing.slots, strict=True):
-            assert t.direct is not None
-            t.direct.tag_slot = slot
-            t.direct.tag_read = True
-        reads = [(batch[0], landing.segments)] + [(t, []) for t in batch[1:]]
-        shared = self._reads.post(link.agent, reads, landing)
-        self._count("tag_reads")
-        self._poll_shared(reads, shared)
-
-    def _direct_missed(self, t: Transfer, counter: str) -> None:
-        """A direct read that ended without usable bytes: ask the same peer for a grant.
-        Its destination is gone already (the READ has ended)."""
-        self._count(counter)
-        self._locations.forget(t)
-        FetchBook.ask_instead(t)
 
     # -- pushes ------------------------------------------------------------------------------
 
@@ -1057,229 +977,6 @@ class Consumer(NetworkThread):
 
     # -- items -------------------------------------------------------------------------------
 
-    def _on_item(
-        self,
-        link: PeerLink,
-        t: Transfer,
-        item: p.ItemReply,
-        now: float,
-        reads: list[tuple[Transfer, list[Segment]]],
-    ) -> None:
-        """One item of a reply; a granted one joins `reads`, posted as one READ."""
-        status = item.status
-        if status is p.ItemStatus.GRANTED:
-            if self.phases is not None:
-                self.phases.mark(t.mm_hash, "granted")
-            g = self._book.grant(t, item.grant_id, item.lease_ms / 1000 or link.lease_s)
-            if self._config.checksum != "none" and item.checksum is None:
-                # Silently accepting it would downgrade the integrity asked for.
-                link.release([item.grant_id], g.session_id)
-                self._count("checksum_missing")
-                self._move_on(
-                    t, FailureReason.CHECKSUM_MISSING, f"{self._config.checksum} required"
-                )
-                return
-            if t.give_up_at() <= now:
-                link.release([item.grant_id], g.session_id)
-                self._count("grants_expired_on_arrival")
-                self._move_on(t, FailureReason.DEADLINE, "the grant's lease ended in transit")
-                return
-            FetchBook.describe(t, item, self._config.fetch_deadline_s(item.nbytes))
-            self._start_read(link, t, reads)
-        elif status.retryable:
-            if status is p.ItemStatus.OVERLOADED:
-                link.releases_ahead()  # our finished grants may be what fills the session
-            cfg = self._config
-            if not FetchBook.back_off(
-                t,
-                now,
-                item.retry_after_ms / 1000,
-                retries=cfg.max_retries,
-                first_s=cfg.retry_initial_backoff_s,
-                max_s=cfg.retry_max_backoff_s,
-            ):
-                self._move_on(t, FailureReason.RETRIES_EXHAUSTED, status.value)
-                return
-            self._count(f"retries.{status.value}")
-        else:
-            reason = {
-                p.ItemStatus.MISSING: FailureReason.MISSING,
-                p.ItemStatus.INCOMPATIBLE: FailureReason.INCOMPATIBLE,
-                p.ItemStatus.TOO_LARGE: FailureReason.TOO_LARGE,
-            }.get(status, FailureReason.MISSING)
-            self._move_on(t, reason, item.detail or status.value)
-
-    def _release_grant(self, link: PeerLink, t: Transfer) -> None:
-        """A granted read is over: its grant goes back (a direct read has none)."""
-        g = t.granted
-        if g is not None:
-            link.release([g.grant_id], g.session_id)
-
-    def _start_read(
-        self, link: PeerLink, t: Transfer, reads: list[tuple[Transfer, list[Segment]]]
-    ) -> None:
-        """Check the grant (or the location) and take the destination; the READ goes out
-        with the reply's others (`_post_reads`)."""
-        region_size = link.region_size
-        total = sum(n for _, n in t.remote_extents)
-        if (
-            t.nbytes <= 0
-            or total != t.nbytes
-            or any(o < 0 or n <= 0 or o + n > region_size for o, n in t.remote_extents)
-        ):
-            # A grant we cannot trust is never read.
-            self._count("bad_grants")
-            self._release_grant(link, t)
-            self._move_on(t, FailureReason.TRANSPORT, "grant extents invalid")
-            return
-        meta = EntryMeta(dtype=t.dtype or "uint8", shape=t.shape, checksum=t.checksum)
-        try:
-            dest = self._store.allocate(t.mm_hash, t.nbytes, meta)
-        except EntryExists:
-            self._release_grant(link, t)
-            existing = self._store.get(t.mm_hash)
-            if (
-                existing is not None
-                and existing.state is EntryState.READY
-                and all(self._take_hold(t.mm_hash, h) for h in t.holds)
-            ):
-                t.move(TransferState.READING)
-                self._succeed(t, link.endpoint)
-            else:
-                self._move_on(t, FailureReason.LOCAL_STORE_FULL, "entry being written locally")
-            return
-        except (StoreFull, EntryTooLarge) as exc:
-            self._release_grant(link, t)
-            self._move_on(t, FailureReason.LOCAL_STORE_FULL, str(exc))
-            return
-        except InvalidMeta as exc:
-            # The grant disagrees with itself (dtype and shape against nbytes):
-            # a grant we cannot trust, like one with bad extents.
-            self._release_grant(link, t)
-            self._move_on(t, FailureReason.TRANSPORT, f"grant meta invalid: {exc}")
-            return
-        t.dest = dest
-        t.move(TransferState.READING)
-        reads.append((t, pair_segments(dest.extents, t.remote_extents)))
-
-    def _post_reads(self, link: PeerLink, reads: list[tuple[Transfer, list[Segment]]]) -> None:
-        """One READ for the destinations of a reply's granted items (`SharedRead`)."""
-        reads = [
-            (t, segs)
-            for t, segs in reads
-            if t.state is TransferState.READING and t.read_handle is None and t.dest is not None
-        ]
-        if not reads:
-            return
-        if self.phases is not None:
-            start = time.monotonic()
-            for t, _ in reads:
-                self.phases.mark(t.mm_hash, "read_start", start)
-        shared = self._reads.post(link.agent, reads)
-        if self.phases is not None:
-            back = time.monotonic()
-            for t, _ in reads:
-                self.phases.mark(t.mm_hash, "read_return", back)
-        self._count_add("reads_started", len(reads))
-        self._count("read_posts")
-        if self._transport.may_copy_in_call and sum(t.nbytes for t, _ in reads) >= COPY_PROBE_BYTES:
-            link.copies_in_call = self._reads.poll(shared).state is ReadState.DONE
-        self._poll_shared(reads, shared)
-        if self._tags_due:
-            self._read_tags()
-
-    def _poll_shared(self, reads: list[tuple[Transfer, list[Segment]]], shared: object) -> None:
-        """Look at a READ just posted for each of its transfers: on one host it has ended
-        already. A failed READ that takes its peer down moves the others on with it."""
-        for t, _ in reads:
-            if t.state is TransferState.READING and t.read_handle is shared:
-                self._poll_read(t)
-
-    def _poll_reads(self) -> None:
-        for t in self._book.reading():
-            if t.state is TransferState.READING and t.read_handle is not None:
-                self._poll_read(t)
-        if self._tags_due:
-            self._read_tags()
-
-    def _poll_read(self, t: Transfer) -> None:
-        ended = self._reads.ended(t)
-        if ended is None:
-            return
-        status, landed = ended
-        if self.phases is not None:
-            self.phases.mark(t.mm_hash, "done")
-        link = self._links[t.candidates[t.peer_index]]
-        self._release_grant(link, t)
-        if status.state is ReadState.FAILED:
-            self._reads.drop_dest(t)
-            if status.failure is FailureKind.PEER_DISCONNECTED:
-                if threading.current_thread() is not self._thread:  # `_read_here`
-                    # Ending the session closes its ZMQ sockets, which only the network
-                    # thread may touch: it does so first thing in its next pass (`t`
-                    # waits, READING with nothing in flight, until then).
-                    self._peers_lost.append((link.endpoint, status.detail))
-                    return
-                # This moves every transfer of the peer on, `t` included; moving
-                # `t` again would skip its next candidate.
-                self._peer_failed(
-                    link, FailureReason.PEER_UNREACHABLE, status.detail, time.monotonic()
-                )
-                return
-            if t.direct is not None:
-                self._direct_missed(t, "direct_reads_failed")
-                return
-            self._move_on(t, FailureReason.TRANSPORT, status.detail)
-            return
-        self._read_ended(t, link, landed)
-
-    def _read_ended(self, t: Transfer, link: PeerLink, landed: int) -> None:
-        """`t`'s READ has ended well: check, commit and succeed (`landed`: the word its
-        tag's read brought back, if any)."""
-        d = t.direct
-        if d is not None:
-            if d.tag and not d.tag_read:
-                self._tags_due.append((link, t))  # `_read_tags`, with the others of this pass
-                return
-            if not direct.intact(self._store, t, landed) or (d.tag and not self._verify(t)):
-                # Evicted and its blocks reused since it was located, or (a tag proves
-                # only the blocks, not their bytes) written by another reader: not this
-                # entry, and the granted read checks it again.
-                self._reads.drop_dest(t)
-                self._direct_missed(t, "direct_reads_stale")
-                return
-            if self.phases is not None:
-                self.phases.mark(t.mm_hash, "checked")
-        else:
-            g = t.granted
-            assert g is not None  # a read is direct or granted
-            if time.monotonic() > g.lease_end:
-                # The producer may have reused its blocks before the read finished.
-                self._reads.drop_dest(t)
-                self._count("lease_overruns")
-                self._move_on(t, FailureReason.DEADLINE, "the read ended after the lease ran out")
-                return
-            if not self._verify(t):
-                self._reads.drop_dest(t)
-                self._count("checksum_failures")
-                self._move_on(t, FailureReason.CHECKSUM_MISMATCH, "checksum differs")
-                return
-        holds = list(t.holds)
-        assert t.dest is not None  # a READ is posted only for a transfer with its destination
-        self._store.commit(t.dest, holds=holds)
-        if self.phases is not None:
-            self.phases.mark(t.mm_hash, "committed")
-        self._succeed(t, link.endpoint, read=t.nbytes)  # no caller joins it after this
-        for late in t.holds[len(holds) :]:  # joined between the commit and _succeed
-            self._take_hold(t.mm_hash, late)
-
-    def _verify(self, t: Transfer) -> bool:
-        if self._config.checksum == "none" or t.dest is None:
-            return True
-        if t.checksum is None:  # refused at grant time; never accepted unchecked
-            return False
-        return self._store.checksum(t.dest) == t.checksum
-
     def _held(self, item: FetchItem) -> bool:
         """Pin a local hit for the caller, if it asked; False if it is gone meanwhile."""
         return item.hold is None or self._take_hold(item.mm_hash, item.hold)
@@ -1329,27 +1026,8 @@ class Consumer(NetworkThread):
             if self.phases is not None:
                 self.phases.mark(result.mm_hash, "result")
 
-    def _fail(self, t: Transfer, reason: FailureReason, detail: str) -> None:
-        if t.state is TransferState.READING:
-            self._reads.abandon(t)
-        t.move(TransferState.FAILED)
-        self._count(f"failed.{reason.value}")
-        self._finish(t)
-        t.future.set_exception(FetchFailed(t.mm_hash, reason, detail))
-
     def _finish(self, t: Transfer) -> None:
         self._book.finish(t)
-
-    def _move_on(self, t: Transfer, reason: FailureReason, detail: str) -> None:
-        """Leave the current peer: queue for the next candidate, or fail for good."""
-        if t.state in (TransferState.DONE, TransferState.FAILED):
-            return
-        if t.state is TransferState.READING:
-            self._reads.abandon(t)
-        if FetchBook.fail_over(t, reason):
-            self._count("failovers")
-        else:
-            self._fail(t, t.final_reason(), detail)
 
     def _poll_fenced(self) -> None:
         for f in self._reads.poll_fences():
@@ -1360,104 +1038,7 @@ class Consumer(NetworkThread):
     # -- dispatch and expiry -----------------------------------------------------------------
 
     def _dispatch(self, now: float) -> None:
-        if self._locations:
-            self._dispatch_direct(now)
-        batches: dict[str, list[Transfer]] = {}
-        for t in self._book.due(now):
-            endpoint = t.peer
-            assert endpoint is not None
-            link = self._peers.link(endpoint)
-            if link is None:
-                self._count("refused_peer_links")
-                self._move_on(
-                    t,
-                    FailureReason.PEER_UNREACHABLE,
-                    f"every one of max_peer_links={self._config.max_peer_links} links is busy",
-                )
-                continue
-            if link.state is PeerLinkState.QUARANTINED:
-                self._move_on(t, link.quarantine_reason, "peer quarantined")
-                continue
-            if link.state is not PeerLinkState.READY:
-                link.connect(now)
-                continue
-            batches.setdefault(endpoint, []).append(t)
-        for endpoint, transfers in batches.items():
-            link = self._links[endpoint]
-            limit = link.max_batch_items
-            for i in range(0, len(transfers), limit):
-                self._request(link, transfers[i : i + limit], now)
-
-    def _request(
-        self, link: PeerLink, chunk: list[Transfer], now: float, *, lane_only: bool = False
-    ) -> None:
-        """One FetchRequest for `chunk` (at most the link's batch)."""
-        request_id = f"r{next(self._request_ids)}"
-        self._book.ask(chunk, request_id, link.session_id, now)
-        if self.phases is not None:
-            sent = time.monotonic()  # before the send, so before the producer's marks
-            for t in chunk:
-                self.phases.mark(t.mm_hash, "sent", sent)
-        link.request(
-            request_id,
-            [p.ItemRequest(t.mm_hash, t.max_nbytes) for t in chunk],
-            chunk,
-            now,
-            lane_only=lane_only,
-        )
-        self._count("requests")
-
-    def _expire(self, now: float) -> None:
-        late, leases_out = self._book.expired(now)
-        for t in late:
-            # A read in flight keeps its grant: it is fenced, and released when it ends.
-            link = self._links.get(t.peer or "")
-            if link is not None and t.state is not TransferState.READING:
-                self._release_grant(link, t)
-            self._fail(t, FailureReason.DEADLINE, f"no data within {t.deadline - t.started:.3f} s")
-        for t in leases_out:
-            if t.state is TransferState.READING:  # not moved on by an earlier one
-                self._count("leases_run_out")
-                self._move_on(t, FailureReason.DEADLINE, "the grant's lease ran out")
-        for link in self._links.values():
-            for request_id, transfers in link.expired_requests(now):
-                for t in transfers:
-                    g = t.granted
-                    if (
-                        t.state is TransferState.REQUESTED
-                        and g is not None
-                        and g.request_id == request_id
-                    ):
-                        self._move_on(t, FailureReason.PEER_UNREACHABLE, "request timed out")
-
-    def _renew(self, now: float) -> None:
-        """Ask for more lease time for reads that need it, half-way through the lease."""
-        for endpoint, transfers in self._book.renewals_due(now).items():
-            granted = [g for t in transfers if (g := t.granted) is not None]
-            link = self._links.get(endpoint)
-            if link is None or not link.renews or link.state is not PeerLinkState.READY:
-                for g in granted:
-                    g.renew_at = math.inf  # no renewal to be had: the lease decides
-                continue
-            for g in granted:
-                if g.session_id != link.session_id:
-                    g.renew_at = math.inf  # a grant of an ended session: its lease decides
-            granted = [g for g in granted if g.session_id == link.session_id]
-            if not granted:
-                continue
-            for g in granted:
-                g.renew_sent = now
-            link.renew([g.grant_id for g in granted])
-            self._count_add("renewals_sent", len(granted))
-
-    def _on_renewed(self, link: PeerLink, msg: p.Renewed) -> None:
-        renewed, refused = self._book.renewed(
-            link.endpoint, link.renewal_answered(), set(msg.renewed), msg.lease_ms / 1000
-        )
-        if renewed:
-            self._count_add("renewed", renewed)
-        if refused:
-            self._count_add("renewals_refused", refused)
+        self._pulls.dispatch(now)
 
     def _shutdown(self) -> None:
         self._deliver()  # fetches that succeeded before the end keep their results
@@ -1466,9 +1047,9 @@ class Consumer(NetworkThread):
         else:
             why, detail = FailureReason.SHUTDOWN, "consumer stopping"
         for t in list(self._transfers):
-            self._end_quietly(t, why, detail)
+            self._pulls.end_quietly(t, why, detail)
         for t in self._book.take_stranded():
-            self._end_quietly(t, why, detail)
+            self._pulls.end_quietly(t, why, detail)
         self._inbox.stop()
         deadline = time.monotonic() + self._config.shutdown_timeout_s
         while (self._reads.fences or self._inbox.busy) and time.monotonic() < deadline:
@@ -1488,15 +1069,6 @@ class Consumer(NetworkThread):
         self._peers.close()
         if self._waker is not None:
             self._waker.close()
-
-    def _end_quietly(self, t: Transfer, reason: FailureReason, detail: str) -> None:
-        """Fail `t`, even from state the error that killed the thread left broken."""
-        try:
-            self._fail(t, reason, detail)
-        except Exception:
-            log.exception("while failing %s", t.mm_hash)
-            if not t.future.done():
-                t.future.set_exception(FetchFailed(t.mm_hash, reason, detail))
 
     def _count(self, key: str) -> None:
         self.counters.add(key)

@@ -845,7 +845,7 @@ def test_more_tags_in_a_pass_than_one_read_takes_come_back_in_several_reads(
     """More located entries in one fetch than one READ of tags takes (here 2, for
     the test): their tags come back in as many READs as it takes, each checked
     against its own entry's, and every entry lands whole."""
-    monkeypatch.setattr("ecshare.peer.consumer.TAGS_PER_READ", 2)
+    monkeypatch.setattr("ecshare.peer.pull.TAGS_PER_READ", 2)
     pnode, producer = make_producer(keyring.producer_config(), CMA)
     cnode, consumer = make_consumer(keyring.consumer_config(), CMA, NIXL_TAGS)
     _up(consumer, producer.address)
