@@ -12,9 +12,9 @@ handshakes, heartbeats, quarantine), the data-plane READs and their fences
 (`ecshare.peer.reads`), direct reads (`ecshare.peer.direct`) and the push
 inbox (`ecshare.peer.inbox`). Two exceptions save a hand-off between threads:
 when that thread sleeps in poll and the peer's fetch lane is up, `fetch()`
-sends the request itself (`_send_now`); and a caller that blocks on a fetch's
+sends the request itself (`CallerThread.send_now`); and a caller that blocks on a fetch's
 future while its direct read is still queued makes the READ on its own thread
-(`ecshare.peer.lending`, `_read_here`).
+(`ecshare.peer.lending`, `CallerThread.read_here`).
 
 Two promises bind the reads (docs/ARCHITECTURE.md, invariants 2 and 4):
 - A read's destination blocks are handed to nobody else while the read may
@@ -59,7 +59,7 @@ from ecshare.peer import direct
 from ecshare.peer.fetchbook import FetchBook
 from ecshare.peer.inbox import Inbox, PushLink, Reservation
 from ecshare.peer.landing import TagLanding
-from ecshare.peer.lending import LEND_MIN_WAIT_S, Fetching
+from ecshare.peer.lending import LEND_MIN_WAIT_S, CallerThread, Fetching
 from ecshare.peer.link import PeerLink, PeerLinkState
 from ecshare.peer.links import LinkPool
 from ecshare.peer.notices import Notices
@@ -162,7 +162,7 @@ class Consumer(NetworkThread):
         self._name = name
         self._init_thread()
         # Held by the network thread for everything but its wait in poll, so that a
-        # caller who finds it free may send its own requests (`_send_now`).
+        # caller who finds it free may take its own fast paths (`CallerThread`).
         self._net_lock = threading.Lock()
         self._weak = weakref.ref(self)  # for each fetch's `Fetching`
         self._serving = False  # under _net_lock: the network thread's loop runs
@@ -205,6 +205,18 @@ class Consumer(NetworkThread):
             succeed=self._succeed,
             take_hold=self._take_hold,
             on_network_thread=lambda: threading.current_thread() is self._thread,
+        )
+        self._caller = CallerThread(
+            net_lock=self._net_lock,
+            serving=lambda: self._serving,
+            book=self._book,
+            peers=self._peers,
+            locations=self._locations,
+            pulls=self._pulls,
+            take_incoming=self._take_incoming,
+            deliver=self._deliver,
+            count=self._count,
+            count_add=self._count_add,
         )
         self.counters = Counts()
         self._counters_lock = self.counters.lock  # the latency figures share it
@@ -291,7 +303,7 @@ class Consumer(NetworkThread):
                 located = located or item.mm_hash in self._locations
             queued = bool(self._incoming)
         if queued and read_here and self._waker is not None:
-            ended = self._read_here()
+            ended = self._caller.read_here()
             if ended is not None:
                 if not ended:
                     self._waker.wake()  # what is left: a fallback, a READ still moving
@@ -303,93 +315,18 @@ class Consumer(NetworkThread):
         if (
             queued
             and self._waker is not None
-            and (located or not self._send_now() or self._config.reply_spin_s > 0)
+            and (located or not self._caller.send_now() or self._config.reply_spin_s > 0)
         ):
             self._waker.wake()
         return futures
-
-    def _read_here(self, lent: bool = False) -> bool | None:
-        """`fetch(read_here=True)`: the direct reads of the new fetches, made on the
-        caller's thread while the network thread sleeps in poll (under `_net_lock`,
-        as `_send_now`). True: every new fetch has ended here; False: some are left
-        to the network thread (a fallback to a grant, a READ still moving); None:
-        nothing was done here (the network thread is busy, or no place is known).
-        `lent`: for `_lend`, only at a producer whose READs end inside the call, and
-        counted `read_lent` rather than `read_here`."""
-        if not self._net_lock.acquire(blocking=False):
-            return None
-        try:
-            if not self._serving or not self._any_located(copies_only=lent):
-                return None
-            taken = self._take_incoming()
-            self._pulls.dispatch_direct(time.monotonic())
-            self._deliver()  # first: the caller waits for it, not for the counts
-            ended = [t for t in taken if t.state in (TransferState.DONE, TransferState.FAILED)]
-            here = sum(t.state is TransferState.DONE for t in ended)
-            if here:
-                self._count_add("read_lent" if lent else "read_here", here)
-            return len(ended) == len(taken)
-        finally:
-            self._net_lock.release()
 
     def _lend(self) -> None:
         """A caller blocks on an unfinished fetch's future (`Fetching`): the direct
         reads queued now are made on its thread, as `fetch(read_here=True)` makes
         them, unless the network thread is at them already. fetch() has woken that
         thread; it waits for `_net_lock` meanwhile, and then finds them done."""
-        if self._waker is not None and self._read_here(lent=True) is False:
+        if self._waker is not None and self._caller.read_here(lent=True) is False:
             self._waker.wake()  # what is left: a fallback, a READ still moving
-
-    def _send_now(self) -> bool:
-        """Send the new fetches' requests from the caller's thread when the network
-        thread sleeps in poll and each can go out at once on its peer's fetch lane;
-        True if they all went.
-
-        It saves the hand-off: waking the network thread, and its pass through the
-        loop before the request goes out. It never blocks (the lock is only tried, a
-        lane send does not wait) and touches no ZMQ socket, which the sleeping thread
-        polls: the lane's answers wake that thread as ever. Anything else (no lane
-        up, a peer not ready, a push to wait for, a lane that breaks on the way) is
-        left to the network thread, as without this.
-        """
-        if not self._net_lock.acquire(blocking=False):
-            return False
-        try:
-            if not self._serving or self._any_located():
-                return False  # left in the queue: the network thread reads them first
-            now = time.monotonic()
-            picked = self._take_incoming()
-            batches: dict[str, list[Transfer]] = {}
-            for t in picked:
-                link = self._links.get(t.peer or "")
-                if (
-                    t.state is not TransferState.QUEUED
-                    or t.not_before > now
-                    or t.awaiting_push
-                    or link is None
-                    or link.state is not PeerLinkState.READY
-                    or link.lane is None
-                    or not link.lane.usable
-                ):
-                    return False
-                batches.setdefault(link.endpoint, []).append(t)
-            for endpoint, transfers in batches.items():
-                link = self._links[endpoint]
-                if len(transfers) > link.max_batch_items:
-                    return False
-            for endpoint, transfers in batches.items():
-                self._pulls.request(self._links[endpoint], transfers, now, lane_only=True)
-            self._count("requests_sent_by_caller")
-            # A lane that broke on the way (the network thread sends again over ZMQ),
-            # or one with bytes left to write (its poll now needs POLLOUT): wake it.
-            return all(
-                (lane := self._links[endpoint].lane) is not None
-                and lane.usable
-                and lane.poll_flags == zmq.POLLIN
-                for endpoint in batches
-            )
-        finally:
-            self._net_lock.release()
 
     def connect(self, peers: Sequence[str]) -> None:
         """Open sessions to `peers` now, so that the first fetch from each does not
@@ -835,16 +772,6 @@ class Consumer(NetworkThread):
 
     # -- direct reads ------------------------------------------------------------------------
 
-    def _any_located(self, copies_only: bool = False) -> bool:
-        """A queued fetch's entry is located: the network thread is to read it directly
-        (a READ is never made on the caller's thread), at the start of its next pass.
-        `copies_only`: only from a producer whose READs end inside the call."""
-        if not self._locations:
-            return False
-        with self._lock:
-            queued = list(self._incoming)
-        return self._locations.readable(queued, self._links, copies_only)
-
     # -- pushes ------------------------------------------------------------------------------
 
     def _on_offer(self, link: PeerLink, msg: p.PushOffer, now: float) -> None:
@@ -1018,7 +945,7 @@ class Consumer(NetworkThread):
         Done last, just before the thread blocks: a caller woken by its future needs
         the GIL, which this thread holds until it blocks, and a caller that wakes to
         find it held sleeps again and needs a second wake-up. (A caller that read on
-        its own thread, `_read_here`, resolves its own at the end of its turn.)
+        its own thread, `CallerThread.read_here`, resolves its own at the end of its turn.)
         """
         results, self._results = self._results, []
         for future, result in results:

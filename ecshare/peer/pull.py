@@ -33,7 +33,6 @@ from ecshare.peer import direct
 from ecshare.peer.direct import Locations
 from ecshare.peer.fetchbook import FetchBook
 from ecshare.peer.landing import TAGS_PER_READ, TagLanding
-from ecshare.peer.lending import COPY_PROBE_BYTES
 from ecshare.peer.link import PeerLink, PeerLinkState
 from ecshare.peer.links import LinkPool
 from ecshare.peer.phases import PhaseLog
@@ -52,6 +51,11 @@ from ecshare.store import (
 from ecshare.transport.base import DataTransport, FailureKind, ReadState, Segment, pair_segments
 
 log = logging.getLogger(__name__)
+
+# A READ of at least this much, over a transport that may copy inside the read call
+# (`DataTransport.may_copy_in_call`), tells whether its producer's READs end inside the
+# call (`PeerLink.copies_in_call`): only those are worth lending a caller's thread to.
+COPY_PROBE_BYTES = 1 << 20
 
 
 class Pulls:
@@ -339,7 +343,7 @@ class Pulls:
         if status.state is ReadState.FAILED:
             self._reads.drop_dest(t)
             if status.failure is FailureKind.PEER_DISCONNECTED:
-                if not self._on_network_thread():  # `_read_here`
+                if not self._on_network_thread():  # `CallerThread.read_here`
                     # Ending the session closes its ZMQ sockets, which only the network
                     # thread may touch: it does so first thing in its next pass (`t`
                     # waits, READING with nothing in flight, until then).
