@@ -4,10 +4,10 @@ This module sits below every other layer and imports nothing of ecshare, so the
 store, the transport and the peer layer can all derive their errors from it:
 a caller that wants "anything ecshare refused" catches `ECShareError` alone.
 
-`IllegalTransition` is shared by the two state machines that raise it, the
-store's entries (`ecshare.store.entries`) and the consumer's transfers
-(`ecshare.peer.transfer`). Either one means a bug in the caller, never a peer's
-fault, so it is also a `RuntimeError`.
+`IllegalTransition` is shared by every state machine that raises it: the
+store's entries (`ecshare.store.entries`), and the peer layer's transfers, push
+reservations and pushes (through `ecshare.peer.machine`). Each means a bug in
+the caller, never a peer's fault, so it is also a `RuntimeError`.
 """
 
 from __future__ import annotations

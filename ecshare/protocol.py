@@ -55,7 +55,7 @@ CAP_PUSH_CREDIT: Final = "push.credit"
 CAP_RELEASE_IN_REQUEST: Final = "release.in_request"
 # Direct reads: the producer tells the consumer where each entry it commits lies
 # (`Located`), and the consumer may READ it there with no request, keeping what it
-# read only if its digest or tag checks out (ecshare/peer/consumer.py, "Direct reads";
+# read only if its digest or tag checks out (ecshare/peer/direct.py;
 # docs/SECURITY.md). A producer lists it only when its data plane serves reads
 # without its own loop.
 CAP_READ_DIRECT: Final = "read.direct"
