@@ -14,7 +14,15 @@ Routes:
 * ``GET /v1/models``: a prefill/decode instance's answer;
 * ``GET /health``: 200 while some prefill/decode instance is in rotation, else 503; with
   every backend's state only for a caller with an API key (where keys are set);
-* ``GET /metrics``: Prometheus text.
+* ``GET /metrics``: Prometheus text;
+* ``GET/POST/DELETE /v1/members``: run-time membership (`discovery`), only with an admin
+  key (`--admin-key-file`), which it checks itself: the API keys do not apply to it.
+
+With `--events-port`, the proxy subscribes to every member's item feed, and the routing
+asks the item directory they feed (`directory`, `feeds`) where items are; without it,
+routing knows of nothing held (`routing.NoDirectory`). The membership (`discovery`) is
+kept where it has a use (an events port, an admin key or a `--discover-*` name): the
+backends on the command line, those registered and those discovered.
 
 A client's own `ec_transfer_params` (top level, or in `vllm_xargs`) would tell the
 prefill/decode instance which producer to fetch from, so they are dropped from every
@@ -53,6 +61,12 @@ from aiohttp import web
 
 from ecshare.apps.proxy.backends import ENCODER, PREFILL_DECODE, Backend, BackendPool, watch_health
 from ecshare.apps.proxy.config import ProxyConfig
+from ecshare.apps.proxy.discovery import (
+    Membership,
+    discovery_from_config,
+    member_routes,
+    membership_from_config,
+)
 from ecshare.apps.proxy.errors import ProxyError, error_response
 from ecshare.apps.proxy.fanout import EncoderStage, scan_media
 from ecshare.apps.proxy.forward import PrefillDecodeStage
@@ -74,6 +88,7 @@ _ENDPOINTS = {
     MODELS_PATH: "models",
     "/health": "health",
     "/metrics": "metrics",
+    "/v1/members": "members",  # its own admin key, not the API keys
 }
 _AUTHENTICATED = frozenset({"chat", "completions", "models", "other"})
 _GENERATING = frozenset({"chat", "completions"})  # counted against the tenant's in-flight
@@ -106,6 +121,7 @@ class _Stages:
     encode: EncoderStage
     prefill_decode: PrefillDecodeStage
     health: asyncio.Task[None]
+    membership_sync: asyncio.Task[None] | None = None
 
 
 class Proxy:
@@ -135,6 +151,14 @@ class Proxy:
         self._rules = PartRules.of(config)
         self._tenant_in_flight: dict[str, int] = {}
         self._stages: _Stages | None = None
+        self.membership: Membership | None = None
+        if wants_membership(config):
+            self.membership = membership_from_config(
+                config, {ENCODER: self.encoders, PREFILL_DECODE: self.prefill_decode}
+            )
+            if directory is None and config.events_port is not None:
+                directory = self.membership.directory
+        self.metrics.track_membership(self._membership_counts)
         self.router = Router(
             config,
             self.encoders,
@@ -187,14 +211,33 @@ class Proxy:
             )
         )
         self._stages = _Stages(session, encode, prefill_decode, health)
+        if self.membership is not None:
+            await self.membership.start(
+                session, discovery_from_config(c), interval_s=c.discover_interval_s
+            )
+        if self.metrics.multiprocess:  # a scrape reaches one worker: keep all of them current
+            self._stages.membership_sync = asyncio.create_task(self._sync_membership())
 
     async def stop(self, _app: web.Application) -> None:
         if self._stages is None:
             return
         stages, self._stages = self._stages, None
-        stages.health.cancel()
-        await asyncio.gather(stages.health, return_exceptions=True)
+        tasks = [t for t in (stages.health, stages.membership_sync) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self.membership is not None:
+            await self.membership.close()
         await stages.session.close()
+
+    def _membership_counts(self) -> tuple[dict[str, int], dict[str, int]]:
+        stats = self.membership.stats() if self.membership is not None else {}
+        return stats, {ENCODER: len(self.encoders), PREFILL_DECODE: len(self.prefill_decode)}
+
+    async def _sync_membership(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            self.metrics.sync_membership()
 
     # -- the guard around every route ---------------------------------------------------------
 
@@ -431,6 +474,16 @@ def _state(backend: Backend) -> BackendState:
 PROXY_KEY = web.AppKey("proxy", Proxy)
 
 
+def wants_membership(config: ProxyConfig) -> bool:
+    """Whether `config` gives run-time membership a use: item feeds, registration or DNS."""
+    return (
+        config.events_port is not None
+        or bool(config.admin_key)
+        or config.discover_encoders is not None
+        or config.discover_pd is not None
+    )
+
+
 def build_app(config: ProxyConfig, metrics: ProxyMetrics | None = None) -> web.Application:
     """The proxy as an aiohttp application (serve it with handler cancellation on)."""
     proxy = Proxy(config, metrics)
@@ -440,6 +493,8 @@ def build_app(config: ProxyConfig, metrics: ProxyMetrics | None = None) -> web.A
     app.router.add_get(MODELS_PATH, proxy.models)
     app.router.add_get("/health", proxy.health)
     app.router.add_get("/metrics", proxy.prometheus)
+    if proxy.membership is not None and config.admin_key:
+        app.router.add_routes(member_routes(proxy.membership, config.admin_key))
     app.on_startup.append(proxy.start)
     app.on_cleanup.append(proxy.stop)
     app[PROXY_KEY] = proxy

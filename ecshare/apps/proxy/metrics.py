@@ -10,6 +10,12 @@ whole proxy, whichever worker the scrape reaches. Gauges say how they combine: r
 flight are summed over the live workers; a backend is up only while every live worker has
 it in rotation; `worker_up` has one sample per live worker, labelled with its pid.
 
+The item directory's, its feeds' and the membership's counters (`track_membership`) are
+plain counts their owners keep; they are copied into the series at each scrape, and,
+across workers, every second too (`sync_membership`), as a scrape reaches one worker
+only. Each worker keeps its own directory and membership: the counters are summed over
+workers, `directory_items` and `members` are the largest any live worker has.
+
 A worker reads the directory while others write it, and one of them may just have
 created a file and not yet sized it: `_SharedCollector` leaves such a file out (it holds
 no sample yet), where prometheus_client's own collector fails on it (a worker whose
@@ -20,7 +26,7 @@ from __future__ import annotations
 
 import glob
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from prometheus_client import (
@@ -76,6 +82,46 @@ UUID_ACTIONS = ("stripped", "scoped")
 # What prefill/decode got of a request's media: none of it, the media as sent, or the media
 # after the media-free attempt failed.
 PD_MEDIA_OUTCOMES = ("omitted", "kept", "retried")
+# The membership's `stats()` keys (ecshare.apps.proxy.discovery) and their series: the
+# counter's name, and its label value where the counter is one of a family.
+MEMBERSHIP_COUNTERS: dict[str, tuple[str, str | None]] = {
+    "directory_applied": ("directory_messages", "applied"),
+    "directory_duplicates": ("directory_messages", "duplicate"),
+    "directory_stale_incarnation": ("directory_messages", "stale_incarnation"),
+    "directory_unsynced": ("directory_messages", "unsynced"),
+    "directory_unknown_backend": ("directory_messages", "unknown_backend"),
+    "feeds_bad_messages": ("directory_messages", "bad"),
+    "directory_snapshots": ("directory_snapshots", None),
+    "directory_gaps": ("directory_forgotten", "gap"),
+    "directory_restarts": ("directory_forgotten", "restart"),
+    "directory_expired": ("directory_forgotten", "silent"),
+    "directory_capped": ("directory_capped_items", None),
+    "feeds_resync_requests": ("directory_resyncs", None),
+    "joined": ("membership_changes", "joined"),
+    "left": ("membership_changes", "left"),
+    "refused": ("membership_changes", "refused"),
+    "unauthorized": ("membership_changes", "unauthorized"),
+    "dns_failures": ("discovery_failures", None),
+}
+_MEMBERSHIP_LABEL = {
+    "directory_messages": "outcome",
+    "directory_forgotten": "cause",
+    "membership_changes": "change",
+}
+_MEMBERSHIP_HELP = {
+    "directory_messages": "Item feed messages taken by the item directory, by outcome: "
+    "applied, duplicate, stale_incarnation (an instance's older life), unsynced (waiting "
+    "for a snapshot), unknown_backend, bad (did not decode).",
+    "directory_snapshots": "Item snapshots applied by the item directory.",
+    "directory_forgotten": "Times an instance's items were forgotten by the item directory, "
+    "by cause: gap (events lost), restart (a new incarnation), silent (past "
+    "--events-timeout).",
+    "directory_capped_items": "Item entries dropped to stay under --directory-max-items.",
+    "directory_resyncs": "Snapshots asked of instances' item feeds (resubscriptions).",
+    "membership_changes": "Backends that joined or left at run time, registrations refused "
+    "(bad body or too many members) and unauthorized (no admin key).",
+    "discovery_failures": "DNS lookups of --discover-* names that failed (members unchanged).",
+}
 
 
 class _SharedCollector(MultiProcessCollector):
@@ -243,6 +289,62 @@ class ProxyMetrics:
         # The children every request with media touches, looked up once.
         self.pd_media = {media: self.pd_requests.labels(media) for media in PD_MEDIA_OUTCOMES}
         self.encoded_items = self.encoder_items.labels("ok")
+        self._membership_series(r)
+
+    def _membership_series(self, r: CollectorRegistry | None) -> None:
+        families: dict[str, Counter] = {}
+        for name, _ in MEMBERSHIP_COUNTERS.values():
+            if name not in families:
+                labels = _MEMBERSHIP_LABEL.get(name)
+                families[name] = Counter(
+                    PREFIX + name,
+                    _MEMBERSHIP_HELP[name],
+                    [labels] if labels else [],
+                    registry=r,
+                )
+        self._membership_counters = {
+            key: families[name].labels(label) if label is not None else families[name]
+            for key, (name, label) in MEMBERSHIP_COUNTERS.items()
+        }
+        self.directory_items = Gauge(
+            PREFIX + "directory_items",
+            "(instance, item) entries the item directory holds now.",
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+        self.members = Gauge(
+            PREFIX + "members",
+            "Backends in the proxy's pools now (in rotation or not), by role.",
+            ["role"],
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+        self._membership_seen: dict[str, int] = {}
+        self._membership_source: Callable[[], tuple[Mapping[str, int], Mapping[str, int]]] | None
+        self._membership_source = None
+
+    def track_membership(
+        self, source: Callable[[], tuple[Mapping[str, int], Mapping[str, int]]]
+    ) -> None:
+        """Copy `source()`: (the membership's `stats()`, backends per role) into the series
+        at each scrape and each `sync_membership`."""
+        self._membership_source = source
+        self.sync_membership()
+
+    def sync_membership(self) -> None:
+        """Bring the membership series up to what the tracked source counts now."""
+        if self._membership_source is None:
+            return
+        stats, members = self._membership_source()
+        for key, counter in self._membership_counters.items():
+            now = stats.get(key, 0)
+            grown = now - self._membership_seen.get(key, 0)
+            if grown > 0:
+                counter.inc(grown)
+            self._membership_seen[key] = now
+        self.directory_items.set(stats.get("directory_entries", 0))
+        for role, count in members.items():
+            self.members.labels(role).set(count)
 
     def started(self) -> None:
         """A request arrived; `answered` ends it."""
@@ -270,6 +372,7 @@ class ProxyMetrics:
         self.encoder_fallbacks.labels(reason).inc(items)
 
     def exposition(self) -> bytes:
+        self.sync_membership()
         return generate_latest(self.registry)
 
     def value(self, name: str, **labels: str) -> float:
