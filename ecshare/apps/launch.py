@@ -12,6 +12,13 @@ encoders' key to push (its default `push_trusted_keys`), gives the encoders thos
 names as their `push_targets`, and tells the proxy each instance's name
 (`--pd URL=PUSH_NAME`).
 
+For the proxy's item directory it gives every instance a loopback address of its own
+(127.0.0.2, 127.0.0.3, ...: its HTTP server, control plane and item feed listen there)
+and one `events_port` shared by all, generates the proxy's CURVE key pair and lists its
+public key as each instance's `admin_keys_file` (the keys that may subscribe to the
+feed), and starts the proxy with `--events-port`, `--events-key` and the encoders' and
+prefill/decode instances' public keys (`proxy_argv`, which `ecshare bench serve` reuses).
+
 It serves the model on the hardware it finds: one GPU per instance, round-robin over
 the NVIDIA GPUs it sees, with vLLM's own defaults; or, with `--cpu` or where it finds
 no GPU, the CPU test settings of `ecshare.vllm.servers` (`CPU_ARGS`, `CPU_ENV`), each
@@ -67,6 +74,8 @@ from ecshare.apps.launch_options import options_from_args as options_from_args
 from ecshare.apps.proxy.config import API_KEY_ENV
 from ecshare.apps.ready import LaunchReady, print_ready
 from ecshare.config import Config, ConfigError
+from ecshare.control import generate_keypair
+from ecshare.control.keys import PUBLIC_SUFFIX, SECRET_SUFFIX
 from ecshare.vllm.servers import Keys, ServerSpec, VllmServer, free_port
 from ecshare.vllm.settings import PUSH_TARGETS, TRUSTED_PRODUCERS
 
@@ -100,6 +109,8 @@ def plan_servers(
     if gpus == "find":
         gpus = gpus_for(options.device)
     keys = Keys.generate(workdir)
+    proxy_key = generate_keypair(workdir, PROXY_KEY_NAME)
+    events = {"events_port": free_port(), "admin_keys_file": str(proxy_key.public_path)}
     cores = _cores()
     name = options.served_model_name or options.model
     model = Path(options.model)
@@ -110,12 +121,14 @@ def plan_servers(
     def server(role: str, index: int, n: int, extra: dict[str, Any]) -> VllmServer:
         gpu = gpus[n % len(gpus)] if gpus else None
         share = per_gpu[gpu] if gpu is not None else 1
+        host = instance_host(n)
         spec = ServerSpec(
             model,
             free_port(),
+            host=host,
             core=cores[n % len(cores)],
             ec_role=role,
-            extra_config={**extra, **options.ec_extra_config},
+            extra_config={**extra, "listen_host": host, **events, **options.ec_extra_config},
             served_model_name=name,
             extra_args=options.extra_vllm_args,
             cpu=gpus is None,
@@ -159,6 +172,14 @@ def plan_servers(
     return encoders, pd
 
 
+PROXY_KEY_NAME = "proxy"  # the proxy's key pair in the workdir: proxy.key, proxy.key_secret
+
+
+def instance_host(n: int) -> str:
+    """The loopback address launch gives its instance number `n` (encoders first)."""
+    return f"127.0.0.{2 + n % 250}"
+
+
 def push_name_of(index: int) -> str:
     """The push name launch gives its prefill/decode instance number `index`."""
     return f"pd{index}"
@@ -194,22 +215,70 @@ def proxy_config(options: LaunchOptions, encoders: list[VllmServer], pd: list[Vl
     means there what it means here), or ConfigError naming the flag."""
     from ecshare.apps.proxy.config import add_proxy_arguments, config_from_args
 
-    names = pd_push_names(pd) or ("",) * len(pd)
-    argv = [
-        "--encoder", *(s.url for s in encoders),
-        "--pd", *(f"{s.url}={n}" if n else s.url for s, n in zip(pd, names, strict=True)),
-        "--host", options.host, "--port", str(options.port),
-        "--workers", str(options.proxy_workers), "--pd-media", options.pd_media,
-    ]  # fmt: skip
-    if options.api_key_file is not None:
-        argv += ["--api-key-file", options.api_key_file]
-    limit = instances_mm_limit((encoders or pd)[0].spec.command())
-    if limit is not None:
-        # The proxy refuses up front what the instances would refuse after an encoder call.
-        argv += ["--limit-mm-per-prompt", limit]
+    argv = proxy_argv(
+        [s.url for s in encoders],
+        [s.url for s in pd],
+        pd_push_names(pd),
+        host=options.host,
+        port=options.port,
+        workers=options.proxy_workers,
+        pd_media=options.pd_media,
+        api_key_file=options.api_key_file,
+        limit=instances_mm_limit((encoders or pd)[0].spec.command()),
+        workdir=pd[0].log_path.parent,  # where plan_servers wrote the keys
+        events_port=events_port_of([*encoders, *pd]),
+    )
     parser = argparse.ArgumentParser(prog="ecshare launch", add_help=False)
     add_proxy_arguments(parser)
     return config_from_args(parser.parse_args(argv))
+
+
+def proxy_argv(
+    encoders: Sequence[str],
+    pd: Sequence[str],
+    push_names: Sequence[str],
+    *,
+    host: str,
+    port: int,
+    workers: int,
+    pd_media: str,
+    api_key_file: str | None,
+    limit: str | None,
+    workdir: Path,
+    events_port: int | None,
+) -> list[str]:
+    """The `ecshare proxy` flags of launch's proxy, in front of instances at these URLs
+    (`push_names`: () without push), with the keys launch wrote in `workdir`."""
+    names = tuple(push_names) or ("",) * len(pd)
+    argv = [
+        "--encoder", *encoders,
+        "--pd", *(f"{u}={n}" if n else u for u, n in zip(pd, names, strict=True)),
+        "--host", host, "--port", str(port),
+        "--workers", str(workers), "--pd-media", pd_media,
+    ]  # fmt: skip
+    if api_key_file is not None:
+        argv += ["--api-key-file", api_key_file]
+    if limit is not None:
+        # The proxy refuses up front what the instances would refuse after an encoder call.
+        argv += ["--limit-mm-per-prompt", limit]
+    if events_port is not None:
+        # Keys.generate's names: encoders publish under the producer's key, the
+        # prefill/decode instances under the consumer's.
+        argv += [
+            "--events-port", str(events_port),
+            "--events-key", str(workdir / f"{PROXY_KEY_NAME}{SECRET_SUFFIX}"),
+            "--events-encoder-key", str(workdir / f"producer{PUBLIC_SUFFIX}"),
+            "--events-pd-key", str(workdir / f"consumer{PUBLIC_SUFFIX}"),
+        ]  # fmt: skip
+    return argv
+
+
+def events_port_of(servers: Sequence[VllmServer]) -> int | None:
+    """The `events_port` every one of `servers` publishes on, or None where they do not
+    share one (set apart by --ec-extra-config, or unset)."""
+    ports = {s.spec.extra_config.get("events_port") for s in servers}
+    port = ports.pop() if len(ports) == 1 else None
+    return port if isinstance(port, int) and port > 0 else None
 
 
 def instances_mm_limit(command: list[str]) -> str | None:
@@ -369,6 +438,7 @@ def _run(options: LaunchOptions, workdir: Path, servers: list[VllmServer]) -> in
                 prefill_decode=config.prefill_decode,
                 workdir=str(workdir),
                 push_names=config.pd_push_names,
+                events_port=config.events_port,
             )
         )
         print(send_requests_here(url, model, options.api_key_file), flush=True)

@@ -56,6 +56,8 @@ class LaunchReady(Ready, frozen=True, tag="launch"):
     # Each prefill/decode instance's push name, in the order of `prefill_decode`;
     # empty with --no-push.
     push_names: tuple[str, ...] = ()
+    # The port every instance publishes its item events on (the proxy's --events-port).
+    events_port: int | None = None
 
 
 class StubsReady(Ready, frozen=True, tag="stubs"):

@@ -112,12 +112,15 @@ class ServerSpec:
     gpus: str | None = None
     # Set where instances share a GPU, so that each takes its part of the memory.
     gpu_memory_utilization: float | None = None
+    # A loopback address of its own lets instances of one host use the same port for
+    # something (their item feeds, `ecshare launch`).
+    host: str = "127.0.0.1"
 
     def command(self) -> list[str]:
         cmd = [
             self.python, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(self.model), "--served-model-name", self.served_model_name,
-            "--host", "127.0.0.1", "--port", str(self.port),
+            "--host", self.host, "--port", str(self.port),
         ]  # fmt: skip
         if self.cpu:
             cmd += CPU_ARGS
@@ -147,7 +150,7 @@ class VllmServer:
     def __init__(self, spec: ServerSpec, log_path: Path) -> None:
         self.spec = spec
         self.log_path = log_path
-        self.url = f"http://127.0.0.1:{spec.port}"
+        self.url = f"http://{spec.host}:{spec.port}"
         self._log: IO[bytes] | None = None
         self.proc: subprocess.Popen[bytes] | None = None
 

@@ -24,10 +24,12 @@ from ecshare.apps.launch import (
     options_from_args,
     plan_servers,
     preflight,
+    proxy_config,
     send_requests_here,
 )
 from ecshare.apps.launch_checks import check_model, find_gpus
 from ecshare.apps.launch_options import CPU_LAUNCH_ENV_DEFAULTS
+from ecshare.control import load_keypair, load_public_key
 from ecshare.vllm.servers import CPU_ARGS, CPU_ENV, CPU_ENV_DEFAULTS, ENV_DEFAULTS
 
 
@@ -66,11 +68,15 @@ def test_plan_has_one_key_pair_per_side_free_ports_and_cores_round_robin(tmp_pat
         assert key_files and all(Path(f).is_file() for f in key_files)
     ports = [s.spec.extra_config.pop("listen_port") for s in encoders]
     assert len(set(ports)) == 2 and 0 not in ports
+    # Each instance listens on a loopback address of its own, its HTTP server too.
+    hosts = [s.spec.extra_config.pop("listen_host") for s in servers]
+    assert hosts == [f"127.0.0.{2 + i}" for i in range(5)]
+    assert [s.url.split("//")[1].split(":")[0] for s in servers] == hosts
     assert encoders[0].spec.extra_config == encoders[1].spec.extra_config
     producer_public = encoders[0].spec.extra_config["authorized_keys_file"]
     assert pd[0].spec.extra_config["client_secret_key_file"] != producer_public
     # Prefill/decode fetches from the encoders it was launched with, and from no other.
-    trusted = [f"tcp://127.0.0.1:{port}" for port in ports]
+    trusted = [f"tcp://{host}:{port}" for host, port in zip(hosts, ports, strict=False)]
     assert all(s.spec.extra_config["trusted_producers"] == trusted for s in pd)
 
 
@@ -337,3 +343,26 @@ def test_a_failed_run_keeps_its_logs_and_says_where(tmp_path: Path) -> None:
     assert workdir.parent == tmp_path
     assert "no-such-vllm-flag" in (workdir / "encoder0.log").read_text()
     assert "starting encoder0 (ec_producer)" in proc.stdout
+
+
+def test_every_instance_feeds_the_proxys_directory_under_keys_launch_made(tmp_path: Path) -> None:
+    options = _options("--encoders", "2", "--pd", "2")
+    encoders, pd = plan_servers(options, tmp_path, gpus=None)
+    servers = [*encoders, *pd]
+    ports = {s.spec.extra_config["events_port"] for s in servers}
+    assert len(ports) == 1 and 0 not in ports  # one port: each instance has its own host
+    admin = {s.spec.extra_config["admin_keys_file"] for s in servers}
+    assert admin == {str(tmp_path / "proxy.key")}
+    config = proxy_config(options, encoders, pd)
+    assert config.events_port == ports.pop()
+    assert config.events_key_file == str(tmp_path / "proxy.key_secret")
+    # The feed admits the proxy's key, and each role publishes under its own key.
+    proxy_public = load_public_key(str(tmp_path / "proxy.key"))
+    assert load_keypair(config.events_key_file).public == proxy_public
+    publishes = {
+        config.events_encoder_key: encoders[0].spec.extra_config["server_secret_key_file"],
+        config.events_pd_key: pd[0].spec.extra_config["client_secret_key_file"],
+    }
+    for public, secret in publishes.items():
+        assert public is not None
+        assert load_public_key(public) == load_keypair(secret).public

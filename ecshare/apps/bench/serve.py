@@ -379,19 +379,22 @@ class _Deployment:
         return Round(records, reference, before, after)
 
     def _start_proxy(self, ready: LaunchReady, mode: str) -> tuple[subprocess.Popen[str], str]:
-        pd = [
-            f"{u}={n}" if n else u
-            for u, n in zip(
-                ready.prefill_decode,
-                ready.push_names or ("",) * len(ready.prefill_decode),
-                strict=True,
-            )
-        ]
-        command = [
-            sys.executable, "-m", "ecshare", "proxy", "--encoder", *ready.encoders, "--pd", *pd,
-            "--host", "127.0.0.1", "--port", "0", "--pd-media", "omit",
-            "--limit-mm-per-prompt", self.limit,
-        ]  # fmt: skip
+        from ecshare.apps.launch import proxy_argv
+
+        argv = proxy_argv(
+            ready.encoders,
+            ready.prefill_decode,
+            ready.push_names,
+            host="127.0.0.1",
+            port=0,
+            workers=1,
+            pd_media="omit",
+            api_key_file=None,
+            limit=self.limit,
+            workdir=Path(ready.workdir),
+            events_port=ready.events_port,
+        )
+        command = [sys.executable, "-m", "ecshare", "proxy", *argv]
         if proxy_routing_modes():
             command += ["--routing", mode]
         proc = _popen(command, self.workdir / f"proxy-{mode}.log")
