@@ -110,7 +110,11 @@ def plan_servers(
         gpus = gpus_for(options.device)
     keys = Keys.generate(workdir)
     proxy_key = generate_keypair(workdir, PROXY_KEY_NAME)
-    events = {"events_port": free_port(), "admin_keys_file": str(proxy_key.public_path)}
+    events: dict[str, Any] = {}
+    # Instances made to share an address (--ec-extra-config listen_host) could not share
+    # one events port: then no item events, and the proxy routes without a directory.
+    if "listen_host" not in options.ec_extra_config:
+        events = {"events_port": free_port(), "admin_keys_file": str(proxy_key.public_path)}
     cores = _cores()
     name = options.served_model_name or options.model
     model = Path(options.model)

@@ -85,6 +85,8 @@ def test_encoders_advertised_host_is_what_prefill_decode_trusts(tmp_path: Path) 
     encoders, pd = plan_servers(_options("--ec-extra-config", extra), tmp_path)
     port = encoders[0].spec.extra_config["listen_port"]
     assert pd[0].spec.extra_config["trusted_producers"] == [f"tcp://10.1.2.3:{port}"]
+    # Instances sharing an address cannot share an events port: no item events then.
+    assert all("events_port" not in s.spec.extra_config for s in [*encoders, *pd])
 
 
 def test_unknown_encoder_endpoint_leaves_trust_to_the_producer_key(
