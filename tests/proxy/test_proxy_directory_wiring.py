@@ -5,12 +5,16 @@ membership's series; `/v1/members` answers its admin key alone, whatever the API
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
 from ecshare.apps.proxy.config import ProxyConfig
+from ecshare.apps.proxy.metrics import MULTIPROC_DIR_ENV
 from ecshare.apps.proxy.routing import NoDirectory
 from ecshare.apps.proxy.server import start_proxy
 from ecshare.control import generate_keypair, load_keypair
@@ -101,3 +105,29 @@ def test_without_an_events_port_the_router_knows_nothing_held_and_members_do_not
             await running.stop()
 
     asyncio.run(run())
+
+
+_SHARED_MODE = """
+from ecshare.apps.proxy.metrics import ProxyMetrics
+metrics = ProxyMetrics()
+assert metrics.multiprocess
+stats = {"directory_applied": 3, "directory_entries": 7, "directory_gaps": 1}
+metrics.track_membership(lambda: (stats, {"encoder": 2, "prefill_decode": 1}))
+stats["directory_applied"] = 5  # counted since: the next scrape adds the difference
+print(metrics.exposition().decode())
+"""
+
+
+def test_membership_series_follow_their_counts_in_the_workers_shared_metrics_mode(
+    tmp_path: Path,
+) -> None:
+    # prometheus_client picks its shared-file values when imported: a process of its own.
+    env = {**os.environ, MULTIPROC_DIR_ENV: str(tmp_path)}
+    text = subprocess.run(
+        [sys.executable, "-c", _SHARED_MODE], env=env, capture_output=True, text=True, check=True
+    ).stdout
+
+    assert _sample(text, 'ecshare_proxy_directory_messages_total{outcome="applied"}') == 5.0
+    assert _sample(text, 'ecshare_proxy_directory_forgotten_total{cause="gap"}') == 1.0
+    assert _sample(text, "ecshare_proxy_directory_items") == 7.0
+    assert _sample(text, 'ecshare_proxy_members{role="encoder"}') == 2.0
