@@ -4,7 +4,9 @@ One encoder and two prefill/decode instances run the tiny Qwen2-VL with the ecsh
 connector, each on a loopback address of its own and publishing its item events on one
 `events_port` (as `ecshare launch` runs them); the proxy, in this process, subscribes
 with `events_port` and its own key, which every instance lists in `admin_keys_file`. What
-the directory knows comes only from the instances' feeds.
+the directory knows comes only from the instances' feeds. The second prefill/decode
+instance is not on the proxy's command line: it is registered at run time through
+`POST /v1/members`.
 
 Every answer must equal, token for token, the same request answered by one instance
 alone that encodes its images itself.
@@ -41,6 +43,7 @@ from ecshare.vllm.servers import Keys, ServerSpec, VllmServer, chat_request, fre
 pytestmark = [pytest.mark.timeout(900), pytest.mark.vllm_serve]
 
 WAIT_S = 60.0
+ADMIN_KEY = "admin-key-0123456789abcdef"
 
 
 @dataclass
@@ -120,8 +123,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Itera
             server.wait_ready(timeout_s=600)
         config = ProxyConfig(
             encoders=(encoder.url,),
-            prefill_decode=tuple(pd.url for pd in pds),
+            prefill_decode=(pds[0].url,),
             port=0,
+            admin_key=ADMIN_KEY,
             health_interval_s=1.0,
             events_port=events["events_port"],
             events_key_file=str(proxy_key.secret_path),
@@ -131,6 +135,14 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Itera
         )
         running = loop.run(start_proxy(config))
         cluster = Cluster(encoder, pds, running, loop)
+        member = {"role": "prefill_decode", "url": pds[1].url}
+        joined = httpx.post(
+            running.url + "/v1/members",
+            json=member,
+            headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+            timeout=60,
+        )
+        assert joined.status_code == 200 and joined.json() == {"joined": True}, joined.text
         until(lambda: all(cluster.directory.synced(s.url) for s in servers), "feeds synced")
         # Each prefill/decode instance's first fetch sets up its session with the encoder.
         for _ in pds:
@@ -142,6 +154,28 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Itera
         loop.close()
         for server in servers:
             server.stop()
+
+
+def test_an_instance_registered_at_run_time_receives_traffic_and_feeds_the_directory(
+    cluster: Cluster,
+) -> None:
+    registered = cluster.prefill_decode[1]
+    assert cluster.directory.synced(registered.url)
+    listing = httpx.get(
+        cluster.proxy.url + "/v1/members", headers={"Authorization": f"Bearer {ADMIN_KEY}"}
+    ).json()
+    assert {"role": "prefill_decode", "url": registered.url, "sources": ["registered"]} in (
+        listing["members"]
+    )
+    landed = []
+    for _ in range(4):  # new images go by load, round robin on ties
+        body = chat_request(fresh_images((112, 84)), text="Describe the image.", max_tokens=4)
+        answer = cluster.post(body)
+        if route_of(answer)["pd"] == registered.url:
+            landed.append((body, answer))
+    assert landed
+    body, answer = landed[0]
+    assert token_ids(answer.json()) == single_instance_tokens(registered, body)
 
 
 def test_a_repeated_inline_image_skips_the_encoder_as_the_directory_says_it_is_held(
