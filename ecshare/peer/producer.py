@@ -436,9 +436,9 @@ class Producer(NetworkThread):
         # A session belongs to the key that opened it: another authenticated
         # peer naming it is told it does not exist, and nothing changes.
         if session is None or session.user != user:
+            self._count("no_session")
             if isinstance(msg, p.PushCredit):  # never to be written: the blocks go back
                 return p.PushDone(session_id=msg.session_id, push_id=msg.credit_id, written=False)
-            self._count("no_session")
             return p.Error(code=p.ErrorCode.NO_SESSION, message="unknown session; say hello")
         session.last_seen = time.monotonic()
         session.route = route
