@@ -10,10 +10,11 @@ of the peer layer together: the fetch book (`ecshare.peer.fetchbook`: which
 fetches exist and what is due), the link pool (`ecshare.peer.links`:
 handshakes, heartbeats, quarantine), the data-plane READs and their fences
 (`ecshare.peer.reads`), direct reads (`ecshare.peer.direct`) and the push
-inbox (`ecshare.peer.inbox`). Two exceptions save a hand-off between threads:
-when that thread sleeps in poll and the peer's fetch lane is up, `fetch()`
-sends the request itself (`CallerThread.send_now`); and a caller that blocks on a fetch's
-future while its direct read is still queued makes the READ on its own thread
+side (`ecshare.peer.pushwait`, around the inbox, `ecshare.peer.inbox`). Two
+exceptions save a hand-off between threads: when that thread sleeps in poll and
+the peer's fetch lane is up, `fetch()` sends the request itself
+(`CallerThread.send_now`); and a caller that blocks on a fetch's future while
+its direct read is still queued makes the READ on its own thread
 (`ecshare.peer.lending`, `CallerThread.read_here`).
 
 Two promises bind the reads (docs/ARCHITECTURE.md, invariants 2 and 4):
@@ -29,16 +30,16 @@ Two promises bind the reads (docs/ARCHITECTURE.md, invariants 2 and 4):
 
 Push (with `push_name` set, docs/PUSH.md): producers this consumer allows may
 offer entries on their sessions; the `Inbox` reserves blocks and commits what
-they write. A fetch of an item whose push is reserved (or announced:
-`FetchItem.pushed`) waits for it, within its deadline, and pulls if the push
-is refused, fails or is late. Every fetch's exposed latency (from the call to
-the item being local) is recorded as pushed or pulled.
+they write, and `PushWaits` answers offers and credits. A fetch of an item
+whose push is reserved (or announced: `FetchItem.pushed`) waits for it, within
+its deadline, and pulls if the push is refused, fails or is late. Every
+fetch's exposed latency (from the call to the item being local) is recorded as
+pushed or pulled.
 """
 
 from __future__ import annotations
 
 import bisect
-import collections
 import logging
 import math
 import threading
@@ -57,7 +58,7 @@ from ecshare.control import AuthenticationFailed, ClientPool, KeyPair, LinkSetti
 from ecshare.counts import Counts
 from ecshare.peer import direct
 from ecshare.peer.fetchbook import FetchBook
-from ecshare.peer.inbox import Inbox, PushLink, Reservation
+from ecshare.peer.inbox import PushLink
 from ecshare.peer.landing import TagLanding
 from ecshare.peer.lending import LEND_MIN_WAIT_S, CallerThread, Fetching
 from ecshare.peer.link import PeerLink, PeerLinkState
@@ -65,6 +66,7 @@ from ecshare.peer.links import LinkPool
 from ecshare.peer.notices import Notices
 from ecshare.peer.phases import PhaseLog
 from ecshare.peer.pull import Pulls
+from ecshare.peer.pushwait import PushWaits
 from ecshare.peer.reads import READ_NAP_S, READ_WAIT_S, FenceKind, Reads
 from ecshare.peer.thread import NetworkThread
 from ecshare.peer.transfer import (
@@ -91,9 +93,6 @@ log = logging.getLogger(__name__)
 # The loop never sleeps longer than this, so stop() and new work are prompt
 # even if a wake-up were lost.
 _MAX_IDLE_S = 0.1
-# Items committed by a push and not yet asked for, remembered (this many at most)
-# so that the fetch that finds one counts as pushed.
-_PUSHED_REMEMBERED = 65536
 EXPOSED_MODES = ("pushed", "pulled")
 
 
@@ -167,10 +166,9 @@ class Consumer(NetworkThread):
         self._weak = weakref.ref(self)  # for each fetch's `Fetching`
         self._serving = False  # under _net_lock: the network thread's loop runs
         self._book = FetchBook()
-        # The book's parts, by the names the push glue below knows them by.
+        # The book's parts, by short names.
         self._lock = self._book.lock
         self._incoming = self._book.incoming
-        self._inflight = self._book.inflight
         self._transfers = self._book.transfers
         self._connects: list[str] = []  # endpoints `connect` asked for, not yet seen to
         self._peers = LinkPool(
@@ -232,20 +230,22 @@ class Consumer(NetworkThread):
         self._reply_s = 0.0
         # Successes of this pass of the loop, resolved just before it blocks (`_deliver`).
         self._results: list[tuple[Future[FetchResult], FetchResult]] = []
-        self._inbox = Inbox(
+        self._pushes = PushWaits(
             store,
             config,
             transport,
-            count=self._count_add,
-            may_reserve=self._may_reserve,
-            holds_for=self._holds_for,
-            ended=self._push_ended,
-            agent_loaded=lambda agent: any(x.agent == agent for x in self._links.values()),
+            book=self._book,
+            peers=self._peers,
+            count=self._count,
+            count_add=self._count_add,
+            succeed=self._succeed,
+            take_hold=self._take_hold,
+            woke_at=lambda: self._woke_at,
         )
+        self._inbox = self._pushes.inbox
         self._notes: list[tuple[str, bytes]] = []  # data-plane notices, for the inbox
         # Shared with a Producer over the same transport: each takes its own notices.
         self._notices = Notices.of(transport)
-        self._pushed: collections.OrderedDict[str, None] = collections.OrderedDict()
         # Exposed latency per mode (pushed, pulled), in LATENCY_BUCKETS_S buckets.
         self._exposed = {m: [0] * (len(LATENCY_BUCKETS_S) + 1) for m in EXPOSED_MODES}
         self._exposed_sum = dict.fromkeys(EXPOSED_MODES, 0.0)
@@ -260,6 +260,7 @@ class Consumer(NetworkThread):
         self._phases = log
         self._pulls.phases = log
         self._inbox.phases = log
+        self._pushes.phases = log
 
     # -- engine-facing -----------------------------------------------------------------------
 
@@ -357,7 +358,7 @@ class Consumer(NetworkThread):
         entry = self._store.get(item.mm_hash)
         if entry is not None and entry.state is EntryState.READY and self._held(item):
             self._count("local_hits")
-            pushed = self._pushed.pop(item.mm_hash, 0) is None
+            pushed = self._pushes.was_pushed(item.mm_hash)
             if pushed:
                 self._record_exposed("pushed", time.monotonic() - now)
             future.set_result(
@@ -599,11 +600,7 @@ class Consumer(NetworkThread):
         for t in picked:
             if self.phases is not None:
                 self.phases.mark(t.mm_hash, "picked")
-            reserved = self._inbox.reserved(t.mm_hash)
-            if reserved is not None:  # a push is being written: wait for it
-                t.awaiting_push = True
-                t.not_before = max(t.not_before, reserved.deadline)
-                t.deadline = max(t.deadline, reserved.deadline + (t.deadline - t.started))
+            self._pushes.await_reserved(t)  # a push is being written: wait for it
         return picked
 
     def _step(self, events: dict[object, int]) -> None:
@@ -664,8 +661,8 @@ class Consumer(NetworkThread):
             if not self._inbox.on_notification(agent, note):
                 self._count("unexpected_notifications")
         self._inbox.step(now)
-        self._top_up_credits(now)
-        self._release_unawaited(now)
+        self._pushes.top_up_credits(now)
+        self._pushes.release_unawaited(now)
         self._dispatch(now)
         self._pulls.expire(now)
         self._pulls.renew(now)
@@ -749,11 +746,11 @@ class Consumer(NetworkThread):
         elif isinstance(msg, p.Renewed):
             self._pulls.on_renewed(link, msg)
         elif isinstance(msg, p.PushOffer):
-            self._on_offer(link, msg, now)
+            self._pushes.on_offer(link, msg, now)
         elif isinstance(msg, p.PushDone):
             self._inbox.on_done(link.endpoint, msg)
         elif isinstance(msg, p.PushCredited):
-            self._on_credited(link, msg, now)
+            self._pushes.on_credited(link, msg, now)
         elif isinstance(msg, p.Error) and msg.request_id:
             link.answered(msg.request_id)
             transfers = link.pending.pop(msg.request_id, None) or []
@@ -768,141 +765,14 @@ class Consumer(NetworkThread):
             elif welcomed and link.state is PeerLinkState.READY:
                 if link.region_size and link.agent:
                     self._reads.warm_up(link.agent, link.session_id, link.endpoint)
-                self._on_welcomed(link, msg, now)
+                self._pushes.on_welcomed(link, msg, now)
 
-    # -- direct reads ------------------------------------------------------------------------
-
-    # -- pushes ------------------------------------------------------------------------------
-
-    def _on_offer(self, link: PeerLink, msg: p.PushOffer, now: float) -> None:
-        if (
-            link.client is None
-            or link.state is not PeerLinkState.READY
-            or msg.session_id != link.session_id
-        ):
-            self._count("push_offers_off_session")  # no session to answer on: dropped
-            return
-        reply = self._inbox.on_offer(self._push_link(link), msg, now)
-        if self.phases is not None:
-            self.phases.mark(msg.mm_hash, "c_offer_woke", self._woke_at)
-            self.phases.mark(msg.mm_hash, "reserved")
-        link.client.send(reply)
-        reserved = self._inbox.reserved(msg.mm_hash)
-        if reply.status is p.PushStatus.ACCEPTED:
-            assert reserved is not None
-            with self._lock:
-                t = self._inflight.get(msg.mm_hash)
-                if t is not None and t in self._transfers and t.state is TransferState.QUEUED:
-                    t.awaiting_push = True
-                    t.not_before = max(t.not_before, reserved.deadline)
-                    t.deadline = max(t.deadline, reserved.deadline + (t.deadline - t.started))
-        elif reserved is None:
-            # The push a fetch may wait for will not come (region full, busy, not
-            # allowed): that fetch pulls now rather than after `push_wait_s`. Refused
-            # while another push of the item is reserved, it waits for that one.
-            self._pull_now(msg.mm_hash)
-
-    def _on_welcomed(self, link: PeerLink, msg: p.Message, now: float) -> None:
-        """A session is up: where both sides agreed to standing credit, grant the first."""
-        if isinstance(msg, p.Welcome) and p.CAP_PUSH_CREDIT in msg.capabilities:
-            self._inbox.credit_agreed(link.endpoint, link.session_id)
-            assert link.client is not None
-            for void in self._inbox.voids_for(self._push_link(link)):
-                link.client.send(void)
-            self._grant_credit(link, now)
-
-    def _grant_credit(self, link: PeerLink, now: float) -> None:
-        if link.client is None or link.state is not PeerLinkState.READY:
-            return
-        credit = self._inbox.credit_for(self._push_link(link), now)
-        if credit is not None:
-            link.client.send(credit)
-
-    def _top_up_credits(self, now: float) -> None:
-        """Sessions whose credit the region had no room for try again."""
-        if self._inbox.credits_wanted:
-            for link in self._links.values():
-                self._grant_credit(link, now)
-
-    def _on_credited(self, link: PeerLink, msg: p.PushCredited, now: float) -> None:
-        """A producer writes an item into its credit: checked as an offer would be."""
-        if self.phases is not None:
-            self.phases.mark(msg.mm_hash, "c_credit_woke", self._woke_at)
-        taken = self._inbox.on_credited(self._push_link(link), msg, now)
-        self._grant_credit(link, now)  # the next push's, while this write lands
-        reserved = self._inbox.reserved(msg.mm_hash)
-        if taken and reserved is not None:
-            with self._lock:
-                t = self._inflight.get(msg.mm_hash)
-                if t is not None and t in self._transfers and t.state is TransferState.QUEUED:
-                    t.awaiting_push = True
-                    t.not_before = max(t.not_before, reserved.deadline)
-                    t.deadline = max(t.deadline, reserved.deadline + (t.deadline - t.started))
-        elif not taken and reserved is None:
-            self._pull_now(msg.mm_hash)  # as for a refused offer
-
-    def _pull_now(self, mm_hash: str) -> None:
-        """A fetch of `mm_hash` still waiting for a push stops waiting and pulls, picked
-        up already or not (still in `_incoming`, where a push's word may come first)."""
-        with self._lock:
-            t = self._inflight.get(mm_hash)
-            released = t is not None and t.state is TransferState.QUEUED and t.awaiting_push
-            if t is not None and released:
-                t.awaiting_push = False
-                t.not_before = 0.0
-        if released:
-            self._count("push_fallbacks")
-
-    def _may_reserve(self, mm_hash: str) -> bool:
-        """No fetch of `mm_hash` has gone past waiting (its request would race the push)."""
-        with self._lock:
-            t = self._inflight.get(mm_hash)
-        return t is None or t.state is TransferState.QUEUED
-
-    def _holds_for(self, mm_hash: str) -> list[Hold]:
-        with self._lock:
-            t = self._inflight.get(mm_hash)
-        if t is None or t not in self._transfers:
-            return []
-        holds = list(t.holds)
-        t.holds_taken = len(holds)
-        return holds
-
-    def _push_ended(self, r: Reservation, committed: bool) -> None:
-        """A push is no longer to be waited for: committed, or refused its data."""
-        with self._lock:
-            t = self._inflight.get(r.mm_hash)
-        waiting = t is not None and t in self._transfers and t.state is TransferState.QUEUED
-        if committed:
-            if t is not None and waiting:
-                self._succeed(t, r.endpoint, pushed=True)
-                for late in t.holds[t.holds_taken :]:  # joined after the commit
-                    self._take_hold(t.mm_hash, late)
-            else:
-                self._pushed[r.mm_hash] = None
-                while len(self._pushed) > _PUSHED_REMEMBERED:
-                    self._pushed.popitem(last=False)
-        else:
-            self._pull_now(r.mm_hash)
-
-    def _release_unawaited(self, now: float) -> None:
-        """A fetch that waited for an announced push whose offer never came pulls."""
-        for t in self._transfers:
-            if (
-                t.awaiting_push
-                and t.state is TransferState.QUEUED
-                and now >= t.not_before
-                and self._inbox.reserved(t.mm_hash) is None
-            ):
-                t.awaiting_push = False
-                self._count("push_waits_expired")
+    # -- items -------------------------------------------------------------------------------
 
     def _record_exposed(self, mode: str, latency: float) -> None:
         with self._counters_lock:
             self._exposed[mode][bisect.bisect_left(LATENCY_BUCKETS_S, latency)] += 1
             self._exposed_sum[mode] += latency
-
-    # -- items -------------------------------------------------------------------------------
 
     def _held(self, item: FetchItem) -> bool:
         """Pin a local hit for the caller, if it asked; False if it is gone meanwhile."""
