@@ -42,25 +42,28 @@ probes an unused credit too (the producer returns it unused with a
 `PushDone(written=False)`, kept for its next session if need be; on that next
 session the inbox also voids it, `PushCreditVoid`, since its grant may never
 have reached the producer), and a new credit is granted once the last one is
-claimed.
+claimed. Where a credit is due (which sessions agreed, which hold one, when to try
+again) is the ledger's, `ecshare.peer.credit`.
 
-Only the consumer's network thread calls in here, except `pending`.
+Only the consumer's network thread calls in here, except `pending`. The module
+is long because it is one state machine: every way a reservation ends, an
+offer's or a credit's, goes through the same few steps here (`_written`,
+`_over`, `_fence`, the probes).
 """
 
 from __future__ import annotations
 
 import collections
 import enum
-import itertools
 import logging
 import math
-import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
 from ecshare import protocol as p
 from ecshare.config import Config
+from ecshare.peer.credit import Credits
 from ecshare.peer.machine import Transitions
 from ecshare.peer.notices import PUSH_NOTICE
 from ecshare.peer.phases import PhaseLog
@@ -86,8 +89,6 @@ _PROBE_INTERVAL_S: Final = 1.0
 _OVER_REMEMBERED: Final = 4096
 # A failed probe that is the backend's own word that the producer's endpoint is gone.
 _WRITE_ENDED: Final = frozenset({FailureKind.PEER_DISCONNECTED, FailureKind.NOT_FOUND})
-# A credit that could not be reserved (the region full) is tried again this much later.
-_CREDIT_RETRY_S: Final = 1.0
 
 
 class ReservationState(enum.Enum):
@@ -188,12 +189,8 @@ class Inbox:
         # a probe then goes to the endpoint the write may come from, never to an agent
         # loaded anew, which may fail for reasons of its own.
         self._kept: dict[str, int] = {}
-        # (endpoint, session id) -> the credit granted there and not claimed yet.
-        self._credits: dict[tuple[str, str], Reservation] = {}
-        self._credit_retry: dict[tuple[str, str], float] = {}  # after the region was full
-        self._credit_sessions: set[tuple[str, str]] = set()  # that agreed to credit
-        # This process's credit ids: never reused, not even by a later process.
-        self._credit_ids = (f"k{n}.{secrets.token_hex(6)}" for n in itertools.count(1))
+        # Where standing credit is due, and the credit each session holds unclaimed.
+        self._credits: Credits[Reservation] = Credits(store, config)
         # Per-item timestamps of each step of a push (see peer/phases.py); off unless set.
         self.phases: PhaseLog | None = None
 
@@ -290,7 +287,7 @@ class Inbox:
             return
         if r.credit and not r.claimed and not msg.written:
             self._count("push_credits_returned", 1)
-            self._credits.pop((r.endpoint, r.session_id), None)
+            self._credits.returned((r.endpoint, r.session_id))
         if self.phases is not None:
             self.phases.mark(r.mm_hash, "c_done")
         if r.state is ReservationState.FENCED:
@@ -329,12 +326,12 @@ class Inbox:
 
     def credit_agreed(self, endpoint: str, session_id: str) -> None:
         """Both sides of this session listed `CAP_PUSH_CREDIT`."""
-        self._credit_sessions.add((endpoint, session_id))
+        self._credits.agree((endpoint, session_id))
 
     @property
     def credits_wanted(self) -> bool:
         """A session that agreed to credit holds none (the region had no room)."""
-        return len(self._credits) < len(self._credit_sessions)
+        return self._credits.wanted
 
     def voids_for(self, link: PushLink) -> list[p.PushCreditVoid]:
         """For a new session with the same producer process: the fenced credits of its
@@ -357,28 +354,21 @@ class Inbox:
     def credit_for(self, link: PushLink, now: float) -> p.PushCredit | None:
         """A credit to grant on `link`, if it should have one and has none: reserved
         here, to be sent by the caller."""
-        nbytes = self._credit_bytes()
         where = (link.endpoint, link.session_id)
-        if (
-            not nbytes
-            or not link.allowed
-            or where not in self._credit_sessions
-            or where in self._credits
-            or now < self._credit_retry.get(where, 0.0)
-        ):
+        nbytes = self._credits.due(where, link.allowed, now)
+        if not nbytes:
             return None
         try:
             entry = self._store.reserve(nbytes)
         except StoreError as exc:
             self._count("push_credits_unavailable", 1)
             log.info("no credit for %s now: %s", link.endpoint, exc)
-            self._credit_retry[where] = now + _CREDIT_RETRY_S
+            self._credits.unavailable(where, now)
             return None
-        self._credit_retry.pop(where, None)
         r = Reservation(
             endpoint=link.endpoint,
             session_id=link.session_id,
-            push_id=next(self._credit_ids),
+            push_id=self._credits.new_id(),
             mm_hash="",
             entry=entry,
             agent=link.agent,
@@ -391,7 +381,7 @@ class Inbox:
         )
         self._all[(r.endpoint, r.session_id, r.push_id)] = r
         self._by_agent[(r.agent, r.push_id)] = r
-        self._credits[where] = r
+        self._credits.granted(where, r)
         self._count("push_credits_granted", 1)
         return p.PushCredit(
             session_id=r.session_id,
@@ -409,8 +399,7 @@ class Inbox:
             self._count(f"push_credit_refused.{why}", 1)
             return False
         r.claimed = True
-        if self._credits.get((r.endpoint, r.session_id)) is r:
-            del self._credits[(r.endpoint, r.session_id)]
+        self._credits.forget((r.endpoint, r.session_id), r)
         deadline_s = self._deadline_s(msg.nbytes)
         why = self._credit_refusal(link, r, msg)
         if why:
@@ -441,9 +430,7 @@ class Inbox:
         """The link's session is gone: its reservations wait for the write's end,
         and a probe asks our data plane whether the producer is still there. Call
         before the link retires the producer's agent: the probe keeps it loaded."""
-        self._credits.pop((link.endpoint, link.session_id), None)
-        self._credit_retry.pop((link.endpoint, link.session_id), None)
-        self._credit_sessions.discard((link.endpoint, link.session_id))
+        self._credits.session_lost((link.endpoint, link.session_id))
         for r in list(self._all.values()):
             if r.endpoint != link.endpoint or r.session_id != link.session_id:
                 continue
@@ -496,12 +483,6 @@ class Inbox:
         if msg.mm_hash in self._reserved or not self._may_reserve(msg.mm_hash):
             return "busy"
         return ""
-
-    def _credit_bytes(self) -> int:
-        """A credit's size: `push_credit_bytes`, at most a quarter of the region's blocks."""
-        stats = self._store.stats()
-        quarter = stats.total_blocks // 4 * stats.block_size
-        return min(self._config.push_credit_bytes, quarter) if self._config.push_name else 0
 
     def _deadline_s(self, nbytes: int) -> float:
         return self._config.push_deadline_s + self._config.fetch_deadline_per_gib_s * (
@@ -604,8 +585,7 @@ class Inbox:
         r.move(ReservationState.FENCED)
         if self._reserved.get(r.mm_hash) is r:
             del self._reserved[r.mm_hash]
-        if self._credits.get((r.endpoint, r.session_id)) is r:
-            del self._credits[(r.endpoint, r.session_id)]
+        self._credits.forget((r.endpoint, r.session_id), r)
         self._count("push_fenced", 1)
         if r.mm_hash:
             self._ended(r, False)
@@ -635,8 +615,7 @@ class Inbox:
                     self._transport.remove_peer(r.agent)  # no link uses it any more
         if self._reserved.get(r.mm_hash) is r:
             del self._reserved[r.mm_hash]
-        if self._credits.get((r.endpoint, r.session_id)) is r:
-            del self._credits[(r.endpoint, r.session_id)]
+        self._credits.forget((r.endpoint, r.session_id), r)
 
     def _probe(self, r: Reservation, now: float) -> None:
         """For an orphaned reservation, ask our data plane whether the producer can
