@@ -176,6 +176,13 @@ SPECS: Final[tuple[Spec, ...]] = (
     ),
     Spec("fenced_reads", _G, "Reads given up whose end the transport has not yet confirmed."),
     Spec(
+        "fenced_reads_by_kind",
+        _G,
+        "READs fenced (they may still write what they hold) whose end the transport has not "
+        "yet confirmed, by kind: given_up (as fenced_reads), warm_up, tag_landing.",
+        ("kind",),
+    ),
+    Spec(
         "fenced_read_oldest_age_seconds",
         _G,
         "Age of the oldest fenced read: growing, it means a peer that never ends its reads "
@@ -583,6 +590,8 @@ def _read_consumer(consumer: Consumer, out: Samples) -> None:
     fenced, oldest_s = consumer.fenced_reads()
     _add(out, "fenced_reads", fenced)
     _add(out, "fenced_read_oldest_age_seconds", oldest_s)
+    for kind, n in consumer.fences().items():
+        _add(out, "fenced_reads_by_kind", n, (kind,))
     _add(out, "fenced_pushes", consumer.fenced_pushes())
     for peer in consumer.peer_liveness():
         _add(out, "peer_up", float(peer.up), (peer.endpoint,))

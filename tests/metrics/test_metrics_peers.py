@@ -63,6 +63,10 @@ def test_real_fetch_counts_bytes_items_latency_grants_and_releases_pins(
     assert value(c, "ecshare_checksum_failures_total") == 0
     assert not any(n == "ecshare_fetch_failures_total" and v for (n, _), v in c.items())
     assert value(c, "ecshare_fetches_in_flight") == 0
+    # Every kind of fence is a series of its own; no read of these fetches was given up.
+    kinds = ("given_up", "warm_up", "tag_landing")
+    fenced = {k: value(c, "ecshare_fenced_reads_by_kind", kind=k) for k in kinds}
+    assert fenced["given_up"] == value(c, "ecshare_fenced_reads") == 0, fenced
     # The consumer's own region now holds the items.
     assert value(c, "ecshare_region_payload_bytes") == payload
     assert value(c, "ecshare_region_entries", state="ready") == 3
