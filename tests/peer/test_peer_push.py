@@ -583,16 +583,19 @@ def test_offer_never_answered_is_given_up_and_its_late_reservation_freed(
     producer has already unpinned its source and said PushDone(not written), which
     follows the offer on the same path and frees the reservation the offer made."""
     h, n = "unanswered-1", 2 << 20
-    slow = {"heartbeat_timeout_s": 4.0}
+    # The hold outlasts the producer's request timeout, and the heartbeat timeout outlasts
+    # the hold; the first offer ("w") must be answered within the request timeout even on
+    # a loaded host, so that timeout is not cut to the bone.
+    slow = {"heartbeat_timeout_s": 6.0}
     pnode, producer = make_producer(
-        keyring.producer_config(), slow, {"request_timeout_s": 0.3}, entries={"w": 4096, h: n}
+        keyring.producer_config(), slow, {"request_timeout_s": 1.0}, entries={"w": 4096, h: n}
     )
     proxy = FaultProxy("127.0.0.1", producer.port, faults=Faults(), seed=8)
     try:
         cnode, consumer = make_consumer(keyring.consumer_config(), PUSH, slow)
         consumer.connect([proxy.address])
         assert push_when_connected(producer, "w").pushed
-        proxy.hold(1.5, ("to_consumer",))
+        proxy.hold(3.0, ("to_consumer",))
 
         out = producer.push(h, to="pd-0").result(timeout=10)
 
