@@ -148,9 +148,8 @@ def read_proc(pid: int) -> ProcCpu | None:
     return ProcCpu(pid, name, total, threads)
 
 
-def session_pids(sid: int) -> list[int]:
-    """The processes of session `sid` (an instance's process group: API server, engine
-    core and their helpers)."""
+def _pids_whose_stat(field: int, value: int) -> list[int]:
+    """The processes whose /proc stat field `field` (counted after the comm) is `value`."""
     out = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -158,22 +157,19 @@ def session_pids(sid: int) -> list[int]:
                 _, rest = _stat_fields((entry / "stat").read_text())
             except (OSError, ValueError):
                 continue
-            if int(rest[3]) == sid:
+            if int(rest[field]) == value:
                 out.append(int(entry.name))
     return sorted(out)
 
 
+def session_pids(sid: int) -> list[int]:
+    """The processes of session `sid` (an instance's process group: API server, engine
+    core and their helpers)."""
+    return _pids_whose_stat(3, sid)
+
+
 def child_pids(ppid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                _, rest = _stat_fields((entry / "stat").read_text())
-            except (OSError, ValueError):
-                continue
-            if int(rest[1]) == ppid:
-                out.append(int(entry.name))
-    return out
+    return _pids_whose_stat(1, ppid)
 
 
 def thread_kind(name: str, tid: int, pid: int) -> str:
