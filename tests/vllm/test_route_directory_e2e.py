@@ -14,12 +14,14 @@ alone that encodes its images itself.
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
+import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import pytest
@@ -32,18 +34,40 @@ if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("nixl") 
     )
 
 from serving_testing import delta, fresh_images, settled_metrics, single_instance_tokens, token_ids
-from test_route_e2e import PD_TUNING, Loop, route_of
 
 from ecshare.apps.proxy.config import ProxyConfig
 from ecshare.apps.proxy.directory import ItemDirectory
+from ecshare.apps.proxy.routing import ROUTE_HEADER
 from ecshare.apps.proxy.server import RunningProxy, start_proxy
 from ecshare.control import generate_keypair
 from ecshare.vllm.servers import Keys, ServerSpec, VllmServer, chat_request, free_port, read_metrics
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.vllm_serve]
 
+T = TypeVar("T")
 WAIT_S = 60.0
 ADMIN_KEY = "admin-key-0123456789abcdef"
+PD_TUNING = {"region_bytes": 64 << 20, "fetch_deadline_base_s": 5.0}
+
+
+class Loop:
+    """An asyncio loop on a daemon thread, for the proxy."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout_s: float = 60.0) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+
+
+def route_of(answer: httpx.Response) -> dict[str, str]:
+    return dict(field.split("=", 1) for field in answer.headers[ROUTE_HEADER].split(";"))
 
 
 @dataclass
@@ -70,6 +94,9 @@ class Cluster:
 
     def claimed_by(self, url: str) -> set[str]:
         return {h for h in self.known_hashes() if url in self.directory.holders(h)}
+
+    def metric(self, name: str, **labels: str) -> float:
+        return self.proxy.proxy.metrics.value(name, **labels)
 
     def encoder_requests(self) -> float:
         return read_metrics(self.encoder.url, prefix="vllm:").get("request_success_total", 0.0)
@@ -188,11 +215,19 @@ def test_a_repeated_inline_image_skips_the_encoder_as_the_directory_says_it_is_h
     # The encoder's feed says it stored the item (the directory's only source).
     until(lambda: cluster.encoder.url in cluster.directory.holders(item), "held at the encoder")
     requests = cluster.encoder_requests()
+    before = [settled_metrics(pd) for pd in cluster.prefill_decode]
+    omitted = cluster.metric("pd_requests_total", media="omitted")
 
     again = cluster.post({**body, "messages": [*body["messages"]]})
 
     assert route_of(again)["reason"] == "held"
     assert cluster.encoder_requests() == requests  # the encoder saw no request
+    after = [settled_metrics(pd) for pd in cluster.prefill_decode]
+    # Sent without pixels, and nothing was encoded on prefill/decode: the item came from
+    # ecshare (fetched, or in that region already), or the prefix cache covered it.
+    for b, a in zip(before, after, strict=True):
+        assert delta(a, b, "local_encodes_total") == 0
+    assert cluster.metric("pd_requests_total", media="omitted") == omitted + 1
     assert token_ids(again.json()) == token_ids(first.json())
     assert token_ids(again.json()) == single_instance_tokens(cluster.prefill_decode[0], body)
 
