@@ -199,7 +199,9 @@ def cpu_delta(before: dict[int, ProcCpu], after: dict[int, ProcCpu]) -> dict[str
             label = "main" if tid == pid else name
             threads[label] += spent / CLK_TCK
             kinds[thread_kind(name, tid, pid)] += spent / CLK_TCK
-        total = (now.total - then.total) / CLK_TCK
+        # A process's total is never less than what its live threads took: some kernels
+        # (a sandboxed one in CI) update the process's total later than its threads'.
+        total = max(now.total - then.total, live) / CLK_TCK
         out[str(pid)] = {
             "name": now.name,
             "cpu_s": total,

@@ -8,8 +8,11 @@ images of its own, all within 1.6 s (most of them in flight at once), and the
 prefill/decode instance is squeezed on every side:
 
 - `--max-num-seqs 2`: requests queue, and their items wait in the region;
-- KV cache for 15 blocks of 32 tokens: two running requests outgrow it, so one
-  is preempted and recomputed (vLLM's `num_preemptions`);
+- KV cache for 14 blocks of 32 tokens: a prompt is 213 tokens (7 blocks), so two
+  running requests fill it, and the first to decode past token 224 needs an 8th
+  block: the other is preempted and recomputed (vLLM's `num_preemptions`). (With
+  15 blocks only two requests decoding in step outgrew it, which a run's timing
+  did not always give.);
 - a 1 MiB region for 64 items of 32 KiB: entries are evicted, and fetches that
   would need what waiting requests hold are refused (typed, counted); the
   proxy sends the items without their media, so such a request fails there,
@@ -67,7 +70,7 @@ pytestmark = [pytest.mark.timeout(900), pytest.mark.vllm_serve]
 CLIENTS = 32
 IMAGE_SIDE = 224  # 64 image tokens: 64 x 128 x 4 bytes = 32 KiB per item
 PD_ARGS = (
-    "--max-num-seqs", "2", "--block-size", "32", "--num-gpu-blocks-override", "15",
+    "--max-num-seqs", "2", "--block-size", "32", "--num-gpu-blocks-override", "14",
     "--max-model-len", "320",
 )  # fmt: skip
 PD_REGION = {"region_bytes": 1 << 20, "block_bytes": 4096}  # 32 items of 64 for 32 clients
