@@ -115,9 +115,13 @@ class ServerSpec:
     # A loopback address of its own lets instances of one host use the same port for
     # something (their item feeds, `ecshare launch`).
     host: str = "127.0.0.1"
+    # A network namespace to run in (`ip netns exec`, which also shows UCX that
+    # namespace's devices under /sys): a host of its own on one machine.
+    netns: str | None = None
 
     def command(self) -> list[str]:
         cmd = [
+            *(("ip", "netns", "exec", self.netns) if self.netns is not None else ()),
             self.python, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(self.model), "--served-model-name", self.served_model_name,
             "--host", self.host, "--port", str(self.port),
