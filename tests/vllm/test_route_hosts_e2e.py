@@ -67,6 +67,13 @@ def _ip(*args: str) -> None:
         raise HostsUnavailable(f"`ip {' '.join(args)}` failed: {done.stderr.strip()}")
 
 
+def pd_ip(host: Host) -> str:
+    """The address of `host`'s prefill/decode instance: each instance has its own, as
+    `ecshare launch` gives them, since the proxy finds an item feed at an instance's
+    address and the one `events_port`."""
+    return f"{SUBNET}.{100 + int(host.ip.rsplit('.', 1)[1])}"
+
+
 class Network:
     """Two hosts on a bridge, and this namespace on it too; `stop()` removes all of it.
 
@@ -79,6 +86,8 @@ class Network:
         self.hosts = Hosts(f"r{tag}")
         try:
             self.a, self.b = self.hosts.add(), self.hosts.add()
+            for host in (self.a, self.b):  # its second instance's address
+                _ip("-n", host.netns, "addr", "add", f"{pd_ip(host)}/24", "dev", DEVICE)
             link, hub_end = f"ecsr{tag}", f"vr{tag}"
             _ip(
                 "link",
@@ -143,14 +152,15 @@ def _instances(tmp: Path, model: Path, network: Network, keys: Keys) -> Deployme
     pds = [
         VllmServer(
             ServerSpec(
-                model, PD_PORT, core=1, ec_role="ec_consumer", host=h.ip, netns=h.netns,
+                model, PD_PORT, core=1, ec_role="ec_consumer", host=pd_ip(h), netns=h.netns,
                 extra_env=UCX_TCP,
                 extra_config={
-                    **keys.consumer_config(), **PD_TUNING, **events, **ucx, "listen_host": h.ip,
+                    **keys.consumer_config(), **PD_TUNING, **events, **ucx,
+                    "listen_host": pd_ip(h),
                     "trusted_producers": [f"tcp://{p.ip}:{LANE_PORT}" for p in hosts],
                 },
             ),
-            tmp / f"prefill_decode-{h.ip}.log",
+            tmp / f"prefill_decode-{pd_ip(h)}.log",
         )
         for h in hosts
     ]  # fmt: skip
