@@ -44,9 +44,11 @@ from ecshare.apps.chaos.hosts import DEVICE, SUBNET, Host, Hosts, HostsUnavailab
 from ecshare.apps.proxy.backends import ENCODER, PREFILL_DECODE
 from ecshare.apps.proxy.config import ProxyConfig
 from ecshare.apps.proxy.directory import ItemDirectory
+from ecshare.apps.proxy.fanout import encoder_request, media_parts
 from ecshare.apps.proxy.routing import ROUTE_HEADER
 from ecshare.apps.proxy.server import RunningProxy, start_proxy
 from ecshare.control import KeyFiles, generate_keypair
+from ecshare.protocol import decode_items
 from ecshare.vllm.servers import Keys, ServerSpec, VllmServer, chat_request, read_metrics
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.vllm_serve]
@@ -58,6 +60,9 @@ PD_TUNING = {"region_bytes": 64 << 20, "fetch_deadline_base_s": 5.0}
 # Every host has its own address, so every host uses the same ports, as real hosts do.
 ENCODER_PORT, PD_PORT, LANE_PORT, EVENTS_PORT = 8000, 8001, 7000, 7100
 PROXY_IP = f"{SUBNET}.254"  # this namespace's end of its veth pair onto the bridge
+# A second address there, for requests of the test's own that a host cut off from the
+# proxy's address still answers (the proxy's sockets leave from the first).
+CLIENT_IP = f"{SUBNET}.253"
 UCX_TCP = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": DEVICE}
 
 
@@ -104,6 +109,7 @@ class Network:
             _ip("-n", self.hosts.hub, "link", "set", hub_end, "master", "br0")
             _ip("-n", self.hosts.hub, "link", "set", hub_end, "up")
             _ip("addr", "add", f"{PROXY_IP}/24", "dev", link)
+            _ip("addr", "add", f"{CLIENT_IP}/24", "dev", link)
             _ip("link", "set", link, "up")
         except BaseException:
             self.hosts.close()
@@ -212,6 +218,17 @@ def until(check: Callable[[], bool], what: str) -> None:
     while not check():
         assert time.monotonic() < deadline, f"never: {what}"
         time.sleep(0.05)
+
+
+def encode_directly(encoder: VllmServer, body: dict[str, Any]) -> list[str]:
+    """Have `encoder` encode `body`'s images, asked from CLIENT_IP, not through the proxy;
+    the mm_hashes it stored."""
+    request = encoder_request(body, media_parts(body))
+    transport = httpx.HTTPTransport(local_address=CLIENT_IP)
+    with httpx.Client(transport=transport, timeout=180) as client:
+        answer = client.post(encoder.url + "/v1/chat/completions", json=request)
+    assert answer.status_code == 200, answer.text
+    return list(decode_items(answer.json()["ec_transfer_params"]))
 
 
 def encoder_requests(server: VllmServer) -> float:
@@ -458,6 +475,10 @@ def test_a_host_cut_off_from_the_proxy_loses_its_events_and_no_answer_changes(
         until(lambda: not cluster.up(ENCODER, cut[0]), "host b's encoder out of rotation")
         until(lambda: not cluster.up(PREFILL_DECODE, cut[1]), "host b's instance out of rotation")
         assert cluster.directory.stats()["expired"] >= expired + 2
+        # Host b still works: what it stores now is an event the proxy never hears.
+        unheard_body = chat_request(fresh_images((112, 84)), text="Describe the image.")
+        unheard = encode_directly(cut[0], unheard_body)
+        assert unheard and not any(cluster.directory.holders(h) for h in unheard)
         fresh = chat_request(fresh_images((112, 84)), text="Describe the image.", max_tokens=4)
         for request in (repeat, fresh):
             answer = cluster.post(request)
@@ -475,6 +496,15 @@ def test_a_host_cut_off_from_the_proxy_loses_its_events_and_no_answer_changes(
         lambda: held_there <= set().union(*(cluster.claimed_by(s.url) for s in cut)),
         "host b's items held again",
     )
+    # The snapshot brought what the lost event said; the proxy never saw that content
+    # encoded, so it is encoded again, and answers as a single instance would.
+    until(
+        lambda: all(cut[0].url in cluster.directory.holders(h) for h in unheard),
+        "the unheard item known from the snapshot",
+    )
+    answer = cluster.post(unheard_body)
+    assert route_of(answer)["reason"] == "new"
+    assert token_ids(answer.json()) == single_instance_tokens(cluster.pd_of(answer), unheard_body)
     body = chat_request(fresh_images((112, 84)), text="Describe the image.", max_tokens=4)
     first = cluster.post(body)
     again = cluster.post(body)
