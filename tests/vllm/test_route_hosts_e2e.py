@@ -8,7 +8,13 @@ device (UCX_TLS=tcp, UCX_NET_DEVICES=ecs0). The proxy runs in this process, on a
 to every instance's item feed (`events_port`, CURVE, its key on each instance's admin
 list): what the directory knows comes only from those feeds. The second host's
 prefill/decode instance is not on the proxy's command line: it is registered through
-`POST /v1/members` once the proxy has served traffic.
+`POST /v1/members` once the proxy has served traffic. A blackhole route on one host cuts
+what it sends to the proxy's address (its item events, heartbeats, answers), while a
+second address of this namespace still reaches it, for the test's own requests.
+
+Making the hosts needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN) and iproute2's `ip`; without
+them the tests skip with the reason, which is not on tests/skips_allowed.txt, so that
+CI fails rather than passes them unchecked.
 
 Every answer must equal, token for token, the same request answered by one instance
 alone that encodes its images itself.
