@@ -44,12 +44,12 @@ from typing import TYPE_CHECKING
 
 from ecshare.config import Config
 from ecshare.peer import Consumer, FailureReason, FetchFailed, FetchItem
+from ecshare.protocol import TransferParam
 from ecshare.store import Store, StoreError
 from ecshare.vllm.fetches import Fetch
 from ecshare.vllm.ops import decode_param
 from ecshare.vllm.pins import EnginePins
 from ecshare.vllm.placeholders import Placeholders
-from ecshare.vllm.pushes import PUSHED_TO
 from ecshare.vllm.settings import ConnectorSettings
 from ecshare.vllm.shapes import Expectations
 from ecshare.vllm.tally import Tally
@@ -148,12 +148,13 @@ class WaitingRequests:
                 elif h in waiter.media_free and not self._hold(waiter, h):
                     self._fall_back(waiter, h, "no ec_transfer_params name it")
                 continue
-            pushed = self._pushed_here(raw)
+            param = decode_param(raw)
+            pushed = self._pushed_here(param)
             if h not in waiter.waiting and not pushed and self._hold(waiter, h):
                 continue  # already local
             fetch = self._fetches.get(h)
             if fetch is None:
-                fetch = self._start_fetch(waiter, h, raw, feature, pushed=pushed)
+                fetch = self._start_fetch(waiter, h, param, feature, pushed=pushed)
                 if fetch is None:
                     continue  # refused: left to local encoding
             fetch.requests.add(rid)
@@ -179,18 +180,12 @@ class WaitingRequests:
         c = self._config
         return c.push_wait_s + c.push_deadline_s + c.fetch_deadline_per_gib_s * nbytes / (1 << 30)
 
-    def _pushed_here(self, raw: object) -> bool:
-        """Whether an item's params say its encoder pushes it to this instance."""
-        if self._push_name is None or not isinstance(raw, dict):
-            return False
-        names = raw.get(PUSHED_TO)
-        if names is None:
-            return False
-        if not isinstance(names, list | tuple) or not all(isinstance(n, str) for n in names):
-            self._tally.add("push_params_unusable")
-            self._tally.warn("push", f"{PUSHED_TO} is not a list of names: {names!r:.200}")
-            return False
-        return self._push_name in names
+    def _pushed_here(self, param: TransferParam | None) -> bool:
+        """Whether an item's params say its encoder pushes it to this instance (params
+        that did not decode, `pushed_to` included, say nothing: `_start_fetch` counts them)."""
+        return (
+            self._push_name is not None and param is not None and self._push_name in param.pushed_to
+        )
 
     def _track(self, request: Request) -> Waiter:
         waiter = Waiter(request, request.num_preemptions)
@@ -226,12 +221,11 @@ class WaitingRequests:
         self,
         waiter: Waiter,
         h: str,
-        raw: object,
+        param: TransferParam | None,
         feature: MultiModalFeatureSpec,
         *,
         pushed: bool = False,
     ) -> Fetch | None:
-        param = decode_param(raw)
         refusal: str | None = None
         if (
             param is None
