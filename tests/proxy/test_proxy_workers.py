@@ -2,6 +2,8 @@
 
 Which worker answered shows in the request id it sends upstream: each process draws its
 own random prefix, and the stub prefill/decode instance records every request's headers.
+The workers share the registered members and their encodes in flight through their
+supervisor (`ecshare.apps.proxy.shared`).
 """
 
 from __future__ import annotations
@@ -11,14 +13,17 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from proxy_testing import Rig, wait_until
+from proxy_stubs import PREFILL_DECODE, StubBackend, serve_stubs
+from proxy_testing import Rig, chat, wait_until
 
 from ecshare.apps.ready import ProxyReady, parse_ready
 
@@ -72,6 +77,104 @@ def _send(url: str, n: int) -> None:
     body = {"model": "stub-model", "messages": [{"role": "user", "content": "hi"}]}
     for _ in range(n):  # a new connection each time, so the kernel spreads them
         assert httpx.post(url + "/v1/chat/completions", json=body, timeout=10).status_code == 200
+
+
+def _workers_of(stub: StubBackend, since: int = 0) -> set[str]:
+    """The workers (by request-id prefix) whose requests reached `stub`."""
+    return {c.headers["x-request-id"].rsplit("-", 1)[0] for c in stub.calls[since:]}
+
+
+def _post_into(url: str, body: dict[str, Any], statuses: list[int]) -> None:
+    answer = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
+    statuses.append(answer.status_code)
+
+
+ADMIN_KEY = "an-admin-key-of-some-length"
+
+
+def _members(url: str, method: str, role: str, member: str) -> dict[str, Any]:
+    auth = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    body = {"role": role, "url": member}
+    answer = httpx.request(method, url + "/v1/members", json=body, headers=auth, timeout=10)
+    assert answer.status_code == 200, answer.text
+    found: dict[str, Any] = answer.json()
+    return found
+
+
+def _extra_pd(rig: Rig) -> tuple[StubBackend, str]:
+    extra = StubBackend(PREFILL_DECODE)
+    started = rig.loop.run(serve_stubs([extra]))
+    rig._runners.extend(runner for runner, _ in started)
+    return extra, started[0][1]
+
+
+def test_a_member_registered_through_one_worker_serves_through_every_worker(
+    rig: Rig, tmp_path: Path
+) -> None:
+    admin = tmp_path / "admin"
+    admin.write_text(ADMIN_KEY)
+    extra, extra_url = _extra_pd(rig)
+    with _proxy(rig, "--workers", "2", "--admin-key-file", str(admin)) as (proc, ready):
+        url, pids = ready.url, set(ready.pids)
+        assert _members(url, "POST", PREFILL_DECODE, extra_url) == {"joined": True}
+        # Requests on fresh connections reach both workers, and both send some to it.
+        wait_until(lambda: (_send(url, 4), len(_workers_of(extra)) == 2)[1], timeout_s=30)
+
+        # A worker that restarts gets the registered member before it serves.
+        victim = min(pids)
+        os.kill(victim, signal.SIGKILL)
+        wait_until(lambda: victim not in _worker_pids(url) and len(_worker_pids(url)) == 2, 30)
+        before = _workers_of(extra)
+        wait_until(lambda: (_send(url, 4), bool(_workers_of(extra) - before))[1], timeout_s=30)
+
+        # Unregistered through any worker: no worker sends it anything more.
+        assert _members(url, "DELETE", PREFILL_DECODE, extra_url) == {"left": True}
+        seen = len(extra.calls)
+        _send(url, 20)
+        assert len(extra.calls) == seen
+        assert len(_workers_of(rig.prefill_decode[0], len(rig.prefill_decode[0].calls) - 20)) == 2
+        listed = httpx.get(
+            url + "/v1/members", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=10
+        )
+        assert extra_url not in {m["url"] for m in listed.json()["members"]}
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+
+
+def test_concurrent_requests_with_one_new_image_through_two_workers_make_one_encode(
+    rig: Rig,
+) -> None:
+    for encoder in rig.encoders:
+        encoder.behaviour.delay_s = 1.0  # every request arrives while the first encodes
+    encoders = [arg for u in rig.encoder_urls for arg in ("--encoder", u)]
+    pd = rig.prefill_decode[0]
+    both = False
+    with _proxy(rig, "--workers", "2", *encoders) as (proc, _ready):
+        url = _ready.url
+        for round_ in range(5):  # until both workers took part (the kernel spreads them)
+            image = {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{round_}"}}
+            calls_before = sum(len(e.calls) for e in rig.encoders)
+            pd_before = len(pd.calls)
+            answers: list[int] = []
+
+            threads = [
+                threading.Thread(target=_post_into, args=(url, chat(image, text=f"q{i}"), answers))
+                for i in range(6)
+            ]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(60)
+            assert answers == [200] * 6
+            assert sum(len(e.calls) for e in rig.encoders) == calls_before + 1
+            sent = pd.bodies()[pd_before:]
+            assert all(len(body["ec_transfer_params"]) == 1 for body in sent)
+            if len(_workers_of(pd, pd_before)) == 2:
+                both = True
+                break
+        assert both, "the kernel never spread six connections over both workers"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
 
 
 def test_workers_share_the_port_and_report_one_set_of_metrics(rig: Rig) -> None:

@@ -93,7 +93,7 @@ def test_a_content_in_flight_is_encoded_once_and_its_waiters_get_the_result() ->
 
         async def request() -> object:
             nonlocal encodes
-            flight = flights.join("key")
+            flight = await flights.join("key")
             if flight is not None:
                 return await flight
             encodes += 1
@@ -103,7 +103,7 @@ def test_a_content_in_flight_is_encoded_once_and_its_waiters_get_the_result() ->
 
         results = await asyncio.gather(*(request() for _ in range(5)))
         # Landed: the next request with the key leads a flight of its own.
-        assert flights.join("key") is None
+        assert await flights.join("key") is None
         return list(results), encodes
 
     results, encodes = asyncio.run(run())
@@ -114,8 +114,8 @@ def test_a_content_in_flight_is_encoded_once_and_its_waiters_get_the_result() ->
 def test_a_failed_flight_hands_its_waiters_nothing() -> None:
     async def run() -> object:
         flights = SingleFlight()
-        assert flights.join("key") is None
-        waiter = flights.join("key")
+        assert await flights.join("key") is None
+        waiter = await flights.join("key")
         assert waiter is not None
         flights.land("key", None)
         return await waiter

@@ -70,6 +70,7 @@ from ecshare.apps.proxy.discovery import (
 from ecshare.apps.proxy.errors import ProxyError, error_response
 from ecshare.apps.proxy.fanout import EncoderStage, scan_media
 from ecshare.apps.proxy.forward import PrefillDecodeStage
+from ecshare.apps.proxy.link import SupervisorLink
 from ecshare.apps.proxy.media import media_free
 from ecshare.apps.proxy.metrics import ProxyMetrics
 from ecshare.apps.proxy.parts import PartRules, check_parts, media_modalities, salted
@@ -132,8 +133,10 @@ class Proxy:
         config: ProxyConfig,
         metrics: ProxyMetrics | None = None,
         directory: Directory | None = None,
+        link: SupervisorLink | None = None,
     ) -> None:
         self.config = config
+        self.link = link
         self.metrics = metrics or ProxyMetrics()
         eject = config.eject_after_failures
         self.encoders = BackendPool(
@@ -167,6 +170,8 @@ class Proxy:
             directory=directory,
             push_names=self._push_names,
         )
+        if link is not None:  # one encode per content across the workers too
+            self.router.flights = link.flights
 
     @property
     def stages(self) -> _Stages:
@@ -215,6 +220,8 @@ class Proxy:
             await self.membership.start(
                 session, discovery_from_config(c), interval_s=c.discover_interval_s
             )
+        if self.link is not None:  # the registered members, before serving
+            await self.link.start(self.membership)
         if self.metrics.multiprocess:  # a scrape reaches one worker: keep all of them current
             self._stages.membership_sync = asyncio.create_task(self._sync_membership())
 
@@ -226,6 +233,8 @@ class Proxy:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self.link is not None:
+            await self.link.close()
         if self.membership is not None:
             await self.membership.close()
         await stages.session.close()
@@ -484,9 +493,12 @@ def wants_membership(config: ProxyConfig) -> bool:
     )
 
 
-def build_app(config: ProxyConfig, metrics: ProxyMetrics | None = None) -> web.Application:
-    """The proxy as an aiohttp application (serve it with handler cancellation on)."""
-    proxy = Proxy(config, metrics)
+def build_app(
+    config: ProxyConfig, metrics: ProxyMetrics | None = None, *, link: SupervisorLink | None = None
+) -> web.Application:
+    """The proxy as an aiohttp application (serve it with handler cancellation on); `link`:
+    a worker's channel to its supervisor, through which it shares members and flights."""
+    proxy = Proxy(config, metrics, link=link)
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[proxy.guard])
     app.router.add_post(CHAT_PATH, proxy.chat_completions)
     app.router.add_post(COMPLETIONS_PATH, proxy.completions)

@@ -11,8 +11,12 @@ feed is watched from the start.
 Every join, leave and refusal is counted (`stats`) and logged. A DNS lookup that fails
 changes nothing (counted): only a successful answer without an address removes members.
 
-Each proxy worker keeps its own membership: registrations reach the one worker that
-answers them, while discovery is seen by all.
+With several proxy workers (`--workers N`), a registration reaches whichever worker
+answers it, which relays it to the supervisor (`relay`, set by `link`); the supervisor
+sends the registered set to every worker, in one order, and to a worker that (re)starts
+before it serves (`shared`). Every worker watches the same DNS names and the same static
+members itself, and subscribes to every member's item feed itself, so every worker's
+directory hears the same events.
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ MAX_MEMBERS_PER_ROLE: Final = 1024
 MAX_URL_CHARS: Final = 2048
 
 Resolver = Callable[[str], Awaitable[list[str]]]
+# Register (True) or unregister a member everywhere; whether it joined (left) this pool.
+Relay = Callable[[bool, str, str], Awaitable[bool]]
 
 
 class Member(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -93,6 +99,7 @@ class Membership:
         self._stats = dict.fromkeys(
             ("joined", "left", "refused", "unauthorized", "dns_failures"), 0
         )
+        self.relay: Relay | None = None  # where registrations go (another worker's sake)
 
     async def start(
         self,
@@ -175,6 +182,28 @@ class Membership:
         log.info("%s %s left (%s); its items are forgotten", role, url, source)
         return True
 
+    async def register(self, role: str, url: str) -> bool:
+        """A registration (`/v1/members`): here, or in every worker through `relay`."""
+        if self.relay is not None:
+            return await self.relay(True, role, url)
+        return await self.join(role, url, REGISTERED)
+
+    async def unregister(self, role: str, url: str) -> bool:
+        if self.relay is not None:
+            return await self.relay(False, role, url)
+        return self.leave(role, url, REGISTERED)
+
+    async def apply_registered(
+        self, wanted: set[tuple[str, str]]
+    ) -> tuple[set[tuple[str, str]], set[tuple[str, str]]]:
+        """Make the registered members `wanted` (the supervisor's set); which joined and
+        which left the pools."""
+        held = {(role, url) for role, urls in self.held_by(REGISTERED).items() for url in urls}
+        left = {m for m in sorted(held - wanted) if self.leave(*m, REGISTERED)}
+        adding = sorted((role, url) for role, url in wanted - held if role in self._pools)
+        joined = await asyncio.gather(*(self.join(role, url, REGISTERED) for role, url in adding))
+        return {m for m, ok in zip(adding, joined, strict=True) if ok}, left
+
     def held_by(self, source: str) -> dict[str, set[str]]:
         """The URLs `source` holds, per role."""
         out: dict[str, set[str]] = {role: set() for role in self._pools}
@@ -256,6 +285,9 @@ async def discover(
         await asyncio.sleep(interval_s)
 
 
+MemberAction = Callable[[Member], Awaitable[dict[str, bool]]]
+
+
 def member_routes(membership: Membership, admin_key: str) -> list[web.RouteDef]:
     """`GET`, `POST` and `DELETE /v1/members`, each needing `Authorization: Bearer <admin_key>`."""
     expected = admin_key.encode()
@@ -269,46 +301,48 @@ def member_routes(membership: Membership, admin_key: str) -> list[web.RouteDef]:
             log.warning("members: refused a request without the admin key from %s", request.remote)
         return ok
 
-    async def body(request: web.Request) -> Member | web.Response:
-        try:
-            member = msgspec.json.decode(await request.read(), type=Member)
-        except msgspec.DecodeError as exc:
-            membership.count("refused")
-            return web.json_response({"error": f"bad member: {exc}"}, status=400)
-        url = base_url(member.url)
-        if url is None:
-            membership.count("refused")
-            return web.json_response(
-                {"error": "url must be a base URL such as http://host:8000"}, status=400
-            )
-        return Member(member.role, url)
+    def admin(
+        action: Callable[[web.Request], Awaitable[web.Response]],
+    ) -> Callable[[web.Request], Awaitable[web.Response]]:
+        async def handler(request: web.Request) -> web.Response:
+            if not authorized(request):
+                return web.json_response({"error": "admin key required"}, status=401)
+            return await action(request)
 
-    async def listing(request: web.Request) -> web.Response:
-        if not authorized(request):
-            return web.json_response({"error": "admin key required"}, status=401)
+        return handler
+
+    def with_member(action: MemberAction) -> Callable[[web.Request], Awaitable[web.Response]]:
+        """`action` on the member the body names; 400 for a body that names none."""
+
+        async def handler(request: web.Request) -> web.Response:
+            try:
+                member = msgspec.json.decode(await request.read(), type=Member)
+            except msgspec.DecodeError as exc:
+                membership.count("refused")
+                return web.json_response({"error": f"bad member: {exc}"}, status=400)
+            url = base_url(member.url)
+            if url is None:
+                membership.count("refused")
+                return web.json_response(
+                    {"error": "url must be a base URL such as http://host:8000"}, status=400
+                )
+            return web.json_response(await action(Member(member.role, url)))
+
+        return admin(handler)
+
+    async def listing(_request: web.Request) -> web.Response:
         return web.json_response({"members": membership.members(), "stats": membership.stats()})
 
-    async def register(request: web.Request) -> web.Response:
-        if not authorized(request):
-            return web.json_response({"error": "admin key required"}, status=401)
-        member = await body(request)
-        if isinstance(member, web.Response):
-            return member
-        joined = await membership.join(member.role, member.url, REGISTERED)
-        return web.json_response({"joined": joined})
+    async def register(member: Member) -> dict[str, bool]:
+        return {"joined": await membership.register(member.role, member.url)}
 
-    async def unregister(request: web.Request) -> web.Response:
-        if not authorized(request):
-            return web.json_response({"error": "admin key required"}, status=401)
-        member = await body(request)
-        if isinstance(member, web.Response):
-            return member
-        return web.json_response({"left": membership.leave(member.role, member.url, REGISTERED)})
+    async def unregister(member: Member) -> dict[str, bool]:
+        return {"left": await membership.unregister(member.role, member.url)}
 
     return [
-        web.get("/v1/members", listing),
-        web.post("/v1/members", register),
-        web.delete("/v1/members", unregister),
+        web.get("/v1/members", admin(listing)),
+        web.post("/v1/members", with_member(register)),
+        web.delete("/v1/members", with_member(unregister)),
     ]
 
 

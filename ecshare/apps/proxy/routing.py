@@ -152,7 +152,7 @@ class SingleFlight:
     def __len__(self) -> int:
         return len(self._flights)
 
-    def join(self, key: str) -> asyncio.Future[object] | None:
+    async def join(self, key: str) -> asyncio.Future[object] | None:
         """The flight under way for `key` to wait on, or None: the caller now leads it
         and must `land` it, whatever happens."""
         flight = self._flights.get(key)
@@ -255,7 +255,7 @@ class Router:
                 encoded.params[known.mm_hash] = known.param
                 reused.append((key, known.mm_hash))
                 continue
-            flight = self.flights.join(key)
+            flight = await self.flights.join(key)
             if flight is None:
                 led.add(key)
                 new.append(i)

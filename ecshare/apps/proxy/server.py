@@ -20,6 +20,7 @@ import importlib
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from aiohttp import web
 from ecshare.apps.proxy.app import PROXY_KEY, Proxy, build_app
 from ecshare.apps.proxy.config import ProxyConfig
 from ecshare.apps.proxy.edge import CappedSite
+from ecshare.apps.proxy.link import SupervisorLink
 from ecshare.apps.proxy.metrics import ProxyMetrics
 from ecshare.apps.ready import ProxyReady, print_ready
 
@@ -48,14 +50,19 @@ class RunningProxy:
 
 
 async def start_proxy(
-    config: ProxyConfig, metrics: ProxyMetrics | None = None, *, reuse_port: bool = False
+    config: ProxyConfig,
+    metrics: ProxyMetrics | None = None,
+    *,
+    reuse_port: bool = False,
+    link: SupervisorLink | None = None,
 ) -> RunningProxy:
     """Serve a proxy for `config` in the running loop until `stop()` is awaited.
 
     `reuse_port` lets other sockets with it set listen on the same port (the workers of
-    `ecshare proxy --workers N`); the kernel spreads connections across them.
+    `ecshare proxy --workers N`); the kernel spreads connections across them, and `link`
+    is a worker's channel to their supervisor (`ecshare.apps.proxy.link`).
     """
-    app = build_app(config, metrics)
+    app = build_app(config, metrics, link=link)
     runner = web.AppRunner(
         app,
         handler_cancellation=True,
@@ -93,10 +100,15 @@ def use_uvloop() -> str:
 
 
 async def serve_until_signalled(
-    config: ProxyConfig, announce: Callable[[RunningProxy], None], *, reuse_port: bool = False
+    config: ProxyConfig,
+    announce: Callable[[RunningProxy], None],
+    *,
+    reuse_port: bool = False,
+    channel: socket.socket | None = None,
 ) -> None:
     """Run the proxy, call `announce` once it listens, and stop it on SIGINT or SIGTERM."""
-    running = await start_proxy(config, reuse_port=reuse_port)
+    link = SupervisorLink(channel) if channel is not None else None
+    running = await start_proxy(config, reuse_port=reuse_port, link=link)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -108,15 +120,18 @@ async def serve_until_signalled(
         await running.stop()
 
 
-def serve_worker(config: ProxyConfig, *, reuse_port: bool) -> int:
-    """Serve one proxy process until SIGINT or SIGTERM, printing its ready line."""
+def serve_worker(
+    config: ProxyConfig, *, reuse_port: bool, channel: socket.socket | None = None
+) -> int:
+    """Serve one proxy process until SIGINT or SIGTERM, printing its ready line; `channel`
+    is a worker's to its supervisor."""
     loop_name = use_uvloop()
 
     def announce(running: RunningProxy) -> None:
         print_ready(proxy_ready(config, running.url, loop_name, (os.getpid(),)))
 
     try:
-        asyncio.run(serve_until_signalled(config, announce, reuse_port=reuse_port))
+        asyncio.run(serve_until_signalled(config, announce, reuse_port=reuse_port, channel=channel))
     except OSError as exc:  # the port is taken, the address is not ours
         return cannot_listen(config, exc)
     return 0

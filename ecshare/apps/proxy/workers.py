@@ -12,6 +12,9 @@ module's `supervise`:
   them reports the totals of all (`ecshare.apps.proxy.metrics`);
 * passes each worker the configuration on its standard input, never on its command line,
   where the API key would show in `ps`;
+* keeps one channel to each worker, a Unix socket pair that worker alone inherits
+  (`_Hub`, a thread of its own, on `ecshare.apps.proxy.shared.Coordinator`): through it
+  the workers share the registered members and their encodes in flight;
 * prints one ready line once every worker listens;
 * restarts a worker that dies, and gives up (exit 1) when they die faster than they start;
 * stops every worker on SIGINT or SIGTERM, and removes the metrics directory.
@@ -33,6 +36,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -40,8 +44,18 @@ from collections.abc import Callable, Iterator
 import msgspec
 
 from ecshare.apps.proxy.config import ProxyConfig
+from ecshare.apps.proxy.discovery import MAX_MEMBERS_PER_ROLE
 from ecshare.apps.proxy.metrics import MULTIPROC_DIR_ENV
 from ecshare.apps.proxy.server import cannot_listen, proxy_ready, serve_worker
+from ecshare.apps.proxy.shared import (
+    MAX_TO_SUPERVISOR_BYTES,
+    Coordinator,
+    FrameError,
+    ToWorker,
+    decode_to_supervisor,
+    frame,
+    split_frames,
+)
 from ecshare.apps.ready import ProxyReady, parse_ready, print_ready
 
 log = logging.getLogger(__name__)
@@ -51,6 +65,8 @@ STOP_TIMEOUT_S = 10.0
 # More restarts than this within the window: the workers die as fast as they start.
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 60.0
+# A worker that takes in nothing of its channel for this long is dropped from it (and ends).
+CHANNEL_SEND_TIMEOUT_S = 10.0
 _PR_SET_PDEATHSIG = 1
 
 
@@ -97,7 +113,9 @@ def supervise(config: ProxyConfig, announce: Announce | None = None) -> int:
         return cannot_listen(config, exc)
     shared = tempfile.mkdtemp(prefix="ecshare-proxy-metrics-")
     worker_config = msgspec.structs.replace(config, port=reserved.getsockname()[1])
-    pool = _Pool(worker_config, shared, announce)
+    hub = _Hub()
+    pool = _Pool(worker_config, shared, announce, hub)
+    hub.start()
     try:
         with reserved, _signals() as wakeup:
             return pool.run(wakeup)
@@ -106,14 +124,18 @@ def supervise(config: ProxyConfig, announce: Announce | None = None) -> int:
         return 1
     finally:
         pool.stop_all()
+        hub.stop()
         shutil.rmtree(shared, ignore_errors=True)
 
 
 class _Pool:
-    def __init__(self, config: ProxyConfig, shared_dir: str, announce: Announce | None) -> None:
+    def __init__(
+        self, config: ProxyConfig, shared_dir: str, announce: Announce | None, hub: _Hub
+    ) -> None:
         self.config = config
         self.shared_dir = shared_dir
         self.announce = announce
+        self.hub = hub
         self.workers: list[_Worker] = []
         self._restarts: deque[float] = deque()
 
@@ -137,8 +159,23 @@ class _Pool:
 
     def _spawn(self) -> _Worker:
         env = {**os.environ, MULTIPROC_DIR_ENV: self.shared_dir}
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         argv = [sys.executable, "-m", __name__, "--parent", str(os.getpid())]
-        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        argv += ["--channel", str(theirs.fileno())]
+        try:
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                env=env,
+                pass_fds=(theirs.fileno(),),
+            )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self.hub.attach(ours)
         assert proc.stdin is not None
         with proc.stdin:
             proc.stdin.write(msgspec.json.encode(self.config))
@@ -222,6 +259,107 @@ class _Pool:
         self.workers.clear()
 
 
+class _Hub(threading.Thread):
+    """The supervisor's ends of the workers' channels, served on a thread of their own so
+    that they are answered while the main thread waits on workers (starting one takes
+    seconds): a `Coordinator` with the sockets around it. It blocks in `select` when idle."""
+
+    def __init__(self) -> None:
+        super().__init__(name="ecshare-proxy hub", daemon=True)
+        self._core = Coordinator(max_per_role=MAX_MEMBERS_PER_ROLE)
+        self._selector = selectors.DefaultSelector()
+        self._wake_read, self._wake_write = socket.socketpair()
+        self._wake_read.setblocking(False)
+        self._selector.register(self._wake_read, selectors.EVENT_READ)
+        self._lock = threading.Lock()
+        self._arriving: list[socket.socket] = []
+        self._channels: dict[int, tuple[socket.socket, bytearray]] = {}
+        self._ids = 0
+        self._stopping = False
+        self.bad_frames = 0
+
+    def attach(self, sock: socket.socket) -> None:
+        """Serve a new worker's channel (from any thread)."""
+        with self._lock:
+            self._arriving.append(sock)
+        self._wake_write.send(b"\0")
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopping = True
+        self._wake_write.send(b"\0")
+        if self.is_alive():
+            self.join(STOP_TIMEOUT_S)
+        for sock, _ in self._channels.values():
+            sock.close()
+        self._selector.close()
+        self._wake_read.close()
+        self._wake_write.close()
+
+    def run(self) -> None:
+        while True:
+            for key, _ in self._selector.select():
+                if key.fileobj is self._wake_read:
+                    with contextlib.suppress(BlockingIOError):
+                        self._wake_read.recv(4096)
+                    with self._lock:
+                        if self._stopping:
+                            return
+                        arriving, self._arriving = self._arriving, []
+                    for sock in arriving:
+                        self._open(sock)
+                else:
+                    self._readable(key.data)
+
+    def _open(self, sock: socket.socket) -> None:
+        self._ids += 1
+        worker = self._ids
+        sock.settimeout(CHANNEL_SEND_TIMEOUT_S)
+        self._channels[worker] = (sock, bytearray())
+        self._selector.register(sock, selectors.EVENT_READ, worker)
+        self._send(self._core.attach(worker))
+
+    def _readable(self, worker: int) -> None:
+        channel = self._channels.get(worker)
+        if channel is None:
+            return
+        sock, buffer = channel
+        try:
+            chunk = sock.recv(1 << 16)
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self._close(worker)
+            return
+        buffer += chunk
+        try:
+            for body in split_frames(buffer, MAX_TO_SUPERVISOR_BYTES):
+                self._send(self._core.receive(worker, decode_to_supervisor(body)))
+        except FrameError as exc:
+            self.bad_frames += 1
+            log.error("proxy worker channel %d: %s; dropping the channel", worker, exc)
+            self._close(worker)
+
+    def _send(self, out: list[tuple[int, ToWorker]]) -> None:
+        for worker, message in out:
+            channel = self._channels.get(worker)
+            if channel is None:
+                continue
+            try:
+                channel[0].sendall(frame(message))
+            except OSError as exc:  # gone, or not reading: it ends, and is replaced
+                log.warning("proxy worker channel %d: %s; dropping the channel", worker, exc)
+                self._close(worker)
+
+    def _close(self, worker: int) -> None:
+        channel = self._channels.pop(worker, None)
+        if channel is None:
+            return
+        self._selector.unregister(channel[0])
+        channel[0].close()
+        self._send(self._core.detach(worker))
+
+
 def _reserve(host: str, port: int) -> socket.socket:
     """A socket bound to (host, port) with SO_REUSEPORT and not listening: it holds the port."""
     family, kind, proto, _, address = socket.getaddrinfo(
@@ -267,11 +405,13 @@ def main(argv: list[str] | None = None) -> int:
     """One worker: the configuration comes on standard input, as JSON."""
     parser = argparse.ArgumentParser(prog=f"python -m {__name__}")
     parser.add_argument("--parent", type=int, required=True, help="the supervisor's pid")
+    parser.add_argument("--channel", type=int, required=True, help="the channel's descriptor")
     args = parser.parse_args(argv)
+    channel = socket.socket(fileno=args.channel)
     if not _end_with_parent(args.parent):
         return 1
     config = msgspec.json.decode(sys.stdin.buffer.read(), type=ProxyConfig)
-    return serve_worker(config, reuse_port=True)
+    return serve_worker(config, reuse_port=True, channel=channel)
 
 
 if __name__ == "__main__":
