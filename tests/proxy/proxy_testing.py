@@ -40,7 +40,9 @@ from proxy_stubs import ENCODER, PREFILL_DECODE, StubBackend, serve_stubs
 
 from ecshare.apps.proxy.app import Proxy
 from ecshare.apps.proxy.config import ProxyConfig
+from ecshare.apps.proxy.directory import ItemDirectory
 from ecshare.apps.proxy.server import RunningProxy, start_proxy
+from ecshare.peer.items import ItemEvent, ItemSnapshot
 
 if TYPE_CHECKING:
     from ecshare.vllm.servers import VllmServer
@@ -73,6 +75,29 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"not true within {timeout_s}s: {predicate}")
         time.sleep(0.01)
+
+
+class Feeds:
+    """What the instances' item feeds would say, fed to a real `ItemDirectory` through its
+    own `apply`: a first snapshot of nothing, then one "stored" event per item, in order."""
+
+    INCARNATION = 1
+
+    def __init__(self, directory: ItemDirectory | None = None) -> None:
+        self.directory = directory if directory is not None else ItemDirectory()
+        self._seq: dict[str, int] = {}
+
+    def store(self, backend: str, *mm_hashes: str, encoder: bool = False) -> None:
+        """`backend` reports `mm_hashes` stored (it is watched from its first report)."""
+        if backend not in self._seq:
+            self.directory.watch(backend, encoder=encoder)
+            snapshot = ItemSnapshot(self.INCARNATION, 0, ())
+            assert not self.directory.apply(backend, snapshot, time.monotonic())
+            self._seq[backend] = 0
+        for mm_hash in mm_hashes:
+            self._seq[backend] += 1
+            event = ItemEvent(self.INCARNATION, self._seq[backend], "stored", mm_hash, 1)
+            assert not self.directory.apply(backend, event, time.monotonic())
 
 
 class LoopThread:

@@ -7,7 +7,7 @@ import asyncio
 
 import msgspec
 import pytest
-from held_items import HeldItems
+from proxy_testing import Feeds
 
 from ecshare.apps.proxy.backends import BackendPool
 from ecshare.apps.proxy.metrics import ProxyMetrics
@@ -30,8 +30,9 @@ def test_the_score_is_items_held_less_weighted_load() -> None:
 
 def test_a_later_turn_lands_where_its_earlier_items_are() -> None:
     pds = pool(PD)
-    directory = HeldItems()
-    directory.hold(PD[1], "h1", "h2")
+    feeds = Feeds()
+    feeds.store(PD[1], "h1", "h2")
+    directory = feeds.directory
     pds.backends[1].in_flight = 1  # busier, but holds two of the request's items
     chosen, held = choose_prefill_decode(pds, directory, {"h1", "h2", "h3"}, 1.0)
     assert chosen is pds.backends[1] and held == 2
@@ -39,8 +40,9 @@ def test_a_later_turn_lands_where_its_earlier_items_are() -> None:
 
 def test_load_outweighs_items_held_past_the_weight() -> None:
     pds = pool(PD)
-    directory = HeldItems()
-    directory.hold(PD[1], "h1", "h2")
+    feeds = Feeds()
+    feeds.store(PD[1], "h1", "h2")
+    directory = feeds.directory
     pds.backends[1].in_flight = 3  # score 2 - 3 = -1, against the idle one's 0
     chosen, held = choose_prefill_decode(pds, directory, {"h1", "h2"}, 1.0)
     assert chosen is pds.backends[0] and held == 0
@@ -51,7 +53,7 @@ def test_load_outweighs_items_held_past_the_weight() -> None:
 
 def test_with_nothing_held_the_least_loaded_instance_is_chosen_in_turn() -> None:
     pds = pool(PD)
-    directory = HeldItems()
+    directory = Feeds().directory
     picked = {choose_prefill_decode(pds, directory, {"h1"}, 1.0)[0] for _ in range(4)}
     assert picked == set(pds.backends)
     pds.backends[0].in_flight = 2
@@ -60,8 +62,9 @@ def test_with_nothing_held_the_least_loaded_instance_is_chosen_in_turn() -> None
 
 def test_an_ejected_holder_is_not_chosen() -> None:
     pds = pool(PD)
-    directory = HeldItems()
-    directory.hold(PD[1], "h1")
+    feeds = Feeds()
+    feeds.store(PD[1], "h1")
+    directory = feeds.directory
     pds.backends[1].healthy = False
     assert choose_prefill_decode(pds, directory, {"h1"}, 1.0) == (pds.backends[0], 0)
 

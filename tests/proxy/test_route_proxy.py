@@ -1,7 +1,7 @@
 """Reuse-aware routing through the real proxy, in front of recording stub backends.
 
-The item directory here is `HeldItems`, set by each test as the instances' stored and
-pushed events would have set the real one (h-dir's; the lead wires it)."""
+The item directory here is the real one (`ItemDirectory`), fed through its own `apply` the
+stored and pushed events each test says the instances sent (`Feeds`)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,8 @@ from typing import Any
 import httpx
 import msgspec
 from aiohttp import web
-from held_items import HeldItems
 from proxy_stubs import PREFILL_DECODE, StubBackend, serve_stubs, stub_mm_hash
-from proxy_testing import IMAGE_A, ProxyUnderTest, Rig, chat
+from proxy_testing import IMAGE_A, Feeds, ProxyUnderTest, Rig, chat
 
 from ecshare.apps.bench.instant import encoder_answer, json_response, serve_apps
 from ecshare.apps.proxy.routing import ROUTE_HEADER
@@ -21,10 +20,10 @@ from ecshare.apps.proxy.routing import ROUTE_HEADER
 IMAGE_C = {"type": "image_url", "image_url": {"url": "data:image/png;base64,CCCC"}}
 
 
-def with_directory(proxy: ProxyUnderTest) -> HeldItems:
-    directory = HeldItems()
-    proxy.proxy.router.directory = directory
-    return directory
+def with_directory(proxy: ProxyUnderTest) -> Feeds:
+    feeds = Feeds()
+    proxy.proxy.router.directory = feeds.directory
+    return feeds
 
 
 def encoder_calls(rig: Rig) -> int:
@@ -42,13 +41,13 @@ def media_of(body: dict[str, Any]) -> list[dict[str, Any]]:
 
 def test_a_repeated_inline_image_held_somewhere_skips_the_encoders(rig: Rig) -> None:
     proxy = rig.start_proxy()
-    directory = with_directory(proxy)
+    feeds = with_directory(proxy)
     first = proxy.post("/v1/chat/completions", chat(IMAGE_A))
     assert first.status_code == 200
     assert "reason=new" in first.headers[ROUTE_HEADER]
     assert encoder_calls(rig) == 1
     h = stub_mm_hash(IMAGE_A)
-    directory.hold(rig.encoder_urls[0], h)  # the encoder's "stored" event
+    feeds.store(rig.encoder_urls[0], h, encoder=True)  # the encoder's "stored" event
 
     second = proxy.post("/v1/chat/completions", chat(IMAGE_A, text="again"))
 
@@ -77,10 +76,10 @@ def test_a_repeated_image_no_instance_holds_is_encoded_again(rig: Rig) -> None:
 
 def test_a_stale_hint_costs_an_encode_never_a_wrong_embedding(rig: Rig) -> None:
     proxy = rig.start_proxy()
-    directory = with_directory(proxy)
+    feeds = with_directory(proxy)
     proxy.post("/v1/chat/completions", chat(IMAGE_A))
     h = stub_mm_hash(IMAGE_A)
-    directory.hold(rig.encoder_urls[0], h)  # ...and then the encoder evicts it, unheard
+    feeds.store(rig.encoder_urls[0], h, encoder=True)  # ...and then the encoder evicts it, unheard
     pd = rig.prefill_decode[0]
     pd.behaviour.fail_media_free = True  # as vLLM fails a fetch of an item it cannot find
 
@@ -154,9 +153,9 @@ def test_a_content_whose_encoder_is_out_of_rotation_goes_by_load(rig: Rig) -> No
 
 def test_routing_load_sends_every_media_part_to_an_encoder(rig: Rig) -> None:
     proxy = rig.start_proxy(routing="load")
-    directory = with_directory(proxy)
-    directory.hold(rig.encoder_urls[0], stub_mm_hash(IMAGE_A))
-    directory.hold(rig.encoder_urls[1], stub_mm_hash(IMAGE_A))
+    feeds = with_directory(proxy)
+    feeds.store(rig.encoder_urls[0], stub_mm_hash(IMAGE_A), encoder=True)
+    feeds.store(rig.encoder_urls[1], stub_mm_hash(IMAGE_A), encoder=True)
     answers = [proxy.post("/v1/chat/completions", chat(IMAGE_A)) for _ in range(2)]
     assert encoder_calls(rig) == 2
     assert [len(stub.bodies()) for stub in rig.encoders] == [1, 1]  # by load, in turn
@@ -172,13 +171,13 @@ def test_a_chats_later_turns_land_where_its_earlier_image_is(rig: Rig) -> None:
     pd_urls = (rig.pd_urls[0], started[0][1])
     stubs = {pd_urls[0]: rig.prefill_decode[0], pd_urls[1]: extra}
     proxy = rig.start_proxy(prefill_decode=pd_urls)
-    directory = with_directory(proxy)
+    feeds = with_directory(proxy)
     turns: list[dict[str, Any]] = [
         {"role": "user", "content": [IMAGE_A, {"type": "text", "text": "t0"}]}
     ]
     first = proxy.post("/v1/chat/completions", {"model": "stub-model", "messages": turns})
     home = first.headers[ROUTE_HEADER].split(";")[0].removeprefix("pd=")
-    directory.hold(home, stub_mm_hash(IMAGE_A))  # fetched into its region: its event
+    feeds.store(home, stub_mm_hash(IMAGE_A))  # fetched into its region: its event
     for t in range(1, 5):
         turns = [
             *turns,
