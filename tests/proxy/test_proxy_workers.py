@@ -24,13 +24,18 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from proxy_stubs import PREFILL_DECODE, StubBackend, serve_stubs
 from proxy_testing import Rig, chat, wait_until
+from test_directory_feed import Child
 
 from ecshare.apps.ready import ProxyReady, parse_ready
+from ecshare.control import generate_keypair, load_keypair
 
 
 @contextmanager
-def _proxy(rig: Rig, *flags: str) -> Iterator[tuple[subprocess.Popen[str], ProxyReady]]:
-    cmd = [sys.executable, "-m", "ecshare", "proxy", "--pd", *rig.pd_urls, "--port", "0", *flags]
+def _proxy(
+    rig: Rig, *flags: str, pd: list[str] | None = None
+) -> Iterator[tuple[subprocess.Popen[str], ProxyReady]]:
+    pd_urls = rig.pd_urls if pd is None else pd
+    cmd = [sys.executable, "-m", "ecshare", "proxy", "--pd", *pd_urls, "--port", "0", *flags]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
@@ -139,6 +144,50 @@ def test_a_member_registered_through_one_worker_serves_through_every_worker(
         assert extra_url not in {m["url"] for m in listed.json()["members"]}
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
+
+
+def test_every_worker_subscribes_to_a_registered_members_feed_and_hears_its_items(
+    rig: Rig, tmp_path: Path
+) -> None:
+    admin = tmp_path / "admin"
+    admin.write_text(ADMIN_KEY)
+    instance = generate_keypair(tmp_path, "instance")
+    proxy_key = generate_keypair(tmp_path, "proxy")
+    feed = Child(
+        {
+            "port": 0,
+            "secret_key_file": str(instance.secret_path),
+            "subscribers": [load_keypair(proxy_key.secret_path).public_text],
+        }
+    )
+    flags = ["--workers", "2", "--admin-key-file", str(admin), "--events-port", str(feed.port)]
+    flags += ["--events-key", str(proxy_key.secret_path)]
+    flags += ["--events-encoder-key", str(instance.public_path)]
+    member = "http://127.0.0.1:9"  # its HTTP port is shut: a member, ejected, feed watched
+    # The static prefill/decode instance's feed would be the same one on the same host.
+    elsewhere = "http://127.0.0.2:9"
+    try:
+        with _proxy(rig, *flags, pd=[elsewhere]) as (proc, ready):
+            url = ready.url
+            assert _members(url, "POST", "encoder", member) == {"joined": True}
+            feed("put a")
+            heard: set[int] = set()
+
+            def every_worker_holds_it() -> bool:
+                listed = httpx.get(
+                    url + "/v1/members",
+                    headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+                    timeout=10,
+                ).json()
+                if listed["stats"]["directory_entries"] == 1:
+                    heard.add(listed["worker"])
+                return heard == set(ready.pids)
+
+            wait_until(every_worker_holds_it, timeout_s=60)
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=20) == 0
+    finally:
+        feed.kill()
 
 
 def test_concurrent_requests_with_one_new_image_through_two_workers_make_one_encode(

@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import os
 import socket
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Final, Literal
@@ -331,7 +332,9 @@ def member_routes(membership: Membership, admin_key: str) -> list[web.RouteDef]:
         return admin(handler)
 
     async def listing(_request: web.Request) -> web.Response:
-        return web.json_response({"members": membership.members(), "stats": membership.stats()})
+        # Which worker answered: its directory is its own (each subscribes to every feed).
+        listed = {"members": membership.members(), "stats": membership.stats()}
+        return web.json_response({**listed, "worker": os.getpid()})
 
     async def register(member: Member) -> dict[str, bool]:
         return {"joined": await membership.register(member.role, member.url)}
