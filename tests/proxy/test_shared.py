@@ -4,10 +4,17 @@ Unix sockets, refusing what a channel must not carry."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import socket
+from collections.abc import Callable
 
 import pytest
 
+from ecshare.apps.proxy.backends import ENCODER, BackendPool
+from ecshare.apps.proxy.discovery import Membership
+from ecshare.apps.proxy.link import SupervisorLink
+from ecshare.apps.proxy.metrics import ProxyMetrics
 from ecshare.apps.proxy.shared import (
     MAX_TO_SUPERVISOR_BYTES,
     Change,
@@ -143,3 +150,65 @@ def test_the_hub_answers_claims_and_drops_a_channel_that_sends_a_bad_frame() -> 
         hub.stop()
         for _, theirs in pairs:
             theirs.close()
+
+
+def _pools() -> dict[str, BackendPool]:
+    metrics = ProxyMetrics()
+    return {role: BackendPool(role, [], eject_after=3, metrics=metrics) for role in (ENCODER, PD)}
+
+
+def test_linked_workers_share_registrations_and_flights_through_a_real_hub() -> None:
+    """Two workers' links in one loop, on real socket pairs to a real hub."""
+
+    async def run() -> None:
+        hub = _Hub()
+        hub.start()
+        links: list[SupervisorLink] = []
+        memberships: list[Membership] = []
+        try:
+            for _ in range(2):
+                ours, theirs = socket.socketpair()
+                hub.attach(ours)
+                membership = Membership(_pools(), health_timeout_s=0.5)
+                link = SupervisorLink(theirs)
+                await link.start(membership)
+                links.append(link)
+                memberships.append(membership)
+            one, two = memberships
+
+            # Registered through one worker: a member of both once the answer came.
+            assert await one.register(PD, "http://127.0.0.1:9") is True
+            for membership in (one, two):
+                await _until(lambda m=membership: bool(m.held_by("registered")[PD]))
+            assert await two.register(PD, "http://127.0.0.1:9") is False  # already
+            assert await two.unregister(PD, "http://127.0.0.1:9") is True
+            await _until(lambda: not one.held_by("registered")[PD])
+
+            # One flight across both: the second worker waits for what the first found.
+            first, second = links[0].flights, links[1].flights
+            assert await first.join("k") is None
+            waiting = await second.join("k")
+            assert waiting is not None
+            first.land("k", ("h", PARAM))
+            assert await asyncio.wait_for(waiting, 10) == ("h", PARAM)
+
+            # A claim given up before its answer ends its flight: the next one leads.
+            claim = asyncio.ensure_future(first.join("j"))
+            await asyncio.sleep(0)
+            claim.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await claim
+            assert await second.join("j") is None
+            second.land("j", None)
+        finally:
+            for link in links:
+                await link.close()
+            hub.stop()
+
+    asyncio.run(run())
+
+
+async def _until(check: Callable[[], bool]) -> None:
+    async with asyncio.timeout(10):
+        while not check():
+            await asyncio.sleep(0.01)

@@ -22,7 +22,9 @@ With `--events-port`, the proxy subscribes to every member's item feed, and the 
 asks the item directory they feed (`directory`, `feeds`) where items are; without it,
 routing knows of nothing held (`routing.NoDirectory`). The membership (`discovery`) is
 kept where it has a use (an events port, an admin key or a `--discover-*` name): the
-backends on the command line, those registered and those discovered.
+backends on the command line, those registered and those discovered. A worker of
+`--workers N` shares the registered members and its encodes in flight with the others
+through its supervisor (`link`).
 
 A client's own `ec_transfer_params` (top level, or in `vllm_xargs`) would tell the
 prefill/decode instance which producer to fetch from, so they are dropped from every

@@ -19,6 +19,7 @@ must not go on serving, and the supervisor, if alive, starts a fresh one.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import logging
@@ -65,7 +66,7 @@ class SupervisorLink:
         self._applying: asyncio.Task[Outcome] | None = None
         self._ids = itertools.count()
         self._changes: dict[int, asyncio.Future[tuple[bool, Outcome | None]]] = {}
-        self._claims: dict[str, asyncio.Future[bool]] = {}
+        self._claims: dict[str, collections.deque[asyncio.Future[bool]]] = {}
         self.flights = SharedFlights(self)
         self._closing = False
 
@@ -112,17 +113,12 @@ class SupervisorLink:
     async def claim(self, key: str) -> bool:
         """Whether this worker leads the flight of `key` (True too where the channel is
         gone: then it is this worker's alone)."""
-        future = self._claims.get(key)
-        if future is None:
-            future = self._claims[key] = asyncio.get_running_loop().create_future()
-            if not self._send(Claim(key)):
-                self._claims.pop(key, None)
-                return True
-        try:
-            return await asyncio.shield(future)
-        finally:
-            if future.done():
-                self._claims.pop(key, None)
+        future = asyncio.get_running_loop().create_future()
+        if not self._send(Claim(key)):
+            return True
+        # The supervisor answers the claims of one key in the order they were sent.
+        self._claims.setdefault(key, collections.deque()).append(future)
+        return await asyncio.shield(future)
 
     def land(self, key: str, result: object) -> None:
         mm_hash, param = _parts(result)
@@ -153,9 +149,13 @@ class SupervisorLink:
                         # The set it changed came just before: answer once it is applied.
                         self._answer(future, message.changed, self._applying)
                 elif isinstance(message, Claimed):
-                    claim = self._claims.get(message.key)
-                    if claim is not None and not claim.done():
-                        claim.set_result(message.lead)
+                    waiting = self._claims.get(message.key)
+                    if waiting:
+                        claim = waiting.popleft()
+                        if not waiting:
+                            del self._claims[message.key]
+                        if not claim.done():
+                            claim.set_result(message.lead)
                 else:
                     self.flights.landed(message.key, _result(message.mm_hash, message.param))
         except asyncio.CancelledError:
@@ -194,9 +194,11 @@ class SupervisorLink:
         for future in self._changes.values():
             if not future.done():
                 future.set_result((False, None))
-        for claim in self._claims.values():
-            if not claim.done():
-                claim.set_result(True)
+        for waiting in self._claims.values():
+            for claim in waiting:
+                if not claim.done():
+                    claim.set_result(True)
+        self._claims.clear()
         self.flights.land_all(None)
 
 

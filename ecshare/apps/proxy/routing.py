@@ -27,8 +27,9 @@ With `--routing reuse` (the default), for a chat request's distinct media parts:
    unless it is busier by more requests than they have items there.
 3. **One encode per new content.** Concurrent requests of this proxy process that carry
    the same new content share one encode (`SingleFlight`, keyed by content key): the
-   first sends it, the others wait for its params. Across proxy processes (`--workers`,
-   or several proxies), each new part goes to the encoder that rendezvous hashing picks
+   first sends it, the others wait for its params; the workers of one `--workers N`
+   proxy share their flights through their supervisor (`link.SharedFlights`). Across
+   separate proxies, each new part goes to the encoder that rendezvous hashing picks
    for its content key among the configured encoders (`rendezvous`), the same one for
    every proxy, whose own vLLM encoder cache answers the second request; while that
    encoder is out of rotation, the least-loaded one takes it.
