@@ -19,7 +19,11 @@ instances that share encoder outputs through ecshare. Layout, each module one jo
   a request goes to, one encode per new content;
 * `forward`: the prefill/decode stage, relaying whole and streamed answers;
 * `app`: the routes and the guard (API key, errors, metrics) around them;
-* `server`: serving it, in a caller's loop or as the `ecshare proxy` command.
+* `server`: serving it, in a caller's loop or as the `ecshare proxy` command;
+* `workers`: `--workers N` proxy processes on one port, under one supervisor;
+* `shared`: what the workers share through their supervisor (registered members,
+  encodes in flight): its wire and its passive core;
+* `link`: a worker's end of that channel.
 
 It imports neither vllm nor torch.
 
