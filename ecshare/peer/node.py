@@ -130,7 +130,10 @@ class Node:
         # tags this node reads back from producers (64 KiB).
         tail = tail_bytes(config.region_bytes // config.block_bytes)
         region = Region.create(
-            config.region_bytes + tail, name=f"ecshare-{role}", prefault=config.prefault
+            config.region_bytes + tail,
+            name=f"ecshare-{role}",
+            prefault=config.prefault,
+            hugepages=config.region_hugepages,
         )
         try:
             store = Store(region, config.block_bytes, canary=config.store_canary, tags=True)

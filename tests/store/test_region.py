@@ -181,3 +181,52 @@ def test_region_geometry() -> None:
         Region.create(0)
     with pytest.raises(ValueError):
         Region.create(4096, name="a/b")
+
+
+def mapping_of(region: Region) -> dict[str, str]:
+    """This process's /proc/self/smaps fields of the mapping that starts at the region."""
+    start = f"{region.address:x}-"
+    fields: dict[str, str] = {}
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(maxsplit=1)[0]
+            if "-" in head and not head.endswith(":"):
+                if inside:
+                    break
+                inside = line.startswith(start)
+            elif inside:
+                key, _, value = line.partition(":")
+                fields[key] = value.strip()
+    assert fields, f"no mapping at {region.address:#x} in /proc/self/smaps"
+    return fields
+
+
+def resident_kib(region: Region) -> int:
+    return int(mapping_of(region)["Rss"].split()[0])
+
+
+def test_prefault_puts_every_page_in_memory_for_owner_and_attacher() -> None:
+    size = 8 << 20
+    with Region.create(size) as owner:
+        assert resident_kib(owner) == size >> 10
+        with Region.attach(owner.handle) as attached:
+            assert resident_kib(attached) == size >> 10
+            assert not attached.array.any()  # faulting in wrote nothing
+
+
+def test_without_prefault_pages_come_in_as_touched() -> None:
+    with Region.create(8 << 20, prefault=False) as region:
+        assert resident_kib(region) == 0
+        region.array[: 1 << 20] = 1
+        assert resident_kib(region) >= 1 << 10
+
+
+def test_hugepage_advice_is_on_the_mapping_only_when_asked() -> None:
+    # The advice shows as VmFlags "hg" whatever the host's shmem_enabled; whether the
+    # host then grants 2 MiB pages is its setting, which this test does not change.
+    with Region.create(4 << 20) as advised, Region.create(4 << 20, hugepages=False) as plain:
+        assert "hg" in mapping_of(advised)["VmFlags"].split()
+        assert "hg" not in mapping_of(plain)["VmFlags"].split()
+        with Region.attach(advised.handle) as attached:
+            assert "hg" in mapping_of(attached)["VmFlags"].split()
