@@ -84,7 +84,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
             description="Ask for 2 MiB pages for the region. The host grants them only where "
             "/sys/kernel/mm/transparent_hugepage/shmem_enabled is advise, within_size or "
             "always (often never by default); then a push's or a read's copy between two "
-            "processes on one host pins one page per 2 MiB instead of one per 4 KiB. "
+            "processes on one host pins the other's memory 2 MiB at a time, not 4 KiB. "
             "Elsewhere this changes nothing."
         ),
     ] = True

@@ -77,8 +77,8 @@ def _map(fd: int, size: int, prefault: bool, hugepages: bool) -> mmap.mmap:
 def _advise_hugepages(mm: mmap.mmap) -> None:
     # 2 MiB pages where the host lets shared memory have them
     # (/sys/kernel/mm/transparent_hugepage/shmem_enabled: advise, within_size or
-    # always): a cross-memory-attach copy then pins one page per 2 MiB, not one
-    # per 4 KiB. Elsewhere the advice changes nothing, and a kernel without
+    # always): a cross-memory-attach copy then pins the other process's memory
+    # 2 MiB at a time, not 4 KiB. Elsewhere the advice changes nothing, and a kernel without
     # transparent huge pages refuses it, which is not an error.
     with contextlib.suppress(OSError):
         mm.madvise(mmap.MADV_HUGEPAGE)
