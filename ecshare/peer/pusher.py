@@ -60,9 +60,7 @@ _UNREPORTED_PER_CONSUMER: Final = 1024
 # Credit ids a session remembers as used, so that a repeated grant is never written.
 _USED_CREDITS: Final = 1024
 # A write still moving when its call returns is polled this long, napping between,
-# before the loop goes on (see `Pusher._write`). Where the copy ran in the call (cma)
-# it spins instead: its end is tens of microseconds away, and a nap on a busy host
-# hands the core away for milliseconds.
+# before the loop goes on (see `Pusher._write`).
 _WRITE_WAIT_S: Final = 0.0005
 _WRITE_NAP_S: Final = 0.00005
 
@@ -476,7 +474,7 @@ class Pusher:
             self._poll_write(push)
             if push.handle is None or time.monotonic() >= until:
                 return
-            time.sleep(0.0 if self._transport.may_copy_in_call else _WRITE_NAP_S)
+            time.sleep(_WRITE_NAP_S)
 
     def _poll_write(self, push: _Push) -> None:
         status = self._transport.poll(push.handle)
