@@ -232,6 +232,26 @@ class Region:
             raise RegionError(f"region {self._handle.name!r} is closed")
         return self._array
 
+    def hugepage_bytes(self) -> int:
+        """How much of this process's mapping of the region is on 2 MiB pages now
+        (``ShmemPmdMapped`` in /proc/self/smaps); 0 where none, or smaps unreadable."""
+        if self._mmap is None:
+            raise RegionError(f"region {self._handle.name!r} is closed")
+        start = f"{self._address:x}-"
+        inside = False
+        try:
+            with open("/proc/self/smaps") as f:
+                for line in f:
+                    if line.startswith(start):
+                        inside = True
+                    elif inside and line.startswith("ShmemPmdMapped:"):
+                        return int(line.split()[1]) * 1024
+                    elif inside and not line.split(maxsplit=1)[0].endswith(":"):
+                        break  # the next mapping's header: ours said nothing of it
+        except OSError:
+            pass
+        return 0
+
     def view(self, offset: int, length: int) -> memoryview:
         """``length`` bytes at ``offset`` as a writable memoryview (zero copy)."""
         if self._mem is None:

@@ -45,6 +45,13 @@ def test_pipeline_bench_prints_push_and_pull_rows_and_pushes_in_time() -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout)
     assert result["bench"] == "pipeline" and result["delay_ms"] == 200
+    # The PD region's 2 MiB pages, as the host's setting grants them (region_hugepages).
+    with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:
+        setting = f.read().split("[")[1].split("]")[0]
+    if setting in ("never", "deny"):
+        assert result["hugepage_share"] == 0.0
+    else:
+        assert result["hugepage_share"] > 0.9
     rows = {(r["size_bytes"], r["mode"]): r for r in result["rows"]}
     assert set(rows) == {(s, m) for s in (65536, 100003) for m in ("push", "pull")}
     for row in rows.values():

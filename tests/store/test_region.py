@@ -230,3 +230,21 @@ def test_hugepage_advice_is_on_the_mapping_only_when_asked() -> None:
         assert "hg" not in mapping_of(plain)["VmFlags"].split()
         with Region.attach(advised.handle) as attached:
             assert "hg" in mapping_of(attached)["VmFlags"].split()
+
+
+def test_hugepage_bytes_reads_back_what_the_host_granted() -> None:
+    # 2 MiB pages need the advice and a host whose shared memory may have them; this
+    # test reads the host's setting and holds the region to it either way.
+    with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:
+        setting = f.read().split("[")[1].split("]")[0]
+    size = 8 << 20
+    with Region.create(size) as advised, Region.create(size, hugepages=False) as plain:
+        assert plain.hugepage_bytes() == 0
+        granted = advised.hugepage_bytes()
+        if setting in ("never", "deny"):
+            assert granted == 0
+        else:  # advise, within_size, always, force: the whole aligned region
+            assert granted == int(mapping_of(advised)["ShmemPmdMapped"].split()[0]) << 10
+            assert granted >= size - (2 << 20)
+    with pytest.raises(RegionError, match="closed"):
+        advised.hugepage_bytes()

@@ -123,6 +123,9 @@ class PipelineResult(msgspec.Struct, frozen=True):
     ucx_tls: str
     rows: list[PipelineRow]
     delays_ms: list[float] = []
+    # The share of the PD's region on 2 MiB pages (`region_hugepages`): the host decides,
+    # and over cma it sets the WRITE call's cost.
+    hugepage_share: float = 0.0
 
 
 # -- the encoder process -----------------------------------------------------------------------
@@ -278,8 +281,10 @@ def measure_pipeline(
     samples: int = 40,
     delay_s: float | Sequence[float] = DEFAULT_DELAY_MS / 1000,
     ucx_tls: str = "",
+    facts: dict[str, float] | None = None,
 ) -> list[PipelineRow]:
-    """Push and pull rows for each hop and size, `samples` requests each (after a warm-up)."""
+    """Push and pull rows for each hop and size, `samples` requests each (after a warm-up).
+    `facts`, if given, gets the PD region's share on 2 MiB pages (``hugepage_share``)."""
     delays = [delay_s] if isinstance(delay_s, int | float) else list(delay_s)
     if samples < 1:
         raise ValueError(f"samples must be at least 1, got {samples}")
@@ -313,6 +318,8 @@ def measure_pipeline(
                 }
             )
             node = Node.create(config, "consumer")
+            if facts is not None:
+                facts["hugepage_share"] = round(node.region.hugepage_bytes() / node.region.size, 4)
             consumer = start_consumer(node, fingerprint=FINGERPRINT)
             phases = consumer.phases = PhaseLog()
             consumer.connect([encoder.address])
@@ -407,17 +414,29 @@ def run_pipeline_bench(
     samples: int | None = None,
 ) -> int:
     delays = [delay_ms] if isinstance(delay_ms, int | float) else list(delay_ms)
+    facts: dict[str, float] = {}
     rows = measure_pipeline(
         sizes=list(sizes or SIZES),
         samples=samples or (10 if quick else 40),
         delay_s=[d / 1000 for d in delays],
         ucx_tls=ucx_tls,
+        facts=facts,
     )
+    share = facts.get("hugepage_share", 0.0)
     if json_output:
         result = PipelineResult(
-            bench="pipeline", delay_ms=delays[0], ucx_tls=ucx_tls, rows=rows, delays_ms=delays
+            bench="pipeline",
+            delay_ms=delays[0],
+            ucx_tls=ucx_tls,
+            rows=rows,
+            delays_ms=delays,
+            hugepage_share=share,
         )
         sys.stdout.write(msgspec.json.encode(result).decode() + "\n")
     else:
         sys.stdout.write(format_table(rows) + "\n")
+        sys.stdout.write(
+            f"the PD's region on 2 MiB pages: {share:.0%} (region_hugepages; the host grants "
+            "them where transparent_hugepage/shmem_enabled is not never)\n"
+        )
     return 0
