@@ -6,7 +6,7 @@ the data plane. A producer serves a `ControlServer`; a consumer keeps one
 network thread that a `Waker` can rouse from engine threads. A session's fetch
 traffic may take a `LaneServer`/`LaneClient` fast lane beside ZMQ (lane.py).
 
-May import: ecshare.errors, ecshare.config, ecshare.protocol, ecshare.store,
+May import: ecshare.errors, ecshare.counts, ecshare.config, ecshare.protocol, ecshare.store,
 ecshare.transport.
 """
 

@@ -194,7 +194,7 @@ class ControlClient(Watched):
     @property
     def stats(self) -> dict[str, int]:
         """Counters: messages, drops per reason, connection events. Any thread may read."""
-        return {**self._stats, **self._handshake.counters}
+        return {**self._stats, **self._handshake.counters.snapshot()}
 
     # --- inside -------------------------------------------------------------------------------
 

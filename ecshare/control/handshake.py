@@ -23,6 +23,7 @@ from typing import Final
 import zmq
 
 from ecshare.control.link import SocketEvent
+from ecshare.counts import Counts
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,8 @@ class LinkState(enum.Enum):
 
 
 class Handshake:
-    """The state of one client connection, moved by `apply(event)`. Not thread-safe."""
+    """The state of one client connection, moved by `apply(event)` on one thread; its
+    `counters` may be read from any."""
 
     def __init__(
         self,
@@ -68,20 +70,20 @@ class Handshake:
         self._server_key = server_key.decode("ascii") if server_key else "?"
         self.state = LinkState.CONNECTING
         self.failure: str | None = None
-        self.counters: dict[str, int] = dict.fromkeys(COUNTER_NAMES, 0)
+        self.counters = Counts(dict.fromkeys(COUNTER_NAMES, 0))
         self._closes_in_a_row = 0
 
     def apply(self, event: SocketEvent) -> None:
         kind = event.kind
         if kind == zmq.EVENT_CONNECTED:
-            self.counters["connected"] += 1
+            self.counters.add("connected")
         elif kind == zmq.EVENT_DISCONNECTED:
-            self.counters["disconnected"] += 1
+            self.counters.add("disconnected")
             if self.state is LinkState.READY:
                 self.state = LinkState.DISCONNECTED
                 log.info("control link to %s lost; reconnecting", self.endpoint)
         elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-            self.counters["handshake_succeeded"] += 1
+            self.counters.add("handshake_succeeded")
             self._closes_in_a_row = 0
             if self.state is LinkState.AUTH_FAILED:
                 log.info("control link to %s authenticated after all", self.endpoint)
@@ -95,10 +97,10 @@ class Handshake:
             if self._closes_in_a_row >= _CLOSES_MEANING_REFUSAL:
                 self._fail(self._closed(event.value))
             else:
-                self.counters["handshake_failed"] += 1
+                self.counters.add("handshake_failed")
 
     def _fail(self, reason: str) -> None:
-        self.counters["handshake_failed"] += 1
+        self.counters.add("handshake_failed")
         if self.state is not LinkState.AUTH_FAILED:  # once, not at every reconnect
             log.error("control link to %s: %s", self.endpoint, reason)
         self.state, self.failure = LinkState.AUTH_FAILED, reason
