@@ -64,7 +64,7 @@ from ecshare.peer.lending import LEND_MIN_WAIT_S, CallerThread, Fetching
 from ecshare.peer.link import PeerLink, PeerLinkState
 from ecshare.peer.links import LinkPool
 from ecshare.peer.notices import Notices
-from ecshare.peer.phases import PhaseLog
+from ecshare.peer.phases import Phased
 from ecshare.peer.pull import Pulls
 from ecshare.peer.pushwait import PushWaits
 from ecshare.peer.reads import READ_NAP_S, READ_WAIT_S, FenceKind, Reads
@@ -138,7 +138,7 @@ class FetchItem(msgspec.Struct, frozen=True):
     pushed: bool = False
 
 
-class Consumer(NetworkThread):
+class Consumer(NetworkThread, Phased):
     def __init__(
         self,
         store: Store,
@@ -223,8 +223,6 @@ class Consumer(NetworkThread):
         # Every fetch's latency, in buckets (under `_counters_lock`).
         self._latency_counts = [0] * (len(LATENCY_BUCKETS_S) + 1)
         self._latency_sum_s = 0.0
-        # Per-item timestamps of each step (see peer/phases.py); off unless set.
-        self._phases: PhaseLog | None = None
         self._woke_at = 0.0  # with phases: when the loop's poll last returned
         # Typical time from sending a request to reading its answer (see `_spin_until`).
         self._reply_s = 0.0
@@ -243,24 +241,14 @@ class Consumer(NetworkThread):
             woke_at=lambda: self._woke_at,
         )
         self._inbox = self._pushes.inbox
+        # The parts that mark steps in `phases` (peer/phases.py), which is off unless set.
+        self._phased = (self._pulls, self._inbox, self._pushes)
         self._notes: list[tuple[str, bytes]] = []  # data-plane notices, for the inbox
         # Shared with a Producer over the same transport: each takes its own notices.
         self._notices = Notices.of(transport)
         # Exposed latency per mode (pushed, pulled), in LATENCY_BUCKETS_S buckets.
         self._exposed = {m: [0] * (len(LATENCY_BUCKETS_S) + 1) for m in EXPOSED_MODES}
         self._exposed_sum = dict.fromkeys(EXPOSED_MODES, 0.0)
-
-    @property
-    def phases(self) -> PhaseLog | None:
-        """Per-item timestamps of each step of a fetch and a push (peer/phases.py)."""
-        return self._phases
-
-    @phases.setter
-    def phases(self, log: PhaseLog | None) -> None:
-        self._phases = log
-        self._pulls.phases = log
-        self._inbox.phases = log
-        self._pushes.phases = log
 
     # -- engine-facing -----------------------------------------------------------------------
 

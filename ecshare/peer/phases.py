@@ -15,6 +15,9 @@ which on one host copies synchronously), ``done`` (the transport said DONE),
 returned with the request), ``recv`` (the request was read off the socket and
 opened) and ``replied`` (the answer is about to go). Each side marks before it
 sends, so no step comes out negative.
+
+Each peer hands its log on to the parts that mark steps (`Phased`), so that one
+setting reaches every part.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from typing import Protocol
 
 
 class PhaseLog:
@@ -41,3 +45,27 @@ class PhaseLog:
             while self._records:
                 out.append(self._records.popleft())
             return out
+
+
+class Marks(Protocol):
+    """A part of a peer that marks steps in the log it is handed."""
+
+    phases: PhaseLog | None
+
+
+class Phased:
+    """A peer whose `phases` reaches each of its parts that marks steps (`_phased`)."""
+
+    _phases: PhaseLog | None = None
+    _phased: tuple[Marks, ...] = ()  # set by the peer once its parts exist
+
+    @property
+    def phases(self) -> PhaseLog | None:
+        """Per-item timestamps of each step of a fetch and a push; None (the default): off."""
+        return self._phases
+
+    @phases.setter
+    def phases(self, log: PhaseLog | None) -> None:
+        self._phases = log
+        for part in self._phased:
+            part.phases = log

@@ -34,7 +34,7 @@ from peer_testing import (
 
 from ecshare import protocol as p
 from ecshare.peer import FailureReason, FetchFailed
-from ecshare.peer.producer import pin_owner
+from ecshare.peer.grants import pin_owner
 from ecshare.store import EntryMeta, EntryState, StoreFull
 
 pytestmark = pytest.mark.timeout(60)

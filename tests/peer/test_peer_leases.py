@@ -34,8 +34,8 @@ from peer_testing import (
 from ecshare import protocol as p
 from ecshare.control import ClientPool, LinkSettings, load_keypair, load_public_key
 from ecshare.peer import FailureReason, FetchFailed
+from ecshare.peer.grants import pin_owner
 from ecshare.peer.link import PeerLink, PeerLinkState
-from ecshare.peer.producer import pin_owner
 
 pytestmark = pytest.mark.timeout(90)
 
