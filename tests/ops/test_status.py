@@ -34,8 +34,8 @@ from peer_testing import (
     producer_processes,
     raw_sessions,
     stored_bytes,
-    wait_until,
 )
+from waiting import wait_until
 
 from ecshare import protocol as p
 from ecshare.control import ControlClient, LinkSettings, generate_keypair, load_keypair
@@ -115,7 +115,7 @@ def busy(keyring: Keyring, admin_secret: Path) -> Iterator[Busy]:
         keeper.start()
         # The consumer's Release of its own grant may ride with its next message a
         # moment later: the raw session's grant is then the only one.
-        assert wait_until(lambda: producer.stats()["active_grants"] == 1, 5.0)
+        wait_until(lambda: producer.stats()["active_grants"] == 1, timeout_s=5.0)
         try:
             yield Busy(producer, admin_secret, big, sizes[big])
         finally:

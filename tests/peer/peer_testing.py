@@ -132,16 +132,6 @@ def gate() -> Iterator[threading.Event]:
     event.set()
 
 
-def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.01) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if predicate():
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(interval_s)
-
-
 def stays(predicate: Callable[[], bool], loop: Any, passes: int = 3, window_s: float = 0.3) -> bool:
     """Whether `predicate` holds at every look until `loop` (a Consumer: anything with a
     `passes` count) has finished `passes` more passes and `window_s` has gone by.

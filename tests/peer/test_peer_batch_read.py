@@ -24,8 +24,8 @@ from peer_testing import (
     stays,
     stored_bytes,
     throttle_progress,
-    wait_until,
 )
+from waiting import wait_until
 
 from ecshare.peer import FailureReason, FetchFailed
 
@@ -56,7 +56,7 @@ def test_batch_is_read_with_one_read_and_lands_byte_exact(
     # One READ for the batch, beside the session's one-byte warm-up read.
     assert counters["warm_ups"] == 1
     assert cnode.transport.reads_started == 1 + 1  # type: ignore[attr-defined]
-    assert wait_until(lambda: pnode.store.stats().pins == 0, 5)
+    wait_until(lambda: pnode.store.stats().pins == 0, timeout_s=5)
     assert consumer.fenced_reads()[0] == 0 and cnode.store.stats().canary_violations == 0
 
 
@@ -92,7 +92,7 @@ def test_batch_read_given_up_fences_every_destination_until_the_one_read_ends(
     assert all(cnode.store.get(h) is None for h in sizes)
 
     gate.set()  # the producer progresses; the READ ends and every block comes back
-    assert wait_until(lambda: cnode.store.stats().quarantined == 0, 10.0)
+    wait_until(lambda: cnode.store.stats().quarantined == 0, timeout_s=10.0)
     counters = consumer.counter_snapshot()
     assert counters["reads_fenced"] == counters["fenced_reads_ended"] == 3
     assert cnode.store.stats().canary_violations == 0

@@ -18,15 +18,8 @@ import pytest
 pytest.importorskip("nixl._api")
 
 from loopback_testing import MakeLoopConsumer, MakeLoopProducer
-from peer_testing import (
-    Keyring,
-    MakeConsumer,
-    MakeProducer,
-    expected,
-    stays,
-    stored_bytes,
-    wait_until,
-)
+from peer_testing import Keyring, MakeConsumer, MakeProducer, expected, stays, stored_bytes
+from waiting import wait_until
 
 from ecshare.transport.loopback import Completion
 
@@ -42,7 +35,7 @@ def test_connect_opens_the_session_before_any_fetch(
 
     consumer.connect([producer.address, producer.address])  # a repeat is harmless
 
-    assert wait_until(lambda: [p.up for p in consumer.peer_liveness()] == [True], 10.0)
+    wait_until(lambda: [p.up for p in consumer.peer_liveness()] == [True], timeout_s=10.0)
     assert producer.session_count() == 1
     assert consumer.counter_snapshot().get("fetches", 0) == 0
     result = consumer.fetch([h], peers=[producer.address])[0].result(timeout=10)
@@ -71,7 +64,7 @@ def test_connect_never_takes_the_place_of_a_link(
     _, consumer = make_consumer(keyring.consumer_config(), {"max_peer_links": 1})
 
     consumer.connect([first.address])
-    assert wait_until(lambda: [p.up for p in consumer.peer_liveness()] == [True], 10.0)
+    wait_until(lambda: [p.up for p in consumer.peer_liveness()] == [True], timeout_s=10.0)
     consumer.connect([second.address])  # no room: a warm-up evicts nobody
 
     def untouched() -> bool:
@@ -96,7 +89,9 @@ def test_a_producer_not_up_yet_is_not_quarantined_by_an_early_connect(
     )
 
     consumer.connect([address])
-    assert wait_until(lambda: consumer.counter_snapshot().get("handshakes_retried", 0) >= 1, 10.0)
+    wait_until(
+        lambda: consumer.counter_snapshot().get("handshakes_retried", 0) >= 1, timeout_s=10.0
+    )
     _, producer = make_producer(
         keyring.producer_config(), {"listen_port": port}, entries={h: nbytes}
     )
@@ -125,7 +120,7 @@ def test_a_warm_up_read_holds_its_block_until_the_read_has_ended(
     pnode.transport.stall()
     cnode, consumer = loop_consumer(keyring.consumer_config())
     consumer.connect([producer.address])
-    assert wait_until(lambda: consumer.counters["warm_ups"] == 1, 10.0)
+    wait_until(lambda: consumer.counters["warm_ups"] == 1, timeout_s=10.0)
 
     # Its destination is held, not handed out again, while the read may still land.
     def held() -> bool:
@@ -136,7 +131,7 @@ def test_a_warm_up_read_holds_its_block_until_the_read_has_ended(
     assert consumer.fenced_reads() == (0, 0.0)  # not a read given up: a warm-up
 
     pnode.transport.resume()
-    assert wait_until(lambda: cnode.store.stats().quarantined == 0, 10.0)
+    wait_until(lambda: cnode.store.stats().quarantined == 0, timeout_s=10.0)
     assert cnode.store.stats().entries == 0
     result = consumer.fetch([h], peers=[producer.address])[0].result(timeout=10)
     assert result.nbytes == nbytes

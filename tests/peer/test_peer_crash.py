@@ -31,8 +31,8 @@ from peer_testing import (
     fetch_command,
     stored_bytes,
     throttle_progress,
-    wait_until,
 )
+from waiting import wait_until
 
 from ecshare.config import Config
 from ecshare.peer import Consumer, FailureReason, FetchFailed, FetchResult, Node
@@ -72,17 +72,24 @@ def _fetch_and_kill_mid_read(
     assert victim.command("stall-on-grant 10")["armed"]
     reads = consumer.counters["reads_started"]
     futures = consumer.fetch(list(victim.sizes), peers)
-    started = wait_until(lambda: consumer.counters["reads_started"] > reads, 10.0, 0.001)
+    wait_until(
+        lambda: consumer.counters["reads_started"] > reads,
+        timeout_s=10.0,
+        interval_s=0.001,
+        detail=lambda: dict(consumer.counters),
+    )
     in_flight = not any(f.done() for f in futures)
     victim.kill()
-    assert started and in_flight, dict(consumer.counters)
+    assert in_flight, dict(consumer.counters)
     return futures
 
 
 def _assert_quiet(node: Node, consumer: Consumer) -> None:
     """No destination blocks leak: every used block belongs to a READY entry."""
-    assert wait_until(lambda: consumer.pending() == 0, 5.0)
-    assert wait_until(lambda: node.store.stats().allocated == 0, 5.0), node.store.stats()
+    wait_until(lambda: consumer.pending() == 0, timeout_s=5.0)
+    wait_until(
+        lambda: node.store.stats().allocated == 0, timeout_s=5.0, detail=lambda: node.store.stats()
+    )
     stats = node.store.stats()
     assert stats.free_blocks + stats.used_blocks == stats.total_blocks
     assert stats.entries == stats.ready and stats.evicting == 0, stats
@@ -167,15 +174,17 @@ def test_consumer_sigkilled_during_read_leaves_pins_to_their_lease(
     children.append(consumer)
 
     try:
-        granted = wait_until(
-            lambda: producer.active_grants() >= COUNT or consumer.poll() is not None, 30.0
+        wait_until(
+            lambda: producer.active_grants() >= COUNT or consumer.poll() is not None,
+            "the grants, or the consumer's end",
+            timeout_s=30.0,
         )
         time.sleep(0.2)  # the grants' reply reaches the consumer, which starts its reads
         consumer.kill()
         killed_at = time.monotonic()
     finally:
         gate.set()
-    assert granted and consumer.wait(timeout=10) < 0, consumer.communicate()
+    assert consumer.wait(timeout=10) < 0, consumer.communicate()
     assert producer.counters["granted"] == COUNT
     assert producer.counters["released"] == 0
 
@@ -183,14 +192,14 @@ def test_consumer_sigkilled_during_read_leaves_pins_to_their_lease(
     # producer knows a read is still moving (the control plane alone went
     # quiet), so the pins run to their leases and go then, every one.
     heartbeat_timeout_s = FAST["heartbeat_timeout_s"]
-    assert wait_until(lambda: producer.session_count() == 0, heartbeat_timeout_s + 2.0)
+    wait_until(lambda: producer.session_count() == 0, timeout_s=heartbeat_timeout_s + 2.0)
     ended_after = time.monotonic() - killed_at
     assert ended_after < FAST["grant_lease_s"] - 0.5, (
         f"session ended only after {ended_after:.2f} s"
     )
     assert node.store.stats().pins == COUNT, node.store.stats()
     assert producer.counters["grants_left_to_lease"] == COUNT
-    assert wait_until(lambda: node.store.stats().pins == 0, FAST["grant_lease_s"] + 2.0)
+    wait_until(lambda: node.store.stats().pins == 0, timeout_s=FAST["grant_lease_s"] + 2.0)
     assert producer.active_grants() == 0
     assert producer.counters["sessions_closed"] >= 1
     assert producer.counters["released"] == 0  # nobody released them

@@ -42,8 +42,8 @@ from peer_testing import (
     expected,
     stays,
     stored_bytes,
-    wait_until,
 )
+from waiting import wait_until
 
 from ecshare import protocol as p
 from ecshare.peer import Consumer, FailureReason, FetchFailed, FetchResult, Node, Producer
@@ -70,9 +70,9 @@ NIXL_TAGS = {"tag_peek": False}
 def _up(consumer: Consumer, address: str) -> None:
     """The session is open and its warm-up read has ended."""
     consumer.connect([address])
-    assert wait_until(lambda: [x.up for x in consumer.peer_liveness()] == [True], 10.0)
-    assert wait_until(lambda: consumer.counter_snapshot().get("warm_ups", 0) == 1, 5.0)
-    assert wait_until(lambda: not consumer._reads.warming, 5.0)
+    wait_until(lambda: [x.up for x in consumer.peer_liveness()] == [True], timeout_s=10.0)
+    wait_until(lambda: consumer.counter_snapshot().get("warm_ups", 0) == 1, timeout_s=5.0)
+    wait_until(lambda: not consumer._reads.warming, timeout_s=5.0)
 
 
 def _stopped(pid: int) -> bool:
@@ -84,8 +84,13 @@ def _stopped(pid: int) -> bool:
     return all(state in "tT" for state in states)
 
 
-def _located(consumer: Consumer, n: int) -> bool:
-    return wait_until(lambda: consumer.counter_snapshot().get("locations_heard", 0) >= n, 5.0)
+def _located(consumer: Consumer, n: int) -> None:
+    """Wait until the consumer has heard `n` locations in all."""
+    wait_until(
+        lambda: consumer.counter_snapshot().get("locations_heard", 0) >= n,
+        f"{n} locations heard",
+        timeout_s=5.0,
+    )
 
 
 def _probe_copies(consumer: Consumer, address: str, put: Callable[[str, int], object]) -> bool:
@@ -94,7 +99,7 @@ def _probe_copies(consumer: Consumer, address: str, put: Callable[[str, int], ob
     a caller's thread needs before it is lent to a fetch."""
     heard = consumer.counter_snapshot().get("locations_heard", 0)
     put("copy-probe", MiB)
-    assert _located(consumer, heard + 1)
+    _located(consumer, heard + 1)
     _result(consumer.fetch(["copy-probe"], [address])[0], "network-thread")
     return consumer._links[address].copies_in_call
 
@@ -117,7 +122,7 @@ def test_entry_committed_after_the_session_opened_is_read_with_no_request(
     sizes = {"d-1": 1, "d-2": 65_537, "d-3": 4_505_600}
     for h, n in sizes.items():
         pnode.store.put(h, expected(h, n))
-    assert _located(consumer, len(sizes))
+    _located(consumer, len(sizes))
 
     futures = consumer.fetch(list(sizes), [producer.address])
     results = [f.result(timeout=15) for f in futures]
@@ -186,11 +191,11 @@ def test_stale_location_is_never_committed_and_the_fetch_asks_the_producer(
     put = lambda h, size: pnode.store.put(h, expected(h, size))  # noqa: E731
     assert _probe_copies(consumer, producer.address, put)  # on one host: lent when blocked on
     old = pnode.store.put("old", expected("old", n))
-    assert _located(consumer, 2)
+    _located(consumer, 2)
     pnode.store.remove("old")
     new = pnode.store.put("new", expected("new", n))
     assert new.extents == old.extents  # the same blocks, now another entry's
-    assert _located(consumer, 3)
+    _located(consumer, 3)
 
     future = consumer.fetch(["old"], [producer.address], read_here=how == "read-here")[0]
     with pytest.raises(FetchFailed) as failed:
@@ -232,7 +237,7 @@ def test_read_here_reads_located_entries_on_the_calling_thread(
     sizes = {"here-1": 65_537, "here-2": 3 * MiB + 5}  # by digest, by tag
     for h, n in sizes.items():
         pnode.store.put(h, expected(h, n))
-    assert _located(consumer, len(sizes))
+    _located(consumer, len(sizes))
 
     done_on_return = []
     for h, n in sizes.items():
@@ -270,7 +275,7 @@ def test_read_here_from_many_threads_at_once_delivers_every_fetch_whole(
     sizes = {f"many-{i}": 4096 + 997 * i for i in range(48)}
     for h, n in sizes.items():
         pnode.store.put(h, expected(h, n))
-    assert _located(consumer, len(sizes))
+    _located(consumer, len(sizes))
     names = list(sizes)
     results: dict[str, int] = {}
     errors: list[BaseException] = []
@@ -348,7 +353,7 @@ def test_a_caller_blocking_on_the_result_lends_its_thread_to_the_direct_read(
     sizes = {f"lent-{i}": n for i, n in enumerate([65_537, 3 * MiB + 5] * 4)}  # digest, tag
     for h, n in sizes.items():
         pnode.store.put(h, expected(h, n))
-    assert _located(consumer, len(sizes) + 1)
+    _located(consumer, len(sizes) + 1)
     if data_plane == "cma":
         # fetch() wakes the network thread as well, and which of the two threads takes
         # the lock first is a race that the other core's load decides. Unwoken, that
@@ -382,7 +387,7 @@ def test_a_caller_blocking_on_the_result_lends_its_thread_to_the_direct_read(
     for i in range(3):
         h = f"short-{i}"
         pnode.store.put(h, expected(h, 4096))
-        assert _located(consumer, len(sizes) + i + 2)
+        _located(consumer, len(sizes) + i + 2)
         consumer.fetch([h], [producer.address])[0].result(timeout=LEND_MIN_WAIT_S / 2)
         np.testing.assert_array_equal(stored_bytes(cnode, h), expected(h, 4096), err_msg=h)
     assert consumer.counter_snapshot().get("read_lent", 0) == lent  # none lent
@@ -445,7 +450,7 @@ def test_read_here_from_a_producer_killed_meanwhile_ends_typed_on_the_network_th
     h, n = "killed", 2 * MiB
     heard = consumer.counter_snapshot().get("locations_heard", 0)
     assert producer.command(f"put {h} {n}") == {"put": h}
-    assert _located(consumer, heard + 1)
+    _located(consumer, heard + 1)
     os.kill(producer.process.pid, signal.SIGKILL)
     producer.process.wait(10)
 
@@ -471,14 +476,14 @@ def test_relocated_entry_is_read_where_it_lies_now(
     _up(consumer, producer.address)
     pnode.store.put("pad", expected("pad", MiB))
     first = pnode.store.put("h", expected("h", MiB))
-    assert _located(consumer, 2)
+    _located(consumer, 2)
     pnode.store.remove("pad")
     pnode.store.remove("h")
     pnode.store.put("other", expected("other", 2 * MiB))  # takes h's old blocks
-    assert _located(consumer, 3)
+    _located(consumer, 3)
     second = pnode.store.put("h", expected("h", MiB))
     assert second.extents != first.extents
-    assert _located(consumer, 4)
+    _located(consumer, 4)
 
     result = consumer.fetch(["h"], [producer.address])[0].result(timeout=10)
 
@@ -540,8 +545,8 @@ def _welcomed(fake: FakeProducer, consumer: Consumer) -> None:
     hello: p.Hello = fake.recv(p.Hello)
     assert p.CAP_READ_DIRECT in hello.capabilities
     fake.welcome(hello, [p.CAP_READ_DIRECT, p.CAP_CHECKSUM_XXH3_64])
-    assert wait_until(lambda: [x.up for x in consumer.peer_liveness()] == [True], 5.0)
-    assert wait_until(lambda: not consumer._reads.warming, 5.0)  # the data plane is wired up
+    wait_until(lambda: [x.up for x in consumer.peer_liveness()] == [True], timeout_s=5.0)
+    wait_until(lambda: not consumer._reads.warming, timeout_s=5.0)  # the data plane is wired up
 
 
 def _location(mm_hash: str, extents: list[tuple[int, int]], checksum: int) -> p.Location:
@@ -576,11 +581,13 @@ def test_lying_locations_are_dropped_or_caught_and_the_fetch_is_granted(
     tell(fake.session_id, bad_sum)
     # Another session's word: dropped, counted.
     tell("not-this-session", _location("h", [(0, n)], right))
-    assert wait_until(lambda: consumer.counter_snapshot().get("bad_locations", 0) == 2, 5.0)
-    assert wait_until(lambda: consumer.counter_snapshot().get("locations_off_session", 0) == 1, 5.0)
+    wait_until(lambda: consumer.counter_snapshot().get("bad_locations", 0) == 2, timeout_s=5.0)
+    wait_until(
+        lambda: consumer.counter_snapshot().get("locations_off_session", 0) == 1, timeout_s=5.0
+    )
     # A wrong digest: read, caught, not committed; the fetch asks for a grant.
     tell(fake.session_id, _location("h", [(0, n)], right ^ 1))
-    assert _located(consumer, 1)  # the dropped ones are not counted as heard
+    _located(consumer, 1)  # the dropped ones are not counted as heard
 
     future = consumer.fetch(["h"], [fake.address])[0]
     request: p.FetchRequest = fake.recv(p.FetchRequest)
@@ -635,10 +642,10 @@ def test_a_tag_that_is_not_in_place_is_caught_and_a_bad_one_dropped(
 
     for bad in (tag(word + 4, 41), tag(1 << 20, 41)):  # unaligned; past the region
         fake.server.send(fake.route, p.Located(session_id=fake.session_id, entries=[bad]))
-    assert wait_until(lambda: consumer.counter_snapshot().get("bad_locations", 0) == 2, 5.0)
+    wait_until(lambda: consumer.counter_snapshot().get("bad_locations", 0) == 2, timeout_s=5.0)
     # The word holds 41, not 42: another entry's blocks by now.
     fake.server.send(fake.route, p.Located(session_id=fake.session_id, entries=[tag(word, 42)]))
-    assert _located(consumer, 1)
+    _located(consumer, 1)
 
     future = consumer.fetch(["t"], [fake.address])[0]
     request: p.FetchRequest = fake.recv(p.FetchRequest)
@@ -680,7 +687,7 @@ def _located_in_a_process(
     )
     _up(consumer, producer.address)
     assert producer.command(f"put {h} {n}") == {"put": h}
-    assert _located(consumer, 1)
+    _located(consumer, 1)
     return producer, cnode, consumer
 
 
@@ -690,13 +697,13 @@ def _thawed_and_whole(
     """After the thaw: the READ given up has ended and its blocks (`fenced` reads'
     worth) and slots are back, nothing was written into freed blocks, and the
     producer serves `h` again, byte-exact."""
-    assert wait_until(lambda: cnode.store.stats().quarantined == 0, 15.0)
-    assert wait_until(lambda: consumer.tag_reads_held() == 0, 15.0)
+    wait_until(lambda: cnode.store.stats().quarantined == 0, timeout_s=15.0)
+    wait_until(lambda: consumer.tag_reads_held() == 0, timeout_s=15.0)
     counters = consumer.counter_snapshot()
     assert counters.get("fenced_reads_ended", 0) == fenced and consumer.fenced_reads()[0] == 0
     assert cnode.store.stats().canary_violations == 0
     cnode.store.check_invariants()
-    assert wait_until(lambda: [x.up for x in consumer.peer_liveness()] == [True], 15.0)
+    wait_until(lambda: [x.up for x in consumer.peer_liveness()] == [True], timeout_s=15.0)
     result = consumer.fetch([h], [producer.address])[0].result(timeout=15)
     assert result.nbytes == n
     np.testing.assert_array_equal(stored_bytes(cnode, h), expected(h, n))
@@ -753,7 +760,7 @@ def test_producer_frozen_during_the_tag_read_keeps_its_slot_held_over_tcp(
         if not frozen and all(s.length == 8 for s in segments):  # the tag READ
             os.kill(producer.process.pid, signal.SIGSTOP)
             # Every thread of it stopped: one still sending the bytes would answer.
-            assert wait_until(lambda: _stopped(producer.process.pid), 5.0)
+            wait_until(lambda: _stopped(producer.process.pid), timeout_s=5.0)
             frozen.append(sum(s.length for s in segments))
         return real_read(peer, segments, notify)
 
@@ -798,10 +805,10 @@ def test_a_batchs_tags_come_back_in_one_descriptor_and_a_stale_one_is_caught(
     _up(consumer, producer.address)
     names, n = ["a", "b", "c", "d"], 2 * MiB
     entries = {h: pnode.store.put(h, expected(h, n)) for h in names}
-    assert _located(consumer, 4)
+    _located(consumer, 4)
     pnode.store.remove("b")
     assert pnode.store.put("b2", expected("b2", n)).extents == entries["b"].extents  # reused
-    assert _located(consumer, 5)
+    _located(consumer, 5)
     transport = consumer._transport
     real_read = transport.read
     posted: list[list[Any]] = []
@@ -852,7 +859,7 @@ def test_more_tags_in_a_pass_than_one_read_takes_come_back_in_several_reads(
     names, n = [f"t{i}" for i in range(5)], MiB + 8
     for h in names:
         pnode.store.put(h, expected(h, n))
-    assert _located(consumer, len(names))
+    _located(consumer, len(names))
 
     results = [f.result(timeout=10) for f in consumer.fetch(names, [producer.address])]
 
@@ -877,7 +884,7 @@ def test_a_full_landing_sends_direct_reads_to_the_producer_for_a_grant(
     n = 2 * MiB
     pnode.store.put("h", expected("h", n))
     pnode.store.put("g", expected("g", n))
-    assert _located(consumer, 2)
+    _located(consumer, 2)
     landing = consumer._landing
     assert landing is not None
     # Every chunk taken, as by READs of tags that never end (the consumer's thread
@@ -967,7 +974,7 @@ def test_located_entries_reach_only_sessions_that_read_directly(
     _up(granted, producer.address)
     pnode.store.put("h", expected("h", 4096))
 
-    assert _located(direct, 1)
+    _located(direct, 1)
     assert stays(lambda: "locations_heard" not in granted.counter_snapshot(), granted)
     assert _sent(producer) == 1
 

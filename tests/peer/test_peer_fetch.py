@@ -20,15 +20,8 @@ import pytest
 pytest.importorskip("nixl._api")
 
 from loopback_testing import MakeLoopConsumer, MakeLoopProducer
-from peer_testing import (
-    FINGERPRINT,
-    Keyring,
-    MakeConsumer,
-    SpawnProducer,
-    expected,
-    stored_bytes,
-    wait_until,
-)
+from peer_testing import FINGERPRINT, Keyring, MakeConsumer, SpawnProducer, expected, stored_bytes
+from waiting import wait_until
 
 from ecshare.metrics import read_samples
 from ecshare.peer import FailureReason, FetchFailed, FetchItem, FetchResult
@@ -83,7 +76,11 @@ def test_batch_of_many_sizes_is_byte_exact(
     assert stats["counters"]["granted"] == len(sizes), stats
     assert stats["counters"].get("duplicate_requests", 0) == 0, stats
     # Every grant ends once its read is done: the consumer releases them all.
-    assert wait_until(lambda: producer.stats()["store"]["pins"] == 0, 5.0), producer.stats()
+    wait_until(
+        lambda: producer.stats()["store"]["pins"] == 0,
+        timeout_s=5.0,
+        detail=lambda: producer.stats(),
+    )
     assert producer.stats()["counters"]["released"] == len(sizes)
 
 
@@ -145,7 +142,7 @@ def test_dead_network_thread_fails_every_fetch_loudly(
             waiting.result(timeout=10)
     assert failed.value.reason is FailureReason.INTERNAL
     assert "a bug in the loop" in failed.value.detail
-    assert wait_until(lambda: not consumer.healthy, 5.0)
+    wait_until(lambda: not consumer.healthy, timeout_s=5.0)
     # New work fails at once, never queued for a thread that is gone.
     late = consumer.fetch(["c"], peers=["tcp://127.0.0.1:1"])[0]
     assert late.done() and late.exception() is not None
@@ -169,10 +166,10 @@ def test_peer_links_are_bounded_and_idle_ones_closed(
         quiet.bind(("127.0.0.1", 0))
         quiet.listen()
         first = consumer.fetch(["x"], peers=[f"tcp://127.0.0.1:{quiet.getsockname()[1]}"])[0]
-        assert wait_until(lambda: len(consumer.peer_liveness()) == 2, 1.0)
+        wait_until(lambda: len(consumer.peer_liveness()) == 2, timeout_s=1.0)
         # A third endpoint takes the place of the idle producer link...
         second = consumer.fetch(["y"], peers=["tcp://127.0.0.1:1"])[0]
-        assert wait_until(lambda: producer.session_count() == 0, 1.0)  # we said Bye
+        wait_until(lambda: producer.session_count() == 0, timeout_s=1.0)  # we said Bye
         # ...and a fourth, with both links busy, fails at once instead of adding one.
         third = consumer.fetch(["z"], peers=["tcp://127.0.0.1:2"])[0]
         refused = third.exception(timeout=0.5)
@@ -185,7 +182,7 @@ def test_peer_links_are_bounded_and_idle_ones_closed(
     counters = consumer.counter_snapshot()
     assert counters["peer_links_evicted"] == 1 and counters["refused_peer_links"] == 1
     # Links nothing uses are closed once idle.
-    assert wait_until(lambda: not consumer.peer_liveness(), 5.0)
+    wait_until(lambda: not consumer.peer_liveness(), timeout_s=5.0)
     assert consumer.counter_snapshot()["peer_links_closed_idle"] >= 1
 
 

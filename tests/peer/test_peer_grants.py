@@ -29,8 +29,8 @@ from peer_testing import (
     expected,
     granted,
     stored_bytes,
-    wait_until,
 )
+from waiting import wait_until
 
 from ecshare import protocol as p
 from ecshare.peer import FailureReason, FetchFailed
@@ -215,7 +215,7 @@ def test_allocated_entry_is_never_granted(
     # Once committed, the same entry is granted.
     node.store.write(writing, expected("half-written", 256 * KiB))
     node.store.commit(writing)
-    assert wait_until(lambda: not consumer.pending(), 5.0)
+    wait_until(lambda: not consumer.pending(), timeout_s=5.0)
     result = consumer.fetch(["half-written"], [producer.address])[0].result(timeout=10)
     assert result.nbytes == 256 * KiB
 
@@ -240,7 +240,7 @@ def test_grant_whose_meta_disagrees_with_its_size_fails_as_a_bad_grant_not_store
     assert "grant meta invalid" in failed.value.detail
     assert consumer_node.store.get("misdescribed") is None
     assert consumer_node.store.stats().used_blocks == 0
-    assert wait_until(lambda: node.store.stats().pins == 0, 5.0)
+    wait_until(lambda: node.store.stats().pins == 0, timeout_s=5.0)
 
 
 def test_stalled_producer_keeps_live_sessions_and_their_pins(
@@ -286,9 +286,9 @@ def test_session_named_like_another_pin_owner_cannot_touch_its_pins(
     released = session.call(p.Release(session_id=engine, grant_ids=["load-1"]))
     assert isinstance(released, p.Released) and released.released == []
     session.client.send(p.Bye(session_id=engine))
-    assert wait_until(lambda: producer.session_count() == 0, 1.0)
+    wait_until(lambda: producer.session_count() == 0, timeout_s=1.0)
     # The session's own grant runs out with its lease; the engine's pin stays.
-    assert wait_until(lambda: node.store.stats().pins == 1, 3.0)
+    wait_until(lambda: node.store.stats().pins == 1, timeout_s=3.0)
     assert node.store.pinned_entry(engine, "load-1") is not None
 
 

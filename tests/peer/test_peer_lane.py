@@ -18,14 +18,8 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 from loopback_testing import MakeLoopConsumer, MakeLoopProducer
-from peer_testing import (
-    Keyring,
-    MakeConsumer,
-    SpawnProducer,
-    expected,
-    stored_bytes,
-    wait_until,
-)
+from peer_testing import Keyring, MakeConsumer, SpawnProducer, expected, stored_bytes
+from waiting import wait_until
 
 from ecshare.peer import Node, Producer
 
@@ -69,14 +63,14 @@ def test_a_fetch_takes_the_lane_and_is_byte_exact(
     node, consumer = loop_consumer(keyring.consumer_config())
 
     consumer.fetch(["a"], [producer.address])[0].result(timeout=10)
-    assert wait_until(lambda: lane_stats(producer)["lane_bound"] == 1, 5)
+    wait_until(lambda: lane_stats(producer)["lane_bound"] == 1, timeout_s=5)
     consumer.fetch(["b"], [producer.address])[0].result(timeout=10)
 
     np.testing.assert_array_equal(stored_bytes(node, "a"), expected("a", 100003))
     np.testing.assert_array_equal(stored_bytes(node, "b"), expected("b", 7))
     assert consumer.counters["lanes_opened"] == 1
     assert consumer.counters["lane_requests"] >= 1
-    assert wait_until(lambda: lane_stats(producer)["lane_received"] >= 1, 5)
+    wait_until(lambda: lane_stats(producer)["lane_received"] >= 1, timeout_s=5)
     assert not any(k.startswith("lanes_lost.") for k in consumer.counters)
 
 
@@ -91,7 +85,7 @@ def test_a_fetch_over_the_lane_is_byte_exact_across_processes(
     )
     node, consumer = make_consumer(keyring.consumer_config(), data_plane)
     consumer.connect([producer.address])
-    assert wait_until(lambda: producer.stats()["control"]["lane_bound"] == 1, 10)
+    wait_until(lambda: producer.stats()["control"]["lane_bound"] == 1, timeout_s=10)
 
     for h, nbytes in producer.sizes.items():  # one at a time: each its own request
         result = consumer.fetch([h], [producer.address])[0].result(timeout=15)
@@ -103,7 +97,7 @@ def test_a_fetch_over_the_lane_is_byte_exact_across_processes(
     # Every request came by the lane (ZMQ carried the Hello and the heartbeats).
     assert stats["counters"]["fetch_requests"] == len(producer.sizes)
     assert stats["control"]["lane_received"] >= len(producer.sizes)
-    assert wait_until(lambda: producer.stats()["store"]["pins"] == 0, 5.0)
+    wait_until(lambda: producer.stats()["store"]["pins"] == 0, timeout_s=5.0)
 
 
 def test_a_lane_cut_mid_request_still_fetches_over_zmq(
@@ -112,7 +106,7 @@ def test_a_lane_cut_mid_request_still_fetches_over_zmq(
     pnode, producer = loop_producer(keyring.producer_config(), entries={"warm": 10, "x": 300001})
     node, consumer = loop_consumer(keyring.consumer_config())
     consumer.fetch(["warm"], [producer.address])[0].result(timeout=10)
-    assert wait_until(lambda: lane_stats(producer)["lane_bound"] == 1, 5)
+    wait_until(lambda: lane_stats(producer)["lane_bound"] == 1, timeout_s=5)
     port = producer.lane_port
     assert port is not None
     cut_in_grant(pnode, lambda: cut_lanes(port))
@@ -126,7 +120,7 @@ def test_a_lane_cut_mid_request_still_fetches_over_zmq(
     # Sent again with its id: answered from the reply cache, pinned once.
     assert producer.counters["duplicate_requests"] == 1
     assert producer.counters["granted"] == 2
-    assert wait_until(lambda: pnode.store.stats().pins == 0, 5)
+    wait_until(lambda: pnode.store.stats().pins == 0, timeout_s=5)
 
 
 def cut_in_grant(node: Node, cut: Callable[[], int]) -> None:
@@ -151,12 +145,12 @@ def test_after_a_lost_lane_the_session_goes_on_over_zmq(
     _pnode, producer = loop_producer(keyring.producer_config(), entries=entries)
     node, consumer = loop_consumer(keyring.consumer_config())
     consumer.fetch(["h0"], [producer.address])[0].result(timeout=10)
-    assert wait_until(lambda: lane_stats(producer)["lane_bound"] == 1, 5)
+    wait_until(lambda: lane_stats(producer)["lane_bound"] == 1, timeout_s=5)
     port = producer.lane_port
     assert port is not None
 
     assert cut_lanes(port) == 1
-    assert wait_until(lambda: any(k.startswith("lanes_lost.") for k in consumer.counters), 5)
+    wait_until(lambda: any(k.startswith("lanes_lost.") for k in consumer.counters), timeout_s=5)
     on_lane = consumer.counters["lane_requests"]
     for h in ("h1", "h2", "h3"):
         consumer.fetch([h], [producer.address])[0].result(timeout=10)
@@ -218,7 +212,9 @@ def test_a_stranger_on_the_lane_port_learns_nothing_and_sessions_keep_serving(
 
     assert stranger.recv(4096) == b""  # closed, and not one byte sent before
     stranger.close()
-    assert wait_until(lambda: lane_stats(producer)[counter] == 1, 5), lane_stats(producer)
+    wait_until(
+        lambda: lane_stats(producer)[counter] == 1, timeout_s=5, detail=lambda: lane_stats(producer)
+    )
     consumer.fetch(["b"], [producer.address])[0].result(timeout=10)
     np.testing.assert_array_equal(stored_bytes(node, "b"), expected("b", 9))
     assert producer.healthy
@@ -232,10 +228,10 @@ def test_a_fetch_on_an_idle_lane_goes_out_from_the_callers_thread(
     _pnode, producer = loop_producer(keyring.producer_config(), entries=entries)
     node, consumer = loop_consumer(keyring.consumer_config())
     consumer.fetch(["i0"], [producer.address])[0].result(timeout=10)
-    assert wait_until(lambda: lane_stats(producer)["lane_bound"] == 1, 5)
+    wait_until(lambda: lane_stats(producer)["lane_bound"] == 1, timeout_s=5)
 
     for h in ("i1", "i2", "i3", "i4"):
-        assert wait_until(lambda: consumer.pending() == 0, 5)
+        wait_until(lambda: consumer.pending() == 0, timeout_s=5)
         consumer.fetch([h], [producer.address])[0].result(timeout=10)
         np.testing.assert_array_equal(stored_bytes(node, h), expected(h, entries[h]))
 
@@ -251,7 +247,7 @@ def test_a_fetch_sent_at_once_on_a_cut_lane_still_succeeds(
     _pnode, producer = loop_producer(keyring.producer_config(), entries=entries)
     node, consumer = loop_consumer(keyring.consumer_config())
     consumer.fetch(["c0"], [producer.address])[0].result(timeout=10)
-    assert wait_until(lambda: lane_stats(producer)["lane_bound"] == 1, 5)
+    wait_until(lambda: lane_stats(producer)["lane_bound"] == 1, timeout_s=5)
     port = producer.lane_port
     assert port is not None
 
@@ -262,7 +258,7 @@ def test_a_fetch_sent_at_once_on_a_cut_lane_still_succeeds(
         assert future.result(timeout=10).nbytes == entries[h]
         np.testing.assert_array_equal(stored_bytes(node, h), expected(h, entries[h]))
     assert sum(n for k, n in consumer.counters.items() if k.startswith("lanes_lost.")) == 1
-    assert wait_until(lambda: producer.active_grants() == 0, 5)
+    wait_until(lambda: producer.active_grants() == 0, timeout_s=5)
 
 
 def free_port() -> int:
@@ -283,7 +279,7 @@ def test_a_configured_lane_port_is_the_one_consumers_use(
 
     assert producer.lane_port == port
     consumer.connect([producer.address])
-    assert wait_until(lambda: lane_stats(producer)["lane_bound"] == 1, 5)
+    wait_until(lambda: lane_stats(producer)["lane_bound"] == 1, timeout_s=5)
     consumer.fetch(["a"], [producer.address])[0].result(timeout=10)
     np.testing.assert_array_equal(stored_bytes(node, "a"), expected("a", 3000))
     assert consumer.counters["lane_requests"] == 1

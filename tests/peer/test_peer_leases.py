@@ -28,8 +28,8 @@ from peer_testing import (
     stays,
     stored_bytes,
     throttle_progress,
-    wait_until,
 )
+from waiting import wait_until
 
 from ecshare import protocol as p
 from ecshare.control import ClientPool, LinkSettings, load_keypair, load_public_key
@@ -81,7 +81,7 @@ def test_consumer_gives_up_before_the_lease_the_producer_granted(
     assert cnode.store.get(h) is None
 
     gate.set()  # the producer progresses; the read ends and its blocks come back
-    assert wait_until(lambda: cnode.store.stats().quarantined == 0, 10.0)
+    wait_until(lambda: cnode.store.stats().quarantined == 0, timeout_s=10.0)
     counters = consumer.counter_snapshot()
     assert counters["reads_fenced"] == counters["fenced_reads_ended"] == 1
     assert cnode.store.stats().canary_violations == 0
@@ -120,7 +120,7 @@ def test_slow_healthy_read_renews_its_lease_and_lands_intact(
     counters = consumer.counter_snapshot()
     assert counters["renewed"] >= 1 and counters.get("renewals_refused", 0) == 0, counters
     assert producer.counters["renewed"] >= 1
-    assert wait_until(lambda: pnode.store.stats().pins == 0, 2.0)  # released once read
+    wait_until(lambda: pnode.store.stats().pins == 0, timeout_s=2.0)  # released once read
 
 
 def test_bye_leaves_grants_pinned_until_their_lease_ends(
@@ -134,11 +134,11 @@ def test_bye_leaves_grants_pinned_until_their_lease_ends(
     item = granted(session.fetch("r1", h))
     t0 = time.monotonic()
     session.client.send(p.Bye(session_id=session.session_id))
-    assert wait_until(lambda: producer.session_count() == 0, 1.0)
+    wait_until(lambda: producer.session_count() == 0, timeout_s=1.0)
     # A read of it may still be moving over the data plane: the pin stays.
     assert node.store.stats().pins == 1
     assert node.store.pinned_entry(pin_owner(session.session_id), item.grant_id) is not None
-    assert wait_until(lambda: node.store.stats().pins == 0, 3.0)
+    wait_until(lambda: node.store.stats().pins == 0, timeout_s=3.0)
     assert time.monotonic() - t0 >= 0.9
     assert producer.counters["leases_expired"] == 1
 
@@ -185,16 +185,16 @@ def test_quarantine_releases_what_has_ended_and_says_bye(
                     assert link.on_message(msg, time.monotonic()) is None, msg
             return link.state is PeerLinkState.READY and (not link.pending or bool(replies))
 
-        assert wait_until(pump, 5.0)
+        wait_until(pump, timeout_s=5.0)
         link.request("r1", [p.ItemRequest(h)], [], time.monotonic())
-        assert wait_until(lambda: pump() and bool(replies), 5.0)
+        wait_until(lambda: pump() and bool(replies), timeout_s=5.0)
         grant = granted(replies[0])
         assert producer.active_grants() == 1
 
         link.release([grant.grant_id], link.session_id)  # its read ended; still queued
         link.quarantine(time.monotonic(), FailureReason.PEER_UNREACHABLE)
         assert link.state is PeerLinkState.QUARANTINED
-        assert wait_until(lambda: producer.session_count() == 0, 10.0)
+        wait_until(lambda: producer.session_count() == 0, timeout_s=10.0)
         assert producer.counters["released"] == 1
         assert _pnode.store.stats().pins == 0
     finally:
@@ -224,7 +224,7 @@ def test_required_checksum_is_never_silently_dropped(
     assert failed.value.reason is FailureReason.CHECKSUM_MISSING, failed.value
     assert strict2.counter_snapshot()["checksum_missing"] == 1
     assert _c2.store.get(h) is None
-    assert wait_until(lambda: _n2.store.stats().pins == 0, 2.0)  # the grant went back
+    wait_until(lambda: _n2.store.stats().pins == 0, timeout_s=2.0)  # the grant went back
 
 
 def test_fast_timing_keeps_the_lease_longer_than_the_deadline() -> None:

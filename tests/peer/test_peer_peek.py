@@ -31,8 +31,8 @@ from peer_testing import (
     SpawnProducer,
     expected,
     stored_bytes,
-    wait_until,
 )
+from waiting import wait_until
 
 from ecshare import protocol as p
 from ecshare.apps.bench.synthetic import synthetic_bytes
@@ -124,13 +124,13 @@ def test_a_producer_process_has_its_tags_read_from_its_memory_and_a_stale_one_ca
     producer = spawn_producer(synthetic="", config=keyring.producer_config(), hooks=True)
     cnode, consumer = make_consumer(keyring.consumer_config())
     consumer.connect([producer.address])
-    assert wait_until(lambda: [x.up for x in consumer.peer_liveness()] == [True], 10.0)
+    wait_until(lambda: [x.up for x in consumer.peer_liveness()] == [True], timeout_s=10.0)
     assert consumer._links[producer.address].peek is not None
     heard = consumer.counter_snapshot().get("locations_heard", 0)
     assert producer.command("put fresh 4194304") == {"put": "fresh"}
     assert producer.command("put old 4194304") == {"put": "old"}
-    assert wait_until(
-        lambda: consumer.counter_snapshot().get("locations_heard", 0) >= heard + 2, 5.0
+    wait_until(
+        lambda: consumer.counter_snapshot().get("locations_heard", 0) >= heard + 2, timeout_s=5.0
     )
 
     result = consumer.fetch(["fresh"], [producer.address])[0].result(timeout=10)
@@ -167,7 +167,7 @@ def test_a_read_that_fails_mid_session_falls_back_to_the_nixl_read_of_the_tag(
     pnode, producer = make_producer(keyring.producer_config())
     cnode, consumer = make_consumer(keyring.consumer_config())
     consumer.connect([producer.address])
-    assert wait_until(lambda: [x.up for x in consumer.peer_liveness()] == [True], 10.0)
+    wait_until(lambda: [x.up for x in consumer.peer_liveness()] == [True], timeout_s=10.0)
     link = consumer._links[producer.address]
     assert link.peek is not None
     proc, address = holder
@@ -178,7 +178,7 @@ def test_a_read_that_fails_mid_session_falls_back_to_the_nixl_read_of_the_tag(
     proc.wait(10)
     for h in ("a", "b"):
         pnode.store.put(h, expected(h, 2 * MiB))
-    assert wait_until(lambda: consumer.counter_snapshot().get("locations_heard", 0) >= 2, 5.0)
+    wait_until(lambda: consumer.counter_snapshot().get("locations_heard", 0) >= 2, timeout_s=5.0)
 
     for h in ("a", "b"):
         assert consumer.fetch([h], [producer.address])[0].result(timeout=10).attempts == 0
@@ -213,8 +213,8 @@ def test_a_producer_that_tells_another_process_gets_its_tags_read_over_nixl(
     consumer.connect([fake.address])
     hello: p.Hello = fake.recv(p.Hello)
     fake.welcome(hello, [p.CAP_READ_DIRECT, p.CAP_CHECKSUM_XXH3_64])
-    assert wait_until(lambda: [x.up for x in consumer.peer_liveness()] == [True], 5.0)
-    assert wait_until(lambda: not consumer._reads.warming, 5.0)
+    wait_until(lambda: [x.up for x in consumer.peer_liveness()] == [True], timeout_s=5.0)
+    wait_until(lambda: not consumer._reads.warming, timeout_s=5.0)
     assert consumer._links[fake.address].peek is None
     where = p.Location(
         mm_hash="t",
@@ -226,7 +226,7 @@ def test_a_producer_that_tells_another_process_gets_its_tags_read_over_nixl(
         tag_offset=word,
     )
     fake.server.send(fake.route, p.Located(session_id=fake.session_id, entries=[where]))
-    assert wait_until(lambda: consumer.counter_snapshot().get("locations_heard", 0) == 1, 5.0)
+    wait_until(lambda: consumer.counter_snapshot().get("locations_heard", 0) == 1, timeout_s=5.0)
 
     future = consumer.fetch(["t"], [fake.address])[0]
     request: p.FetchRequest = fake.recv(p.FetchRequest)  # the tag was 41: asked for
@@ -260,12 +260,12 @@ def test_a_lone_small_entry_is_checked_by_its_digest_and_a_larger_one_by_its_tag
     pnode, producer = make_producer(keyring.producer_config())
     cnode, consumer = make_consumer(keyring.consumer_config())
     consumer.connect([producer.address])
-    assert wait_until(lambda: [x.up for x in consumer.peer_liveness()] == [True], 10.0)
+    wait_until(lambda: [x.up for x in consumer.peer_liveness()] == [True], timeout_s=10.0)
     assert consumer._links[producer.address].peek is not None
     sizes = {"small": PEEK_OVER_DIGEST, "larger": PEEK_OVER_DIGEST + 8}
     for h, n in sizes.items():
         pnode.store.put(h, expected(h, n))
-    assert wait_until(lambda: consumer.counter_snapshot().get("locations_heard", 0) >= 2, 5.0)
+    wait_until(lambda: consumer.counter_snapshot().get("locations_heard", 0) >= 2, timeout_s=5.0)
 
     for h, n in sizes.items():
         assert consumer.fetch([h], [producer.address])[0].result(timeout=10).attempts == 0
@@ -290,15 +290,15 @@ def test_a_fresh_session_to_a_producer_on_this_host_lends_from_its_first_fetch(
     pnode, producer = make_producer(keyring.producer_config())
     cnode, consumer = make_consumer(keyring.consumer_config(), {"tag_peek": tag_peek})
     consumer.connect([producer.address])
-    assert wait_until(lambda: [x.up for x in consumer.peer_liveness()] == [True], 10.0)
-    assert wait_until(lambda: not consumer._reads.warming, 5.0)
+    wait_until(lambda: [x.up for x in consumer.peer_liveness()] == [True], timeout_s=10.0)
+    wait_until(lambda: not consumer._reads.warming, timeout_s=5.0)
     link = consumer._links[producer.address]
     assert (link.peek is not None) is tag_peek
     assert link.copies_in_call is tag_peek  # before any fetch
     names = [f"small-{i}" for i in range(4)]  # no READ of a MiB, ever
     for h in names:
         pnode.store.put(h, expected(h, 64 << 10))
-    assert wait_until(lambda: consumer.counter_snapshot().get("locations_heard", 0) >= 4, 5.0)
+    wait_until(lambda: consumer.counter_snapshot().get("locations_heard", 0) >= 4, timeout_s=5.0)
     # The network thread left unwoken, so that the caller is first to the lock (it may
     # still wake for a timer of its own: the race of the two is test_peer_direct.py's).
     assert consumer._waker is not None

@@ -38,8 +38,8 @@ from peer_testing import (
     expected,
     flags,
     stored_bytes,
-    wait_until,
 )
+from waiting import wait_until
 
 from ecshare import protocol as p
 from ecshare.apps.chaos.faultproxy import FaultProxy, Faults
@@ -105,7 +105,7 @@ def test_pushed_item_is_local_before_the_fetch_and_counts_as_pushed(
     out = push_when_connected(producer, h)
 
     assert out.pushed, out
-    assert wait_until(lambda: ready(cnode.store, h), 5)
+    wait_until(lambda: ready(cnode.store, h), timeout_s=5)
     result = consumer.fetch([FetchItem(h, pushed=True)], [producer.address])[0].result(timeout=5)
     assert result.pushed and result.peer == "local" and result.nbytes == n
     np.testing.assert_array_equal(stored_bytes(cnode, h), expected(h, n))
@@ -115,7 +115,7 @@ def test_pushed_item_is_local_before_the_fetch_and_counts_as_pushed(
     assert sum(consumer.exposed_histograms()["pulled"].counts) == 0
     assert consumer.counters["requests"] == 0  # nothing was pulled
     # The source went back once the write had ended; nothing is left pinned anywhere.
-    assert wait_until(lambda: pnode.store.stats().pins == 0, 5)
+    wait_until(lambda: pnode.store.stats().pins == 0, timeout_s=5)
     assert producer.pushes_in_flight() == 0 and cnode.store.stats().allocated == 0
     samples = read_samples([], [producer], [consumer])
     assert samples["pushed_items"][()] == 1 and samples["pushed_in_bytes"][()] == n
@@ -177,7 +177,7 @@ def test_push_refused_falls_back_to_pull(
         {"push_trusted_keys": [keyring.consumer.public_text]},  # not the producer's key
     )
     consumer.connect([producer.address])
-    assert wait_until(lambda: producer.session_count() == 1, 5)
+    wait_until(lambda: producer.session_count() == 1, timeout_s=5)
 
     out = producer.push(h, to="pd-0").result(timeout=10)
     result = consumer.fetch([FetchItem(h, pushed=True)], [producer.address])[0].result(timeout=10)
@@ -270,8 +270,9 @@ def test_unauthorized_pusher_is_refused_counted_and_learns_nothing(
     fake_producer.welcome(hello, [p.CAP_RENEW, p.CAP_PUSH])
     # The session is up once its one-block warm-up read (a consumer's first read from a
     # producer) has ended and given its block back.
-    assert wait_until(
-        lambda: consumer.counters["warm_ups"] == 1 and cnode.store.stats().quarantined == 0, 5.0
+    wait_until(
+        lambda: consumer.counters["warm_ups"] == 1 and cnode.store.stats().quarantined == 0,
+        timeout_s=5.0,
     )
 
     reply = fake_producer.offer("x1")
@@ -292,8 +293,9 @@ def test_duplicate_offer_reserves_once_and_is_answered_the_same(
     fake_producer.welcome(hello, [p.CAP_RENEW, p.CAP_PUSH])
     # The session is up once its one-block warm-up read (a consumer's first read from a
     # producer) has ended and given its block back.
-    assert wait_until(
-        lambda: consumer.counters["warm_ups"] == 1 and cnode.store.stats().quarantined == 0, 5.0
+    wait_until(
+        lambda: consumer.counters["warm_ups"] == 1 and cnode.store.stats().quarantined == 0,
+        timeout_s=5.0,
     )
 
     first = fake_producer.offer("d1", "dup", 300_000)
@@ -311,7 +313,7 @@ def test_duplicate_offer_reserves_once_and_is_answered_the_same(
         fake_producer.route,
         p.PushDone(session_id=fake_producer.session_id, push_id="d1", written=False),
     )
-    assert wait_until(lambda: cnode.store.stats().used_blocks == 0, 5)
+    wait_until(lambda: cnode.store.stats().used_blocks == 0, timeout_s=5)
     assert cnode.store.get("dup") is None and not consumer.push_pending("dup")
     assert consumer.counter_snapshot()["push_duplicate_offers"] == 1
 
@@ -338,7 +340,7 @@ def test_late_push_is_fenced_the_fetch_pulls_and_its_blocks_wait_for_the_write(
     cnode.transport.progress = lambda: [] if held[0] else real_progress()  # type: ignore[method-assign]
 
     push = producer.push(h, to="pd-0")
-    assert wait_until(lambda: consumer.push_pending(h), 5)
+    wait_until(lambda: consumer.push_pending(h), timeout_s=5)
     time.sleep(0.1)
     assert not push.done() and pnode.store.stats().pins == 1  # the source stays pinned
     result = consumer.fetch([FetchItem(h, pushed=True)], [producer.address])[0].result(timeout=10)
@@ -350,9 +352,9 @@ def test_late_push_is_fenced_the_fetch_pulls_and_its_blocks_wait_for_the_write(
     assert counters["push_fallbacks"] == 1  # pulled once fenced, not after `push_wait_s`
     held[0] = False
     assert push.result(timeout=10).pushed  # the write did end, late
-    assert wait_until(lambda: cnode.store.stats().quarantined == 0, 5)
+    wait_until(lambda: cnode.store.stats().quarantined == 0, timeout_s=5)
     assert consumer.counter_snapshot()["push_fenced_ended"] == 1
-    assert wait_until(lambda: pnode.store.stats().pins == 0, 5)
+    wait_until(lambda: pnode.store.stats().pins == 0, timeout_s=5)
     fill_region(cnode.store)
     assert cnode.store.stats().canary_violations == 0
     np.testing.assert_array_equal(stored_bytes(cnode, h), expected(h, n))
@@ -378,14 +380,14 @@ def test_producer_sigkill_mid_push_leaves_no_block_reused_early_and_pull_still_w
         time.sleep(0.05)
     held[0] = True
     producer.command(f"push {h} pd-0")
-    assert wait_until(lambda: consumer.push_pending(h), 5)
+    wait_until(lambda: consumer.push_pending(h), timeout_s=5)
     producer.kill()
     held[0] = False
 
     # The session dies, the reservation is fenced, and only the data plane's word that
     # the producer is gone (a failed probe) gives its blocks back.
-    assert wait_until(lambda: consumer.counter_snapshot().get("push_probes_failed", 0) >= 1, 15)
-    assert wait_until(lambda: cnode.store.stats().quarantined == 0, 5)
+    wait_until(lambda: consumer.counter_snapshot().get("push_probes_failed", 0) >= 1, timeout_s=15)
+    wait_until(lambda: cnode.store.stats().quarantined == 0, timeout_s=5)
     assert not ready(cnode.store, h)
     time.sleep(0.3)
     fill_region(cnode.store)
@@ -429,16 +431,20 @@ def test_push_reservations_of_a_replaced_session_are_probed_and_none_leaks(
         time.sleep(0.05)
     held[0] = True
     old.command(f"push {h} pd-0")
-    assert wait_until(lambda: consumer.push_pending(h), 5)
+    wait_until(lambda: consumer.push_pending(h), timeout_s=5)
     old.kill()
     new = spawn_producer(synthetic="4096:1", config=config, hooks=True)
     assert new.address == old.address
     held[0] = False
 
     # The consumer says hello to the new process; the old session's push is fenced.
-    assert wait_until(lambda: new.stats()["sessions"] == 1, 15), new.stderr()
-    assert wait_until(lambda: consumer.counter_snapshot().get("push_sessions_lost") == 1, 5)
-    assert wait_until(lambda: cnode.store.stats().quarantined == 0, 15), consumer.counter_snapshot()
+    wait_until(lambda: new.stats()["sessions"] == 1, timeout_s=15, detail=lambda: new.stderr())
+    wait_until(lambda: consumer.counter_snapshot().get("push_sessions_lost") == 1, timeout_s=5)
+    wait_until(
+        lambda: cnode.store.stats().quarantined == 0,
+        timeout_s=15,
+        detail=lambda: consumer.counter_snapshot(),
+    )
     counters = consumer.counter_snapshot()
     assert not any(k.startswith("peer_failures") for k in counters), counters
     assert counters["push_probes_failed"] >= 1 and counters["push_fenced_ended"] == 1
@@ -475,7 +481,7 @@ def test_consumer_sigkill_mid_push_keeps_the_source_pinned_until_the_write_fails
         assert json.loads(child.stdout.readline()) == {"held": True}
 
         push = producer.push(h, to="pd-0")
-        assert wait_until(lambda: producer.counters["push_writes"] == 2, 5)
+        wait_until(lambda: producer.counters["push_writes"] == 2, timeout_s=5)
         time.sleep(0.2)
         assert not push.done() and pnode.store.stats().pins == 1
         child.kill()
@@ -543,18 +549,18 @@ def test_control_cut_with_both_alive_fences_the_push_until_its_write_ends(
         held[0] = True
 
         push = producer.push(h, to="pd-0")
-        assert wait_until(lambda: producer.counters["push_writes"] == 2, 5)
+        wait_until(lambda: producer.counters["push_writes"] == 2, timeout_s=5)
         assert consumer.push_pending(h)
         proxy.hold(2.5)
-        assert wait_until(lambda: consumer.counter_snapshot().get("push_sessions_lost") == 1, 10)
-        assert wait_until(lambda: producer.session_count() == 0, 10)
+        wait_until(lambda: consumer.counter_snapshot().get("push_sessions_lost") == 1, timeout_s=10)
+        wait_until(lambda: producer.session_count() == 0, timeout_s=10)
         assert not consumer.push_pending(h) and cnode.store.stats().quarantined == 1
         assert not push.done() and pnode.store.stats().pins == 1  # the write runs on
         held[0] = False
 
         out = push.result(timeout=15)
         assert out.pushed, out  # the write did end: into blocks the consumer still holds
-        assert wait_until(lambda: cnode.store.stats().quarantined == 0, 15)
+        wait_until(lambda: cnode.store.stats().quarantined == 0, timeout_s=15)
         counters = consumer.counter_snapshot()
         assert counters["push_fenced_ended"] == 1
         if word == "notice":
@@ -568,7 +574,7 @@ def test_control_cut_with_both_alive_fences_the_push_until_its_write_ends(
         fill_region(cnode.store)
         assert cnode.store.stats().canary_violations == 0
         # The push channel comes back by itself once the path does, and pull works.
-        assert wait_until(lambda: producer.push_names() == {"pd-0"}, 10)
+        wait_until(lambda: producer.push_names() == {"pd-0"}, timeout_s=10)
         result = consumer.fetch([FetchItem(h)], [proxy.address])[0].result(timeout=15)
         assert not result.pushed
         np.testing.assert_array_equal(stored_bytes(cnode, h), expected(h, n))
@@ -602,10 +608,10 @@ def test_offer_never_answered_is_given_up_and_its_late_reservation_freed(
         assert out.state is PushState.FAILED and out.detail == "no answer to the offer", out
         assert pnode.store.stats().pins == 0 and producer.pushes_in_flight() == 0
         # The held offer lands, reserves, and the PushDone behind it frees the blocks.
-        assert wait_until(lambda: consumer.counter_snapshot().get("push_not_written") == 1, 10)
+        wait_until(lambda: consumer.counter_snapshot().get("push_not_written") == 1, timeout_s=10)
         counters = consumer.counter_snapshot()
         assert counters["push_reserved"] == 2  # "w", then the late offer
-        assert wait_until(lambda: producer.counters["push_late_replies"] == 1, 5)
+        wait_until(lambda: producer.counters["push_late_replies"] == 1, timeout_s=5)
         assert cnode.store.get(h) is None and not consumer.push_pending(h)
         assert cnode.store.stats().allocated == 0
         assert producer.session_count() == 1  # the session itself lived through it
@@ -646,7 +652,7 @@ def test_notices_hands_each_kind_to_its_own_part_over_real_nixl() -> None:
                 assert time.monotonic() < deadline
             writer.release(handle)
         got: list[tuple[str, bytes]] = []
-        assert wait_until(lambda: bool(got.extend(router.take("grant")) or len(got) >= 1), 5)
+        wait_until(lambda: bool(got.extend(router.take("grant")) or len(got) >= 1), timeout_s=5)
         time.sleep(0.05)
         got += router.take("grant")
         assert got == [(writer.name, b"s1:g1")]
@@ -654,9 +660,9 @@ def test_notices_hands_each_kind_to_its_own_part_over_real_nixl() -> None:
         router.leave("push")  # no Consumer here any more: a push's notice is unexpected
         handle = writer.write(b.transport.name, [Segment(0, 0, 4096)], b"push:p2")
         seen: list[tuple[str, bytes]] = []
-        assert wait_until(
+        wait_until(
             lambda: bool(seen.extend(router.take("grant")) or (writer.poll(handle).state
-                         is not ReadState.PENDING and seen)), 5
+                         is not ReadState.PENDING and seen)), timeout_s=5
         )  # fmt: skip
         writer.release(handle)
         assert seen == [(writer.name, b"push:p2")]
@@ -703,12 +709,14 @@ def test_shared_node_hands_push_notices_to_its_consumer_while_its_producer_serve
         stop.set()
         pulls.join(timeout=20)
 
-        assert wait_until(lambda: all(ready(engine.store, h) for h in items), 10)
+        wait_until(lambda: all(ready(engine.store, h) for h in items), timeout_s=10)
         for h, n in items.items():
             np.testing.assert_array_equal(stored_bytes(engine, h), expected(h, n))
-        assert wait_until(
-            lambda: own_consumer.counter_snapshot().get("push_notices", 0) == len(items), 10
-        ), own_consumer.counter_snapshot()
+        wait_until(
+            lambda: own_consumer.counter_snapshot().get("push_notices", 0) == len(items),
+            timeout_s=10,
+            detail=lambda: own_consumer.counter_snapshot(),
+        )
         assert own_producer.counters["bad_notifications"] == 0
         assert own_consumer.counter_snapshot().get("unexpected_notifications", 0) == 0
         assert reader.counter_snapshot()["fetched"] >= 1  # the producer did serve meanwhile

@@ -23,9 +23,9 @@ from peer_testing import (
     SpawnProducer,
     expected,
     stored_bytes,
-    wait_until,
 )
 from test_peer_push import fill_region, push_when_connected, ready, stall
+from waiting import wait_until
 
 from ecshare import protocol as p
 from ecshare.apps.chaos.faultproxy import FaultProxy, Faults
@@ -46,12 +46,12 @@ def test_credited_push_lands_with_no_offer_and_the_credit_is_topped_up(
     pnode, producer = make_producer(keyring.producer_config(), dp, entries={h: n})
     cnode, consumer = make_consumer(keyring.consumer_config(), CREDIT, dp)
     consumer.connect([producer.address])
-    assert wait_until(lambda: producer.counters["push_credits"] == 1, 10)
+    wait_until(lambda: producer.counters["push_credits"] == 1, timeout_s=10)
 
     out = push_when_connected(producer, h)
 
     assert out.pushed, out
-    assert wait_until(lambda: ready(cnode.store, h), 5)
+    wait_until(lambda: ready(cnode.store, h), timeout_s=5)
     np.testing.assert_array_equal(stored_bytes(cnode, h), expected(h, n))
     result = consumer.fetch([FetchItem(h, pushed=True)], [producer.address])[0].result(timeout=5)
     assert result.pushed and result.peer == "local" and consumer.counters["requests"] == 0
@@ -61,12 +61,12 @@ def test_credited_push_lands_with_no_offer_and_the_credit_is_topped_up(
     assert counters.get("push_offers", 0) == 0 and counters["push_credit_claims"] == 1
     assert counters["push_credit_committed"] == 1 and counters["push_committed"] == 1
     # The next credit stands: granted once the last one was claimed, held by the producer.
-    assert wait_until(lambda: producer.counters["push_credits"] == 2, 5)
+    wait_until(lambda: producer.counters["push_credits"] == 2, timeout_s=5)
     stats = cnode.store.stats()
     assert stats.allocated == stats.reserved == 1 and stats.quarantined == 0
     assert stats.canary_violations == 0
     cnode.store.check_invariants()
-    assert wait_until(lambda: pnode.store.stats().pins == 0, 5)
+    wait_until(lambda: pnode.store.stats().pins == 0, timeout_s=5)
 
 
 def test_item_larger_than_the_credit_is_offered_and_a_small_one_still_credited(
@@ -80,14 +80,14 @@ def test_item_larger_than_the_credit_is_offered_and_a_small_one_still_credited(
         keyring.consumer_config(), CREDIT, {"push_credit_bytes": 1 << 20}
     )
     consumer.connect([producer.address])
-    assert wait_until(lambda: producer.counters["push_credits"] == 1, 10)
+    wait_until(lambda: producer.counters["push_credits"] == 1, timeout_s=10)
 
     assert push_when_connected(producer, big).pushed
     assert producer.counters["push_credit_fallbacks.too_large"] == 1
     assert producer.counters["push_offers"] == 1
     assert producer.push(small, to="pd-0").result(timeout=10).pushed
     assert producer.counters["push_credit_writes"] == 1 and producer.counters["push_offers"] == 1
-    assert wait_until(lambda: ready(cnode.store, big) and ready(cnode.store, small), 5)
+    wait_until(lambda: ready(cnode.store, big) and ready(cnode.store, small), timeout_s=5)
     np.testing.assert_array_equal(stored_bytes(cnode, big), expected(big, 4_505_600))
     np.testing.assert_array_equal(stored_bytes(cnode, small), expected(small, 65536))
 
@@ -103,7 +103,7 @@ def test_consumer_with_credit_off_offers_none_and_pushes_are_offered(
     assert push_when_connected(producer, h).pushed
     assert producer.counters["push_offers"] == 1 and producer.counters["push_credits"] == 0
     assert consumer.counter_snapshot().get("push_credits_granted", 0) == 0
-    assert wait_until(lambda: ready(cnode.store, h), 5)
+    wait_until(lambda: ready(cnode.store, h), timeout_s=5)
     assert cnode.store.stats().allocated == 0
 
 
@@ -151,8 +151,8 @@ def test_unknown_replayed_oversized_and_unverified_claims_are_refused_and_never_
     # A credit this consumer never granted, and one of another session: nothing moves.
     _claim(fake_producer, "k-unknown", "u1", 100_000, checksum=digest)
     _claim(fake_producer, credit.credit_id, "u2", 100_000, checksum=digest, session_id="other")
-    assert wait_until(
-        lambda: consumer.counter_snapshot().get("push_credit_refused.unknown") == 2, 5
+    wait_until(
+        lambda: consumer.counter_snapshot().get("push_credit_refused.unknown") == 2, timeout_s=5
     )
     # More than the credit holds: refused; its blocks wait for the write's end, then go back.
     _claim(fake_producer, credit.credit_id, "big", (8 << 20) + 1, checksum=digest)
@@ -160,25 +160,25 @@ def test_unknown_replayed_oversized_and_unverified_claims_are_refused_and_never_
     assert consumer.counter_snapshot()["push_credit_refused.too_large"] == 1
     assert not consumer.push_pending("big") and cnode.store.stats().allocated == 2
     _done(fake_producer, credit.credit_id, written=True)
-    assert wait_until(lambda: cnode.store.stats().allocated == 1, 5)
+    wait_until(lambda: cnode.store.stats().allocated == 1, timeout_s=5)
     # Claimed again: a replay, refused; the credit is over already.
     _claim(fake_producer, credit.credit_id, "again", 100_000, checksum=digest)
-    assert wait_until(
-        lambda: consumer.counter_snapshot().get("push_credit_refused.replayed") == 1, 5
+    wait_until(
+        lambda: consumer.counter_snapshot().get("push_credit_refused.replayed") == 1, timeout_s=5
     )
     # A claim whose bytes do not have its digest: reserved, then never committed.
     _claim(fake_producer, second.credit_id, "forged", 100_000, checksum=digest)
-    assert wait_until(lambda: consumer.push_pending("forged"), 5)
+    wait_until(lambda: consumer.push_pending("forged"), timeout_s=5)
     _claim(fake_producer, second.credit_id, "forged2", 100_000, checksum=digest)  # replay
     third: p.PushCredit = fake_producer.recv(p.PushCredit)
     _done(fake_producer, second.credit_id, written=True)
-    assert wait_until(lambda: consumer.counter_snapshot().get("push_checksum_failures") == 1, 5)
+    wait_until(lambda: consumer.counter_snapshot().get("push_checksum_failures") == 1, timeout_s=5)
     # No digest where one is required: refused, its blocks back once the write has ended.
     _claim(fake_producer, third.credit_id, "bare", 100_000)
     fake_producer.recv(p.PushCredit)
     assert consumer.counter_snapshot()["push_credit_refused.invalid"] == 1
     _done(fake_producer, third.credit_id, written=True)
-    assert wait_until(lambda: cnode.store.stats().allocated == 1, 5)
+    wait_until(lambda: cnode.store.stats().allocated == 1, timeout_s=5)
 
     counters = consumer.counter_snapshot()
     assert counters["push_credit_refused.replayed"] == 2
@@ -186,7 +186,7 @@ def test_unknown_replayed_oversized_and_unverified_claims_are_refused_and_never_
     for h in ("u1", "u2", "big", "again", "forged", "forged2", "bare"):
         assert cnode.store.get(h) is None and not consumer.push_pending(h)
     # Only the standing credit is left (once the session's one-block warm-up read ended).
-    assert wait_until(lambda: cnode.store.stats().quarantined == 0, 5)
+    wait_until(lambda: cnode.store.stats().quarantined == 0, timeout_s=5)
     stats = cnode.store.stats()
     assert stats.allocated == 1 and stats.ready == 0
     cnode.store.check_invariants()
@@ -212,26 +212,26 @@ def test_unused_credit_of_a_cut_session_is_held_until_the_producer_returns_it(
             {"push_deadline_s": 30.0, "push_credit_bytes": n, "region_bytes": 128 << 20},
         )
         consumer.connect([proxy.address])
-        assert wait_until(lambda: producer.counters["push_credits"] == 1, 10)
+        wait_until(lambda: producer.counters["push_credits"] == 1, timeout_s=10)
         assert push_when_connected(producer, "w").pushed  # by credit, like the next
-        assert wait_until(lambda: producer.counters["push_credits"] == 2, 5)
+        wait_until(lambda: producer.counters["push_credits"] == 2, timeout_s=5)
         held = stall(pnode)
         held[0] = True
 
         push = producer.push(h, to="pd-0")
-        assert wait_until(lambda: consumer.push_pending(h), 5)
+        wait_until(lambda: consumer.push_pending(h), timeout_s=5)
         assert producer.counters["push_credit_writes"] == 2
-        assert wait_until(lambda: producer.counters["push_credits"] == 3, 5)
+        wait_until(lambda: producer.counters["push_credits"] == 3, timeout_s=5)
         proxy.hold(2.5)
-        assert wait_until(lambda: consumer.counter_snapshot().get("push_sessions_lost") == 2, 10)
-        assert wait_until(lambda: producer.session_count() == 0, 10)
+        wait_until(lambda: consumer.counter_snapshot().get("push_sessions_lost") == 2, timeout_s=10)
+        wait_until(lambda: producer.session_count() == 0, timeout_s=10)
         # The write's credit and the unused one: both fenced, out of reach of the store.
         assert cnode.store.stats().quarantined == 2 and consumer.fenced_pushes() == 2
         assert not push.done() and pnode.store.stats().pins == 1  # the write runs on
         held[0] = False
 
         assert push.result(timeout=15).pushed
-        assert wait_until(lambda: cnode.store.stats().quarantined == 0, 15)
+        wait_until(lambda: cnode.store.stats().quarantined == 0, timeout_s=15)
         counters = consumer.counter_snapshot()
         assert counters["push_fenced_ended"] == 2 and counters["push_credits_returned"] == 1
         assert counters.get("push_fences_leaked", 0) == 0
@@ -239,7 +239,7 @@ def test_unused_credit_of_a_cut_session_is_held_until_the_producer_returns_it(
         fill_region(cnode.store)
         assert cnode.store.stats().canary_violations == 0
         # The push channel comes back with a credit of its own, and pull works.
-        assert wait_until(lambda: producer.push_names() == {"pd-0"}, 10)
+        wait_until(lambda: producer.push_names() == {"pd-0"}, timeout_s=10)
         result = consumer.fetch([FetchItem(h)], [proxy.address])[0].result(timeout=15)
         assert not result.pushed
         np.testing.assert_array_equal(stored_bytes(cnode, h), expected(h, n))
@@ -266,20 +266,20 @@ def test_producer_sigkill_mid_credited_write_gives_the_blocks_back_only_once_pro
         producer.command(f"push {warm} pd-0")
         time.sleep(0.05)
     # A credit stands once the producer's session is up; held by it a moment later.
-    assert wait_until(lambda: consumer.counter_snapshot().get("push_credits_granted", 0) >= 1, 5)
+    wait_until(lambda: consumer.counter_snapshot().get("push_credits_granted", 0) >= 1, timeout_s=5)
     time.sleep(0.3)
     claims = consumer.counter_snapshot().get("push_credit_claims", 0)
     held[0] = True
     producer.command(f"push {h} pd-0")
-    assert wait_until(lambda: consumer.push_pending(h), 5)
+    wait_until(lambda: consumer.push_pending(h), timeout_s=5)
     assert consumer.counter_snapshot()["push_credit_claims"] == claims + 1
     producer.kill()
     held[0] = False
 
     # The session dies: the credit being written and the one granted after it are
     # fenced, and only the data plane's word that the producer is gone frees them.
-    assert wait_until(lambda: consumer.counter_snapshot().get("push_probes_failed", 0) >= 2, 15)
-    assert wait_until(lambda: cnode.store.stats().quarantined == 0, 5)
+    wait_until(lambda: consumer.counter_snapshot().get("push_probes_failed", 0) >= 2, timeout_s=15)
+    wait_until(lambda: cnode.store.stats().quarantined == 0, timeout_s=5)
     assert not ready(cnode.store, h) and consumer.fenced_pushes() == 0
     time.sleep(0.3)
     fill_region(cnode.store)
@@ -319,7 +319,7 @@ def test_credit_whose_grant_may_be_lost_is_voided_on_the_next_session_and_only_t
         fake_producer.route,
         p.PushDone(session_id=old_session, push_id=credit.credit_id, written=False),
     )
-    assert wait_until(lambda: cnode.store.stats().quarantined == 0, 5)
+    wait_until(lambda: cnode.store.stats().quarantined == 0, timeout_s=5)
     assert consumer.fenced_pushes() == 0 and consumer.counter_snapshot()["push_fenced_ended"] == 1
     stats = cnode.store.stats()
     assert stats.reserved == 1 and stats.canary_violations == 0

@@ -20,7 +20,8 @@ from collections.abc import Iterator
 
 import pytest
 from loopback_testing import MakeLoopConsumer, MakeLoopProducer
-from peer_testing import Keyring, wait_until
+from peer_testing import Keyring
+from waiting import wait_until
 
 from ecshare.apps.chaos.faultproxy import FaultProxy, Faults
 from ecshare.peer import Producer
@@ -40,8 +41,8 @@ PUSH = {
 
 
 def _push_when_connected(producer: Producer, h: str) -> bool:
-    deadline_ok = wait_until(lambda: producer.push_names() == {"pd-0"}, 10)
-    return deadline_ok and producer.push(h, to="pd-0").result(timeout=10).pushed
+    wait_until(lambda: producer.push_names() == {"pd-0"}, "the push session", timeout_s=10)
+    return producer.push(h, to="pd-0").result(timeout=10).pushed
 
 
 def _fill_region(store: Store) -> None:
@@ -82,21 +83,21 @@ def test_a_probe_failing_for_another_reason_leaves_the_push_fenced_and_counted(
     cnode.transport.fail_next(10_000, kind, peer=producer_agent)
     cnode.transport.stall()  # the write into our region stands still
     push = producer.push(h, to="pd-0")
-    assert wait_until(lambda: consumer.push_pending(h), 5)
+    wait_until(lambda: consumer.push_pending(h), timeout_s=5)
     # Posted: else a session lost first ends the offer unwritten, and its PushDone
     # (a word) rightly frees the blocks.
-    assert wait_until(lambda: producer.counters["push_writes"] == 2, 5)
+    wait_until(lambda: producer.counters["push_writes"] == 2, timeout_s=5)
 
     # The session is lost, and stays lost for a while: probes run, and say nothing.
     proxy.hold(3.0)
-    assert wait_until(lambda: consumer.counter_snapshot().get("push_sessions_lost") == 1, 10)
+    wait_until(lambda: consumer.counter_snapshot().get("push_sessions_lost") == 1, timeout_s=10)
 
     def probed_or_over() -> bool:
         c = consumer.counter_snapshot()
         tries = c.get("push_probes", 0) + c.get("push_probes_inconclusive", 0)
         return tries >= 3 or consumer.fenced_pushes() == 0
 
-    assert wait_until(probed_or_over, 10)
+    wait_until(probed_or_over, timeout_s=10)
     assert cnode.store.stats().quarantined == 1, consumer.counter_snapshot()  # never freed
     assert consumer.fenced_pushes() == 1
     counters = consumer.counter_snapshot()
@@ -109,7 +110,7 @@ def test_a_probe_failing_for_another_reason_leaves_the_push_fenced_and_counted(
     assert producer_agent in cnode.transport.peers  # kept loaded for the probes
     cnode.transport.resume()
     assert push.result(timeout=15).pushed
-    assert wait_until(lambda: cnode.store.stats().quarantined == 0, 15)
+    wait_until(lambda: cnode.store.stats().quarantined == 0, timeout_s=15)
     assert consumer.counter_snapshot()["push_fences_ended_by_notice"] == 1
     assert cnode.store.get(h) is None  # a fenced push never commits
     _fill_region(cnode.store)
@@ -117,6 +118,8 @@ def test_a_probe_failing_for_another_reason_leaves_the_push_fenced_and_counted(
     # The last fence over, the agent goes with the link that no longer uses it, or
     # stays with the link that does.
     links = consumer.counter_snapshot()
-    assert wait_until(
-        lambda: (producer_agent in cnode.transport.peers) == bool(producer.push_names()), 10
-    ), links
+    wait_until(
+        lambda: (producer_agent in cnode.transport.peers) == bool(producer.push_names()),
+        timeout_s=10,
+        detail=lambda: links,
+    )

@@ -29,8 +29,8 @@ from peer_testing import (
     SpawnProducer,
     expected,
     stored_bytes,
-    wait_until,
 )
+from waiting import wait_until
 
 from ecshare.peer import link as link_module
 from ecshare.peer.transfer import FailureReason, FetchFailed
@@ -94,7 +94,7 @@ def test_releases_queued_across_a_producer_restart_never_free_the_new_process_gr
     # 2. It rides in the next request, which the stalled producer never answers...
     requests = consumer.counters["requests"]
     consumer.fetch([b], [address])
-    assert wait_until(lambda: consumer.counters["requests"] > requests, 5)
+    wait_until(lambda: consumer.counters["requests"] > requests, timeout_s=5)
     sent_at = time.monotonic()
     # 3. ...for it dies, and a new process takes its endpoint.
     old.kill()
@@ -103,11 +103,11 @@ def test_releases_queued_across_a_producer_restart_never_free_the_new_process_gr
     (c,) = new.sizes
     # 4. The consumer's next message finds its session gone, and it makes a new one.
     consumer.fetch(["gone-with-the-old-session"], [address])
-    assert wait_until(lambda: new.stats()["counters"].get("no_session", 0) >= 1, 10)
+    wait_until(lambda: new.stats()["counters"].get("no_session", 0) >= 1, timeout_s=10)
     assert new.command("hold")["held"]  # the new grant's READ stays in flight
     fetch_c = consumer.fetch([c], [address])[0]
-    assert wait_until(lambda: new.stats()["active_grants"] == 1, 10), new.stderr()
-    assert wait_until(lambda: consumer.counters["reads_started"] >= 2, 10)
+    wait_until(lambda: new.stats()["active_grants"] == 1, timeout_s=10, detail=lambda: new.stderr())
+    wait_until(lambda: consumer.counters["reads_started"] >= 2, timeout_s=10)
     # What the test is about happens only if the old request is still unanswered now.
     assert time.monotonic() < sent_at + REQUEST_TIMEOUT_S, "the producer took too long to start"
 

@@ -14,7 +14,8 @@ import threading
 from typing import Any
 
 import httpx
-from proxy_testing import Rig, chat, wait_until
+from proxy_testing import Rig, chat
+from waiting import wait_until
 
 from ecshare.apps.ready import ProxyReady, parse_ready
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from proxy_stubs import MODEL
-from proxy_testing import IMAGE_A, Rig, chat, dead_url, wait_until
+from proxy_testing import IMAGE_A, Rig, chat, dead_url
+from waiting import wait_until
 
 
 def test_models_lists_the_prefill_decode_models(rig: Rig) -> None:

@@ -6,7 +6,8 @@ import time
 
 import openai
 import pytest
-from proxy_testing import IMAGE_A, IMAGE_B, Rig, chat, dead_url, wait_until
+from proxy_testing import IMAGE_A, IMAGE_B, Rig, chat, dead_url
+from waiting import wait_until
 
 CHAT = "/v1/chat/completions"
 

@@ -7,7 +7,8 @@ import time
 
 import httpx
 import msgspec
-from proxy_testing import IMAGE_A, Rig, chat, wait_until
+from proxy_testing import IMAGE_A, Rig, chat
+from waiting import wait_until
 
 CHAT = "/v1/chat/completions"
 

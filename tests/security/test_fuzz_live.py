@@ -31,7 +31,6 @@ from peer_testing import (
     expected,
     granted,
     stored_bytes,
-    wait_until,
 )
 from security_testing import (
     curve_dealer,
@@ -40,6 +39,7 @@ from security_testing import (
     producer_state,
     rss_bytes,
 )
+from waiting import wait_until
 
 from ecshare import protocol as p
 from ecshare.control import CONSUMER_TO_PRODUCER
@@ -123,7 +123,12 @@ def test_authorized_fuzzer_changes_nothing_and_every_frame_is_counted(
                 sent["valid"] + honest_messages
             )
 
-        assert wait_until(all_counted, 60.0, interval_s=0.2), (sent, producer.stats()["control"])
+        wait_until(
+            all_counted,
+            timeout_s=60.0,
+            interval_s=0.2,
+            detail=lambda: (sent, producer.stats()["control"]),
+        )
         while dealer.poll(200):
             dealer.recv()
             replies += 1
@@ -232,13 +237,13 @@ def test_raw_tcp_garbage_gets_nothing_but_a_handshake_refusal(
             assert set(stream.commands) <= {b"ERROR"}, data
             assert not any(s in data for s in secrets), data
 
-    assert wait_until(
+    wait_until(
         lambda: (
             producer.stats()["control"]["handshake_failed_protocol"]
             + producer.stats()["control"]["handshake_failed_no_detail"]
             > before["control"]["handshake_failed_protocol"]
         ),
-        10.0,
+        timeout_s=10.0,
     )
     after = producer.stats()
     rss_after = rss_bytes(producer.process.pid)

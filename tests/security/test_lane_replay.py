@@ -35,7 +35,8 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDFExpand
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from peer_testing import Keyring, MakeConsumer, MakeProducer, expected, stored_bytes, wait_until
+from peer_testing import Keyring, MakeConsumer, MakeProducer, expected, stored_bytes
+from waiting import wait_until
 
 from ecshare import protocol as p
 from ecshare.control import LaneClient, LaneServer
@@ -150,13 +151,13 @@ def test_a_replayed_lane_opens_nothing_and_the_live_lane_keeps_serving(
         node, consumer = make_consumer(keyring.consumer_config())
         via_observer = f"tcp://{OBSERVER_HOST}:{control.port}"
         consumer.connect([via_observer])
-        assert wait_until(lambda: lane_stats(producer.control_stats).get("lane_bound") == 1, 10)
+        wait_until(lambda: lane_stats(producer.control_stats).get("lane_bound") == 1, timeout_s=10)
         consumer.fetch(["a"], [via_observer])[0].result(timeout=10)
         np.testing.assert_array_equal(stored_bytes(node, "a"), expected("a", 70001))
         assert consumer.counters["lane_requests"] == 1
         (live,) = lane.connections
-        assert wait_until(lambda: producer.counters["fetch_requests"] == 1, 5)
-        assert wait_until(lambda: producer.active_grants() == 0, 5)  # the Release is in
+        wait_until(lambda: producer.counters["fetch_requests"] == 1, timeout_s=5)
+        wait_until(lambda: producer.active_grants() == 0, timeout_s=5)  # the Release is in
         up = bytes(live.up)  # the handshake, the bind, the request, the Release
         first_records = [h + b for _, h, b in records(up)]
         assert len(first_records) >= 4  # ClientHello, ChangeCipherSpec, Finished, bind...
@@ -168,13 +169,14 @@ def test_a_replayed_lane_opens_nothing_and_the_live_lane_keeps_serving(
         back_all = replay(producer.lane_port, up)
         back_bind = replay(producer.lane_port, b"".join(first_records[:4]))
 
-        assert wait_until(
+        wait_until(
             lambda: (
                 producer.control_stats["lane_dropped_handshake"]
                 == before["lane_dropped_handshake"] + 2
             ),
-            5,
-        ), lane_stats(producer.control_stats)
+            timeout_s=5,
+            detail=lambda: lane_stats(producer.control_stats),
+        )
         stats = producer.control_stats
         assert stats["lane_bound"] == before["lane_bound"] == 1
         assert stats["lane_closed"] == before["lane_closed"] == 0  # the live lane untouched

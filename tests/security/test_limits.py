@@ -14,8 +14,9 @@ import zmq
 
 pytest.importorskip("nixl._api")
 
-from peer_testing import Keyring, MakeProducer, MakeRawSession, wait_until
+from peer_testing import Keyring, MakeProducer, MakeRawSession
 from security_testing import both_authorized, curve_dealer
+from waiting import wait_until
 
 from ecshare import protocol as p
 from ecshare.config import Config, ConfigError
@@ -63,7 +64,7 @@ def test_sessions_are_bounded_by_max_sessions(
     # The sessions that got in are served; when one leaves, a newcomer gets its place.
     assert _statuses(welcomed[0].fetch("r1", "h")) == [p.ItemStatus.GRANTED]
     welcomed[1].client.send(p.Bye(session_id=welcomed[1].session_id))
-    assert wait_until(lambda: producer.session_count() == 3, 5.0)
+    wait_until(lambda: producer.session_count() == 3, timeout_s=5.0)
     assert isinstance(loser.hello(), p.Welcome)
 
 
@@ -91,7 +92,7 @@ def test_one_key_cannot_take_every_session_when_max_sessions_per_key_is_set(
     assert _statuses(mine[0].fetch("r1", "h")) == [p.ItemStatus.GRANTED]
     # When one of the key's sessions ends, the key may open another.
     mine[1].client.send(p.Bye(session_id=mine[1].session_id))
-    assert wait_until(lambda: producer.session_count() == 2, 5.0)
+    wait_until(lambda: producer.session_count() == 2, timeout_s=5.0)
     assert isinstance(mine[2].hello(), p.Welcome)
 
 

@@ -40,7 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "transport"))
 
 from nixl_peer_proc import Producer as RawProducer
 from nixl_peer_proc import Writer, pattern
-from peer_testing import Keyring, MakeConsumer, MakeProducer, expected, wait_until
+from peer_testing import Keyring, MakeConsumer, MakeProducer, expected
+from waiting import wait_until
 
 from ecshare.peer import FailureReason, FetchFailed, FetchItem, Node
 from ecshare.peer.locator import DIGEST_MAX
@@ -152,17 +153,17 @@ def test_a_readers_write_into_the_producers_region_is_never_served(
     pnode, producer = make_producer(keyring.producer_config(), plane, CHECKED)
     cnode, consumer = make_consumer(keyring.consumer_config(), plane, CHECKED, extra)
     consumer.connect([producer.address])
-    assert wait_until(lambda: [x.up for x in consumer.peer_liveness()] == [True], 10.0)
+    wait_until(lambda: [x.up for x in consumer.peer_liveness()] == [True], timeout_s=10.0)
     pnode.store.put(h, expected(h, n), checksum=True)  # its digest recorded at commit
     if path.startswith("direct"):
         heard = lambda: consumer.counter_snapshot().get("locations_heard", 0) >= 1  # noqa: E731
-        assert wait_until(heard, 5.0)
+        wait_until(heard, timeout_s=5.0)
 
     _write_over(pnode, h, data_plane)
     if path == "pushed":
         producer.push(h, to="pd-0").result(timeout=30)
         refused = lambda: consumer.counter_snapshot().get("push_checksum_failures", 0) == 1  # noqa: E731
-        assert wait_until(refused, 10.0)
+        wait_until(refused, timeout_s=10.0)
         assert cnode.store.get(h) is None
     failed = consumer.fetch([FetchItem(h)], [producer.address])[0].exception(timeout=30)
 

@@ -14,16 +14,9 @@ import pytest
 
 pytest.importorskip("nixl._api")
 
-from peer_testing import (
-    FINGERPRINT,
-    Keyring,
-    MakeProducer,
-    MakeRawSession,
-    config_of,
-    granted,
-    wait_until,
-)
+from peer_testing import FINGERPRINT, Keyring, MakeProducer, MakeRawSession, config_of, granted
 from security_testing import both_authorized
+from waiting import wait_until
 
 from ecshare import protocol as p
 from ecshare.control import KeyPair
@@ -123,7 +116,7 @@ def test_same_key_other_session_cannot_touch_the_first_sessions_grants(
 
     assert released == p.Released(released=[])
     assert isinstance(renewed, p.Renewed) and renewed.renewed == []
-    assert wait_until(lambda: producer.session_count() == 1, 5.0)
+    wait_until(lambda: producer.session_count() == 1, timeout_s=5.0)
     assert producer.grants_by_session() == {first.session_id: [grant.grant_id]}
     assert _pins(node) == 1
 
@@ -184,14 +177,17 @@ def test_forged_completion_notices_do_nothing(
         for note in notes:
             segments = pair_segments([(0, nbytes)], [(e.offset, e.length) for e in grant.extents])
             handle = agent.transport.read(peer, segments, notify=note)
-            assert wait_until(
-                lambda handle=handle: agent.transport.poll(handle).state is ReadState.DONE, 10.0
+            wait_until(
+                lambda handle=handle: agent.transport.poll(handle).state is ReadState.DONE,
+                timeout_s=10.0,
             )
             agent.transport.release(handle)
         # The victim's-session notice and the garbage ones count as bad; the one
         # naming the attacker's own session names a grant it does not hold.
-        assert wait_until(lambda: producer.counters["bad_notifications"] - before >= 3, 10.0), (
-            producer.counters
+        wait_until(
+            lambda: producer.counters["bad_notifications"] - before >= 3,
+            timeout_s=10.0,
+            detail=lambda: producer.counters,
         )
     finally:
         agent.close()

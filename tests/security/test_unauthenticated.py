@@ -14,8 +14,9 @@ import zmq
 
 pytest.importorskip("nixl._api")
 
-from peer_testing import FINGERPRINT, Keyring, SpawnProducer, wait_until
+from peer_testing import FINGERPRINT, Keyring, SpawnProducer
 from security_testing import curve_dealer, parse_zmtp, wire_recorder
+from waiting import wait_until
 
 from ecshare import protocol as p
 from ecshare.control import KeyPair, load_keypair
@@ -109,6 +110,6 @@ def test_peer_without_a_valid_key_learns_nothing(
         control = producer.stats()["control"]
         return sum(control[k] for k in FAILURES) > sum(before["control"][k] for k in FAILURES)
 
-    assert wait_until(refused, 5.0), producer.stats()["control"]
+    wait_until(refused, timeout_s=5.0, detail=lambda: producer.stats()["control"])
     if case == "unknown_key":
         assert producer.stats()["control"]["auth_rejected"] > before["control"]["auth_rejected"]

@@ -466,13 +466,6 @@ def fill_region(store: Store, name: str) -> bool:
     return True
 
 
-def wait_until(predicate: Callable[[], object], what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
-        time.sleep(0.002)
-
-
 @pytest.fixture
 def ec(tiny_model: Path, tmp_path: Path) -> Iterator[EC]:
     harness = EC(tiny_model, tmp_path)

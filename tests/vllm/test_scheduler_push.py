@@ -15,9 +15,10 @@ import time
 
 import pytest
 import torch
-from conftest import EC, embedding, fill_region, ready, wait_until
+from conftest import EC, embedding, fill_region, ready
 from test_connector_metrics import exported, value
 from vllm.v1.core.sched.scheduler import Scheduler
+from waiting import wait_until
 
 from ecshare.vllm.settings import split_extra
 

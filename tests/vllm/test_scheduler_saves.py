@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import EC, embedding, wait_until
+from conftest import EC, embedding
+from waiting import wait_until
 
 from ecshare.config import Config
 from ecshare.store import Entry, EntryMeta, EntryState, Region, Store
