@@ -102,7 +102,7 @@ class PushOutcome:
 
 @dataclass(eq=False)
 class PushTarget:
-    """What the pusher needs of one consumer session (the producer's `_Session`)."""
+    """What the pusher needs of one consumer session (the producer's `grants.Session`)."""
 
     session_id: str
     user: str
