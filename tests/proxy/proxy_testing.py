@@ -24,6 +24,7 @@ import signal
 import socket
 import subprocess
 import threading
+import time
 from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path

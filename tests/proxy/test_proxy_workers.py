@@ -24,8 +24,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from proxy_stubs import PREFILL_DECODE, StubBackend, serve_stubs
 from proxy_testing import Rig, chat
-from waiting import wait_until
 from test_directory_feed import Child
+from waiting import wait_until
 
 from ecshare.apps.ready import ProxyReady, parse_ready
 from ecshare.control import generate_keypair, load_keypair
@@ -129,7 +129,9 @@ def test_a_member_registered_through_one_worker_serves_through_every_worker(
         # A worker that restarts gets the registered member before it serves.
         victim = min(pids)
         os.kill(victim, signal.SIGKILL)
-        wait_until(lambda: victim not in _worker_pids(url) and len(_worker_pids(url)) == 2, timeout_s=30)
+        wait_until(
+            lambda: victim not in _worker_pids(url) and len(_worker_pids(url)) == 2, timeout_s=30
+        )
         before = _workers_of(extra)
         wait_until(lambda: (_send(url, 4), bool(_workers_of(extra) - before))[1], timeout_s=30)
 
