@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from ecshare.apps.bench.serve import proxy_routing_modes, routing_modes
-from ecshare.apps.bench.serve_client import Record
+from ecshare.apps.bench.serve_client import Record, server_timing
 from ecshare.apps.bench.serve_report import (
     ModeResult,
     Result,
@@ -29,6 +29,7 @@ from ecshare.apps.bench.serve_report import (
     mode_result,
     print_result,
     ratios,
+    steps_p50_ms,
 )
 from ecshare.apps.bench.serve_workload import (
     Workload,
@@ -177,6 +178,36 @@ def test_ratios_hold_reuse_routing_to_the_issue_bounds() -> None:
     assert met.encoder_calls_ratio == pytest.approx(0.55)
     missed = ratios([load, _mode("reuse", 12, 80.0, None)], 0.5)
     assert missed is not None and not missed.encoder_calls_met and not missed.later_ttft_met
+
+
+def test_the_later_ttft_gain_is_held_to_the_later_turns_encoder_round_trip() -> None:
+    load = _mode("load", 20, 100.0, 30.0)
+    load.later_encoder_round_trip_ms = 12.0
+    gained = ratios([load, _mode("reuse", 11, 85.0, None)], 0.5)  # 15 ms gained
+    assert gained is not None and gained.later_ttft_met
+    assert (gained.encoder_round_trip_ms, gained.mean_encoder_round_trip_ms) == (12.0, 30.0)
+    short = ratios([load, _mode("reuse", 11, 90.0, None)], 0.5)  # 10 ms gained
+    assert short is not None and not short.later_ttft_met
+
+
+def test_server_timing_reads_each_step_in_seconds_and_skips_what_it_cannot() -> None:
+    value = "parse;dur=0.250, key;dur=1, encode;desc=x;dur=12.5, bad;dur=x, pd, ;dur=3"
+    assert server_timing(value) == {"parse": 0.00025, "key": 0.001, "encode": 0.0125}
+    assert server_timing("") == {}
+
+
+def test_later_turn_steps_are_p50s_with_skipped_steps_as_zero_and_the_rest_after() -> None:
+    records = [
+        Record(ttft_s=0.050, steps={"parse": 0.001, "encode": 0.020, "render": 0.001, "pd": 0.005}),
+        Record(ttft_s=0.030, steps={"parse": 0.001, "render": 0.001, "pd": 0.005}),
+        Record(ttft_s=0.040, steps={"parse": 0.002, "render": 0.001, "pd": 0.006}),
+    ]
+    steps = steps_p50_ms(records)
+    assert list(steps) == ["parse", "encode", "render", "pd", "proxy", "after"]
+    assert steps["encode"] == 0.0  # two of three skipped it
+    assert steps["proxy"] == pytest.approx(3.0)  # 22, 2, 3 ms before prefill/decode
+    assert steps["after"] == pytest.approx(23.0)  # 23, 23, 31 ms
+    assert steps_p50_ms([]) == {}
 
 
 def test_table_shows_each_mode_and_the_ratios(capsys: pytest.CaptureFixture[str]) -> None:

@@ -3,8 +3,9 @@
 `send_all` sends each request at its arrival time, or later once its chat's previous
 turn has been answered (a chat client waits for the answer before its next turn), and
 records per request when it was sent, its time to first token (the first streamed event
-that carries a token), when it ended, its generated token ids and any error. A failed
-request is recorded, never raised: the report counts it.
+that carries a token), when it ended, its generated token ids, the proxy's steps (its
+`Server-Timing` header, `ecshare.apps.proxy.routing`) and any error. A failed request is
+recorded, never raised: the report counts it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 import aiohttp
 
-__all__ = ["Record", "reference_tokens", "send_all"]
+__all__ = ["Record", "reference_tokens", "send_all", "server_timing"]
 
 TIMEOUT_S = 300.0
 
@@ -28,6 +29,7 @@ class Record:
     ttft_s: float | None = None
     ended_s: float = 0.0
     tokens: list[int] = field(default_factory=list)
+    steps: dict[str, float] = field(default_factory=dict)  # the proxy's, in seconds
     error: str | None = None
 
 
@@ -70,6 +72,7 @@ async def _stream(
         if resp.status != 200:
             record.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
             return
+        record.steps = server_timing(resp.headers.get("Server-Timing", ""))
         async for raw in resp.content:
             line = raw.strip()
             if not line.startswith(b"data:"):
@@ -88,6 +91,27 @@ async def _stream(
                 record.tokens += ids
     if not record.tokens:
         record.error = "the stream carried no token"
+
+
+def server_timing(value: str) -> dict[str, float]:
+    """The steps of a `Server-Timing` header value, in seconds (`name;dur=MS, ...`); a
+    step without a readable duration is left out."""
+    steps: dict[str, float] = {}
+    for metric in value.split(","):
+        name, *params = (p.strip() for p in metric.split(";"))
+        for param in params:
+            key, _, dur = param.partition("=")
+            if name and key == "dur" and _is_number(dur):
+                steps[name] = steps.get(name, 0.0) + float(dur) / 1e3
+    return steps
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 async def reference_tokens(

@@ -315,6 +315,7 @@ class Proxy:
     # -- routes -------------------------------------------------------------------------------
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        began = time.perf_counter()
         raw, body = self._own_params_only(*await self._read_object(request))
         tenant: str = request[TENANT_KEY]
         checked = check_parts(body, self._rules, tenant)
@@ -332,8 +333,11 @@ class Proxy:
             return await self.stages.prefill_decode.relay(
                 request, CHAT_PATH, raw, request_id=request_id
             )
+        parsed = time.perf_counter() - began
         routed = await self.router.route(self.stages.encode, body, scan, request_id)
         encoded, chosen = routed.encoded, routed.chosen
+        routed.route.steps = {"parse": parsed, **routed.route.steps}
+        began = time.perf_counter()
         payload: bytes = raw
         with_media: Callable[[], bytes] | None = None  # what to send if media-free fails
         media = "kept"
@@ -355,6 +359,7 @@ class Proxy:
             else:
                 payload = with_params(raw, body, merged)
         self.metrics.pd_media[media].inc()
+        routed.route.timed("render", began)
         return await self.stages.prefill_decode.relay(
             request,
             CHAT_PATH,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -36,7 +37,7 @@ from aiohttp import web
 from ecshare.apps.proxy.backends import Backend, BackendPool, describe
 from ecshare.apps.proxy.errors import ProxyError, error_body
 from ecshare.apps.proxy.metrics import ProxyMetrics
-from ecshare.apps.proxy.routing import ROUTE_HEADER, Route
+from ecshare.apps.proxy.routing import ROUTE_HEADER, TIMING_HEADER, Route
 
 log = logging.getLogger(__name__)
 
@@ -110,11 +111,16 @@ class PrefillDecodeStage:
             if backend is None:
                 raise self._no_backend(tried)
             tried.append(backend)
-            shown = {ROUTE_HEADER: route.header(backend.url)} if route is not None else {}
+            sent = time.perf_counter()
             with self._pool.call(backend):
                 resp = await self._send(backend, path, payload, headers)
                 if resp is None:
                     continue  # refused: try another instance
+                shown: dict[str, str] = {}
+                if route is not None:
+                    route.timed("pd", sent)
+                    shown = {ROUTE_HEADER: route.header(backend.url)}
+                    shown[TIMING_HEADER] = route.server_timing()
                 try:
                     if with_media is None:
                         return await self._answer(request, backend, resp, request_id, shown)

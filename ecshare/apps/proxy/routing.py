@@ -41,7 +41,12 @@ Every request with media is counted by how it was routed (`route_total{reason}`:
 mixed, new, load), and items that no encoder call was made for
 (`encoder_calls_saved_total`: held, or sharing another request's encode). Each answer
 says why it went where it went in an `x-ecshare-route` header, and the proxy logs the same
-at debug level.
+at debug level. Each answer also says where the proxy's time went before prefill/decode
+answered, in a `Server-Timing` header (W3C; milliseconds): `parse` (the body read and
+checked), `key` (content keys), `lookup` (known items, the directory, the choice of
+prefill/decode), `encode` (the encoder calls), `wait` (another request's encode),
+`render` (the media-free request), `pd` (from sending to prefill/decode to its answer's
+headers). A step that did not happen is left out.
 """
 
 from __future__ import annotations
@@ -67,6 +72,7 @@ from ecshare.protocol import TransferParam
 log = logging.getLogger(__name__)
 
 ROUTE_HEADER = "x-ecshare-route"
+TIMING_HEADER = "Server-Timing"
 
 
 class Directory(Protocol):
@@ -178,9 +184,20 @@ class Route:
     held: int = 0  # of them, in the chosen prefill/decode instance's region
     encoded: int = 0  # sent to an encoder by this request
     shared: int = 0  # taken from another request's encode
+    steps: dict[str, float] = field(default_factory=dict)  # seconds per step, in order
 
     def header(self, pd_url: str) -> str:
         return f"pd={pd_url};reason={self.reason};items_held={self.held}/{self.items}"
+
+    def timed(self, step: str, since: float) -> float:
+        """Add the time from `since` to now to `step`; now (perf_counter)."""
+        now = time.perf_counter()
+        self.steps[step] = self.steps.get(step, 0.0) + now - since
+        return now
+
+    def server_timing(self) -> str:
+        """The steps as a `Server-Timing` header value (see the module docstring)."""
+        return ", ".join(f"{step};dur={s * 1e3:.3f}" for step, s in self.steps.items())
 
 
 @dataclass
@@ -228,10 +245,13 @@ class Router:
     ) -> Routed:
         """Encode what must be, and choose prefill/decode, for the media parts of `scan`."""
         if self.config.routing == "load":
+            route = Route("load", len(scan.parts), encoded=len(scan.parts))
+            began = time.perf_counter()
             # With push, the instance is chosen first: the encoders write the items into it.
             chosen = self._prefill_decode.pick() if self._push_names else None
+            began = route.timed("lookup", began)
             encoded = await stage.encode(body, scan.parts, request_id, self._push_to(chosen))
-            route = Route("load", len(scan.parts), encoded=len(scan.parts))
+            route.timed("encode", began)
             return self._counted(Routed(encoded, chosen, route), request_id)
         return self._counted(await self._reuse(stage, body, scan, request_id), request_id)
 
@@ -239,8 +259,11 @@ class Router:
         self, stage: EncoderStage, body: Mapping[str, Any], scan: MediaScan, request_id: str
     ) -> Routed:
         parts = scan.parts
+        route = Route("new", len(parts))
         now = time.monotonic()
+        began = time.perf_counter()
         keys = [content_key(part, body, self.config.url_ttl_s) for part in parts]
+        began = route.timed("key", began)
         encoded = Encoded({}, [None] * len(parts))
         reused: list[tuple[str, str]] = []
         waits: dict[int, asyncio.Future[object]] = {}
@@ -266,10 +289,12 @@ class Router:
         chosen, held = choose_prefill_decode(
             self._prefill_decode, self.directory, known_hashes, self.config.route_load_weight
         )
+        began = route.timed("lookup", began)
         landed: dict[str, tuple[str, TransferParam] | None] = dict.fromkeys(led)
         try:
             if new:
                 await self._encode_new(stage, body, scan, new, keys, encoded, chosen, request_id)
+                began = route.timed("encode", began)
                 for i in new:
                     h = encoded.hashes[i]
                     key = keys[i]
@@ -282,7 +307,6 @@ class Router:
         finally:
             for key, found in landed.items():
                 self.flights.land(key, found)
-        shared = 0
         for i, flight in waits.items():
             # Shielded: this request going away must not cancel the flight others wait on.
             result = await asyncio.shield(flight)
@@ -290,14 +314,14 @@ class Router:
                 h, param = result
                 encoded.hashes[i] = h
                 encoded.params.setdefault(h, param)
-                shared += 1
+                route.shared += 1
+        if waits:
+            route.timed("wait", began)
         if reused and len(reused) == len(parts):
-            reason = "held"
-        elif len(new) == len(parts):
-            reason = "new"
-        else:
-            reason = "mixed"
-        route = Route(reason, len(parts), held=held, encoded=len(new), shared=shared)
+            route.reason = "held"
+        elif len(new) != len(parts):
+            route.reason = "mixed"
+        route.held, route.encoded = held, len(new)
         return Routed(encoded, chosen, route, reused)
 
     async def _encode_new(
