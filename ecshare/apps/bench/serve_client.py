@@ -30,6 +30,7 @@ class Record:
     ended_s: float = 0.0
     tokens: list[int] = field(default_factory=list)
     steps: dict[str, float] = field(default_factory=dict)  # the proxy's, in seconds
+    route: str = ""  # the proxy's x-ecshare-route header
     error: str | None = None
 
 
@@ -73,6 +74,7 @@ async def _stream(
             record.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
             return
         record.steps = server_timing(resp.headers.get("Server-Timing", ""))
+        record.route = resp.headers.get("x-ecshare-route", "")
         async for raw in resp.content:
             line = raw.strip()
             if not line.startswith(b"data:"):
