@@ -308,3 +308,15 @@ def test_quick_run_reports_every_mode_with_no_wrong_answer(tmp_path: Path) -> No
     assert load["encoder_calls"] == result["media_parts"]
     assert load["bytes_moved"] > 0 and load["encoder_round_trip_ms"] > 0
     assert (result["ratios"] is None) == (len(modes) < 2)
+
+
+def test_item_waits_are_prefill_decodes_exposed_latency_over_the_run() -> None:
+    workload = build_workload(WorkloadSpec(chats=1, turns=2, reuse=0.5))
+    before, after = _snapshot(0, 0, 0.0, 0), _snapshot(2, 0, 0.1, 2)
+    before.prefill_decode["ecshare_exposed_latency_seconds_count"] = 3.0
+    before.prefill_decode["ecshare_exposed_latency_seconds_sum"] = 0.5
+    after.prefill_decode["ecshare_exposed_latency_seconds_count"] = 7.0
+    after.prefill_decode["ecshare_exposed_latency_seconds_sum"] = 0.58
+    records = [Record(0.0, 0.1, 0.5, [1]), Record(1.0, 0.2, 1.5, [2])]
+    figures = mode_result("reuse", workload, [Round(records, [None, None], before, after)])
+    assert figures.item_waits == 4 and figures.item_wait_ms == pytest.approx(20.0)

@@ -60,6 +60,10 @@ class ModeResult(msgspec.Struct, kw_only=True):
     # (`ecshare.apps.proxy.routing`), `proxy` their sum, and `after` the rest of the
     # time to first token (the client's hops, prefill/decode after its headers).
     later_steps_p50_ms: dict[str, float] = {}
+    # Items prefill/decode waited for (pushed or pulled: its exposed latency histogram),
+    # and their mean wait, from the scheduler asking to the item being local.
+    item_waits: float = 0.0
+    item_wait_ms: float | None = None
     route_reasons: dict[str, float]  # ecshare_proxy_route_total, where the proxy counts it
     encoder_calls_saved: float | None
     errors: list[str]
@@ -178,6 +182,8 @@ def mode_result(mode: str, workload: Workload, rounds: list[Round]) -> ModeResul
     calls = delta("encoders", "request_success")
     fetched = delta("prefill_decode", "ecshare_fetched_bytes")
     pushed = delta("prefill_decode", "ecshare_pushed_in_bytes")
+    waits = delta("prefill_decode", "ecshare_exposed_latency_seconds_count")
+    waited_s = delta("prefill_decode", "ecshare_exposed_latency_seconds_sum")
     stage_n = delta("proxy", "encode_seconds_count")
     stage_s = delta("proxy", "encode_seconds_sum")
     reasons: dict[str, float] = {}
@@ -203,6 +209,7 @@ def mode_result(mode: str, workload: Workload, rounds: list[Round]) -> ModeResul
             [r.steps["encode"] for r in timed_later if "encode" in r.steps], 0.5
         ),
         later_steps_p50_ms=steps_p50_ms(timed_later),
+        item_waits=waits, item_wait_ms=round(waited_s / waits * 1e3, 2) if waits else None,
         route_reasons=reasons, encoder_calls_saved=saved,
         errors=sorted({r.error for r in failed if r.error})[:5],
     )  # fmt: skip
@@ -288,6 +295,11 @@ def print_result(result: Result) -> None:
         if m.later_steps_p50_ms:
             steps = ", ".join(f"{k} {v:.2f}" for k, v in m.later_steps_p50_ms.items())
             print(f"  {m.routing}: later turns, p50 ms per step: {steps}")
+        if m.item_waits:
+            print(
+                f"  {m.routing}: prefill/decode waited for {m.item_waits:g} items (pushed or "
+                f"pulled), {_ms(m.item_wait_ms)} ms each on average"
+            )
         for error in m.errors:
             print(f"  {m.routing}: {error}")
     r = result.ratios
