@@ -32,6 +32,7 @@ from ecshare.apps.bench.serve_report import (
     steps_p50_ms,
 )
 from ecshare.apps.bench.serve_workload import (
+    ChatTurn,
     Workload,
     WorkloadSpec,
     build_workload,
@@ -320,3 +321,25 @@ def test_item_waits_are_prefill_decodes_exposed_latency_over_the_run() -> None:
     records = [Record(0.0, 0.1, 0.5, [1]), Record(1.0, 0.2, 1.5, [2])]
     figures = mode_result("reuse", workload, [Round(records, [None, None], before, after)])
     assert figures.item_waits == 4 and figures.item_wait_ms == pytest.approx(20.0)
+
+
+def test_later_turns_split_into_pure_resends_and_turns_adding_an_image() -> None:
+    spec = WorkloadSpec(chats=1, turns=3)
+    workload = Workload(
+        spec,
+        (
+            ChatTurn(0, 0, ((0, 0),), 1, 0.0),
+            ChatTurn(0, 1, ((0, 0),), 0, 1.0),
+            ChatTurn(0, 2, ((0, 0), (1, 2)), 1, 2.0),
+        ),
+    )
+    records = [
+        Record(0.0, 0.100, 0.5, [1], {"encode": 0.050}),
+        Record(1.0, 0.030, 1.5, [2], {"key": 0.001}),
+        Record(2.0, 0.090, 2.5, [3], {"encode": 0.040}),
+    ]
+    snap = _snapshot(0, 0, 0.0, 0)
+    figures = mode_result("reuse", workload, [Round(records, [None] * 3, snap, snap)])
+    assert (figures.later_repeats, figures.later_new) == (1, 1)
+    assert (figures.ttft_later_repeat_p50_ms, figures.encode_later_repeat_p50_ms) == (30.0, 0.0)
+    assert (figures.ttft_later_new_p50_ms, figures.encode_later_new_p50_ms) == (90.0, 40.0)

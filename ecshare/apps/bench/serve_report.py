@@ -60,6 +60,15 @@ class ModeResult(msgspec.Struct, kw_only=True):
     # (`ecshare.apps.proxy.routing`), `proxy` their sum, and `after` the rest of the
     # time to first token (the client's hops, prefill/decode after its headers).
     later_steps_p50_ms: dict[str, float] = {}
+    # Later turns split by their media: those that only resend images sent before (which
+    # reuse routing can serve without an encoder) and those that add a new one: TTFT p50,
+    # and the encoder stage p50 (a request that skipped it counts 0).
+    later_repeats: int = 0
+    ttft_later_repeat_p50_ms: float | None = None
+    encode_later_repeat_p50_ms: float | None = None
+    later_new: int = 0
+    ttft_later_new_p50_ms: float | None = None
+    encode_later_new_p50_ms: float | None = None
     # Items prefill/decode waited for (pushed or pulled: its exposed latency histogram),
     # and their mean wait, from the scheduler asking to the item being local.
     item_waits: float = 0.0
@@ -157,6 +166,23 @@ def mode_result(mode: str, workload: Workload, rounds: list[Round]) -> ModeResul
     timed_later = [
         r for r, t in zip(records, requests, strict=True) if t.turn > 0 and r.ttft_s and r.steps
     ]
+    repeat = [
+        r
+        for r, t in zip(records, requests, strict=True)
+        if t.turn > 0 and r.ttft_s and not t.first_sightings
+    ]
+    new = [
+        r
+        for r, t in zip(records, requests, strict=True)
+        if t.turn > 0 and r.ttft_s and t.first_sightings
+    ]
+
+    def ttft_p50(some: list[Record]) -> float | None:
+        return percentile_ms([r.ttft_s for r in some if r.ttft_s], 0.5)
+
+    def encode_p50(some: list[Record]) -> float | None:
+        return percentile_ms([r.steps.get("encode", 0.0) for r in some if r.steps], 0.5)
+
     later = [r.ttft_s for r, t in zip(records, requests, strict=True) if t.turn > 0 and r.ttft_s]
     by_round = [
         percentile_ms(
@@ -209,6 +235,9 @@ def mode_result(mode: str, workload: Workload, rounds: list[Round]) -> ModeResul
             [r.steps["encode"] for r in timed_later if "encode" in r.steps], 0.5
         ),
         later_steps_p50_ms=steps_p50_ms(timed_later),
+        later_repeats=len(repeat), ttft_later_repeat_p50_ms=ttft_p50(repeat),
+        encode_later_repeat_p50_ms=encode_p50(repeat), later_new=len(new),
+        ttft_later_new_p50_ms=ttft_p50(new), encode_later_new_p50_ms=encode_p50(new),
         item_waits=waits, item_wait_ms=round(waited_s / waits * 1e3, 2) if waits else None,
         route_reasons=reasons, encoder_calls_saved=saved,
         errors=sorted({r.error for r in failed if r.error})[:5],
@@ -295,6 +324,13 @@ def print_result(result: Result) -> None:
         if m.later_steps_p50_ms:
             steps = ", ".join(f"{k} {v:.2f}" for k, v in m.later_steps_p50_ms.items())
             print(f"  {m.routing}: later turns, p50 ms per step: {steps}")
+        if m.later_repeats or m.later_new:
+            print(
+                f"  {m.routing}: later turns that only resend ({m.later_repeats}): TTFT p50 "
+                f"{_ms(m.ttft_later_repeat_p50_ms)} ms, encoder stage p50 "
+                f"{_ms(m.encode_later_repeat_p50_ms)} ms; that add an image ({m.later_new}): "
+                f"{_ms(m.ttft_later_new_p50_ms)} ms, {_ms(m.encode_later_new_p50_ms)} ms"
+            )
         if m.item_waits:
             print(
                 f"  {m.routing}: prefill/decode waited for {m.item_waits:g} items (pushed or "
