@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
 import math
-import threading
-from typing import Any
 
 import pytest
 from proxy_testing import AUDIO, IMAGE_A, IMAGE_B, chat
 
-from ecshare.apps.proxy import identity
 from ecshare.apps.proxy.identity import KnownItems, content_key
 from ecshare.apps.proxy.parts import salted
 from ecshare.apps.proxy.tenants import scoped_uuid
@@ -140,48 +136,3 @@ def test_a_remembered_item_carries_no_push_of_the_request_that_encoded_it() -> N
     assert found is not None
     assert found.param.pushed_to == ()
     assert found.param.metadata == {"image_grid_thw": [1, 2, 2]}
-
-
-def test_large_inline_media_is_keyed_off_the_event_loop_to_the_same_keys(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    big_text = "data:image/png;base64," + "QUJD" * (identity.OFF_LOOP_CHARS // 4 + 1)
-    big = {"type": "image_url", "image_url": {"url": big_text}}
-    big_audio = {"type": "input_audio", "input_audio": {"data": big_text[22:], "format": "wav"}}
-    parts = [IMAGE_A, big, IMAGE_B, big_audio, AUDIO]
-    body = chat(*parts)
-    threads: dict[int, int] = {}
-
-    def recorded(part: dict[str, Any], *args: Any) -> str | None:
-        threads[id(part)] = threading.get_ident()
-        return content_key(part, *args)
-
-    monkeypatch.setattr(identity, "content_key", recorded)
-
-    async def keyed() -> tuple[list[str | None], int]:
-        return await identity.content_keys(parts, body), threading.get_ident()
-
-    keys, loop_thread = asyncio.run(keyed())
-
-    assert keys == [content_key(part, body) for part in parts]
-    assert keys[2] is None and len(set(keys)) == 5
-    off_loop = {k for k, thread in threads.items() if thread != loop_thread}
-    assert off_loop == {id(big), id(big_audio)}
-    assert len(threads) == len(parts)
-
-
-def test_small_media_is_keyed_on_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
-    threads: list[int] = []
-
-    def recorded(part: dict[str, Any], *args: Any) -> str | None:
-        threads.append(threading.get_ident())
-        return content_key(part, *args)
-
-    monkeypatch.setattr(identity, "content_key", recorded)
-
-    async def keyed() -> int:
-        await identity.content_keys([IMAGE_A, AUDIO], chat(IMAGE_A, AUDIO))
-        return threading.get_ident()
-
-    loop_thread = asyncio.run(keyed())
-    assert threads == [loop_thread, loop_thread]

@@ -17,11 +17,6 @@ Only media the request itself carries has a key: inline data (a `data:` URL, an
 operator opts into trusting a URL for `--url-ttl` seconds; any other part (a file URL,
 client embeddings) has none. A part without a key is encoded every time.
 
-The media is hashed as the text the request carries (base64 and all), never decoded:
-SHA-256 at about 0.6 ms a MB. `content_keys` hashes a request's large parts (past
-`OFF_LOOP_CHARS`) on worker threads, which hashlib runs without the GIL: the event loop
-serves other requests meanwhile, and the parts of one request hash in parallel.
-
 `KnownItems` maps a content key to the item the encoder reported for it (its mm_hash and
 `TransferParam`), bounded, least recently used first out. A key binds only what the
 encoder computed from those very bytes under those very options, so a hit can never name
@@ -32,11 +27,10 @@ costs an encode, never a wrong embedding.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,9 +40,6 @@ from ecshare.apps.proxy.parts import HASHED_WITH_UUID
 from ecshare.protocol import TransferParam
 
 _TAG = "ecshare-content-key-v1"
-# Media past this many characters is hashed off the event loop: a thread's hand-off costs
-# tens of microseconds, SHA-256 of this much about 0.6 ms.
-OFF_LOOP_CHARS = 1 << 20
 _ENCODE = msgspec.json.Encoder(order="sorted")
 # Where each kind of part keeps its media, and whether that is a URL.
 _URL_KINDS = ("image_url", "video_url", "audio_url")
@@ -83,32 +74,6 @@ def content_key(
     options = [body.get(option) for option in HASHED_WITH_UUID]
     blob = _ENCODE.encode([_TAG, body.get("model"), described, options])
     return hashlib.sha256(blob).hexdigest()
-
-
-async def content_keys(
-    parts: Sequence[Mapping[str, Any]], body: Mapping[str, Any], url_ttl_s: float = 0.0
-) -> list[str | None]:
-    """`content_key` of each of `parts`, those with more than `OFF_LOOP_CHARS` of media
-    on worker threads (see the module docstring)."""
-    sizes = [_media_chars(part) for part in parts]
-    if max(sizes, default=0) <= OFF_LOOP_CHARS:
-        return [content_key(part, body, url_ttl_s) for part in parts]
-
-    async def one(part: Mapping[str, Any], size: int) -> str | None:
-        if size <= OFF_LOOP_CHARS:
-            return content_key(part, body, url_ttl_s)
-        return await asyncio.to_thread(content_key, part, body, url_ttl_s)
-
-    return list(await asyncio.gather(*map(one, parts, sizes)))
-
-
-def _media_chars(part: Mapping[str, Any]) -> int:
-    """How many characters of inline media `part` carries (0 where it is not media)."""
-    kind = part.get("type")
-    where = part.get(kind) if isinstance(kind, str) else None
-    if isinstance(where, dict):
-        where = where.get("data" if kind == "input_audio" else "url")
-    return len(where) if isinstance(where, str) else 0
 
 
 def is_remote(part: Mapping[str, Any]) -> bool:

@@ -65,7 +65,7 @@ import msgspec
 from ecshare.apps.proxy.backends import Backend, BackendPool
 from ecshare.apps.proxy.config import ProxyConfig
 from ecshare.apps.proxy.fanout import Encoded, EncoderStage, MediaScan
-from ecshare.apps.proxy.identity import KnownItems, content_keys, is_remote
+from ecshare.apps.proxy.identity import KnownItems, content_key, is_remote
 from ecshare.apps.proxy.metrics import ProxyMetrics
 from ecshare.protocol import TransferParam
 
@@ -262,7 +262,7 @@ class Router:
         route = Route("new", len(parts))
         now = time.monotonic()
         began = time.perf_counter()
-        keys = await content_keys(parts, body, self.config.url_ttl_s)
+        keys = [content_key(part, body, self.config.url_ttl_s) for part in parts]
         began = route.timed("key", began)
         encoded = Encoded({}, [None] * len(parts))
         reused: list[tuple[str, str]] = []
