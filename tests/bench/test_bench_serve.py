@@ -308,6 +308,9 @@ def test_quick_run_reports_every_mode_with_no_wrong_answer(tmp_path: Path) -> No
     # Load routing sends every media part to an encoder, one call each.
     assert load["encoder_calls"] == result["media_parts"]
     assert load["bytes_moved"] > 0 and load["encoder_round_trip_ms"] > 0
+    # The proxy's Server-Timing reached the report: later turns' encoder stage and the rest.
+    assert load["later_encoder_round_trip_ms"] > 0
+    assert {"parse", "encode", "pd", "proxy", "after"} <= set(load["later_steps_p50_ms"])
     assert (result["ratios"] is None) == (len(modes) < 2)
 
 
