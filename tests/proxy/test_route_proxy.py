@@ -13,9 +13,10 @@ import msgspec
 from aiohttp import web
 from proxy_stubs import PREFILL_DECODE, StubBackend, serve_stubs, stub_mm_hash
 from proxy_testing import IMAGE_A, Feeds, ProxyUnderTest, Rig, chat
+from waiting import wait_until
 
 from ecshare.apps.bench.instant import encoder_answer, json_response, serve_apps
-from ecshare.apps.proxy.routing import ROUTE_HEADER
+from ecshare.apps.proxy.routing import ROUTE_HEADER, SingleFlight
 
 IMAGE_C = {"type": "image_url", "image_url": {"url": "data:image/png;base64,CCCC"}}
 
@@ -118,6 +119,39 @@ def test_concurrent_requests_with_one_new_image_make_one_encode(rig: Rig) -> Non
     assert all(h in body["ec_transfer_params"] for body in rig.prefill_decode[0].bodies())
     assert proxy.metric("encoder_calls_saved_total") == 2
     assert proxy.metric("route_total", reason="mixed") == 2
+
+
+def test_a_worker_that_waited_for_another_workers_encode_reuses_its_item(rig: Rig) -> None:
+    """Two workers (two proxies sharing one flight table, as the supervisor links them):
+    the one that waited learns the item too, so its next request with the image skips
+    the encoders."""
+    first, second = rig.start_proxy(), rig.start_proxy()
+    flights = SingleFlight()
+    feeds = with_directory(first)
+    for proxy in (first, second):
+        proxy.proxy.router.flights = flights
+        proxy.proxy.router.directory = feeds.directory
+    for encoder in rig.encoders:
+        encoder.behaviour.delay_s = 1.0
+    answers: dict[str, httpx.Response] = {}
+
+    def send(proxy: ProxyUnderTest, name: str) -> None:
+        answers[name] = proxy.post("/v1/chat/completions", chat(IMAGE_A, text=name))
+
+    leader = threading.Thread(target=send, args=(first, "lead"))
+    leader.start()
+    wait_until(lambda: encoder_calls(rig) == 1 or len(flights) == 1, "the first encode began")
+    send(second, "wait")
+    leader.join(20)
+    assert answers["lead"].status_code == answers["wait"].status_code == 200
+    assert "reason=mixed" in answers["wait"].headers[ROUTE_HEADER]  # it waited for the lead
+    feeds.store(rig.encoder_urls[0], stub_mm_hash(IMAGE_A), encoder=True)
+
+    again = second.post("/v1/chat/completions", chat(IMAGE_A, text="again"))
+
+    assert again.status_code == 200
+    assert "reason=held" in again.headers[ROUTE_HEADER]
+    assert encoder_calls(rig) == 1
 
 
 def test_every_proxy_sends_a_new_content_to_the_same_encoder(rig: Rig) -> None:

@@ -315,6 +315,12 @@ class Router:
                 encoded.hashes[i] = h
                 encoded.params.setdefault(h, param)
                 route.shared += 1
+                # Learned too when another worker led the encode: this worker's next
+                # request with the content is then a hit, not one more encode.
+                key = keys[i]
+                if key is not None:
+                    ttl = self.config.url_ttl_s if is_remote(parts[i]) else math.inf
+                    self.known.put(key, h, param, now + ttl)
         if waits:
             route.timed("wait", began)
         if reused and len(reused) == len(parts):
