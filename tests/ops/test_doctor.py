@@ -32,8 +32,13 @@ from ecshare.control import generate_keypair
 
 MiB = 1 << 20
 TiB = 1 << 40
-# Small and quick: nothing is prefaulted, and the region is only checked, never made.
-BASE = ["--region-bytes", str(64 * MiB), "--no-prefault", "--ucx-net-devices", "lo"]
+# Small and quick: nothing is prefaulted, and the region is only checked, never made. The
+# host's huge-page setting is read from a copy that grants them (its own test reads the host's).
+THP_ADVISE = Path(__file__).with_name("thp_advise.txt")
+BASE = [
+    *["--region-bytes", str(64 * MiB), "--no-prefault", "--ucx-net-devices", "lo"],
+    *["--thp-shmem-path", str(THP_ADVISE)],
+]
 
 
 def doctor(
@@ -223,6 +228,37 @@ def test_small_shared_memory_mount_fails_with_a_remount_command(
     assert shm["details"]["total_bytes"] == MiB
     assert "memfd and does not use it" in shm["finding"]
     assert f"mount -o remount,size=2g {small_tmpfs}" in shm["fix"]
+
+
+def test_shared_memory_without_2_mib_pages_warns_with_the_setting_to_change(
+    keys: dict[str, Path], tmp_path: Path
+) -> None:
+    setting = tmp_path / "shmem_enabled"
+    setting.write_text("always within_size advise [never] deny force\n")
+    status, report, _ = doctor(*key_flags(keys), "--thp-shmem-path", str(setting))
+    huge = by_name(report)["hugepages"]
+    assert status == 0 and report["ok"] is True  # slower, not broken
+    assert huge["status"] == "warn" and huge["details"]["setting"] == "never"
+    assert "echo advise > /sys/kernel/mm/transparent_hugepage/shmem_enabled" in huge["fix"]
+    # Asked for none, none are missed.
+    _, report, _ = doctor(
+        *key_flags(keys), "--thp-shmem-path", str(setting), "--no-region-hugepages"
+    )
+    assert by_name(report)["hugepages"]["status"] == "ok"
+
+
+def test_the_hosts_own_huge_page_setting_is_read_and_judged() -> None:
+    path = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
+    try:
+        words = Path(path).read_text().split()
+    except OSError:
+        words = []
+    chosen = next((w[1:-1] for w in words if w.startswith("[")), None)
+    _, report, _ = doctor("--thp-shmem-path", path)
+    huge = by_name(report)["hugepages"]
+    assert huge["details"]["setting"] == chosen
+    granted = chosen in {"always", "within_size", "advise", "force"}
+    assert huge["status"] == ("ok" if granted else "warn"), huge
 
 
 def test_busy_listen_port_and_unreachable_producer_fail(

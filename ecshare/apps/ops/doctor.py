@@ -23,7 +23,13 @@ from ecshare.apps.bench.synthetic import format_size
 from ecshare.apps.ops.check import Check, guarded
 from ecshare.apps.ops.integrity_checks import check_integrity
 from ecshare.apps.ops.key_checks import check_keys
-from ecshare.apps.ops.memory_checks import check_memlock, check_memory, check_shm
+from ecshare.apps.ops.memory_checks import (
+    THP_SHMEM_PATH,
+    check_hugepages,
+    check_memlock,
+    check_memory,
+    check_shm,
+)
 from ecshare.apps.ops.network_checks import check_ports
 from ecshare.apps.ops.selftest import SelfTestResult
 from ecshare.apps.ops.software_checks import check_nixl, check_versions
@@ -53,6 +59,7 @@ class DoctorOptions:
     config_source: str = "defaults, environment and flags"
     producers: list[str] = field(default_factory=list)
     shm_path: str = "/dev/shm"
+    thp_shmem_path: str = THP_SHMEM_PATH
     selftest: bool = True
     selftest_bytes: int = 16 << 20
     connect_timeout_s: float = 2.0
@@ -77,6 +84,13 @@ def add_doctor_arguments(parser: argparse.ArgumentParser) -> None:
         default="/dev/shm",
         metavar="PATH",
         help="the shared-memory mount to check [default: /dev/shm]",
+    )
+    parser.add_argument(
+        "--thp-shmem-path",
+        default=THP_SHMEM_PATH,
+        metavar="PATH",
+        help=f"the file that says whether shared memory may have 2 MiB pages [default: "
+        f"{THP_SHMEM_PATH}]",
     )
     parser.add_argument("--no-selftest", action="store_true", help="skip the NIXL self-test")
     parser.add_argument(
@@ -121,6 +135,7 @@ def options_from_args(args: argparse.Namespace) -> DoctorOptions:
         config_source=source,
         producers=list(args.producer),
         shm_path=args.shm_path,
+        thp_shmem_path=args.thp_shmem_path,
         selftest=not args.no_selftest,
         selftest_bytes=max(4096, selftest_bytes),
     )
@@ -172,6 +187,7 @@ def diagnose(options: DoctorOptions) -> Report:
     checks += guarded("memory", lambda: [check_memory(config)])
     checks += guarded("memlock", lambda: [check_memlock(config, probe)])
     checks += guarded("shared memory", lambda: [check_shm(config, options.shm_path)])
+    checks += guarded("hugepages", lambda: [check_hugepages(config, options.thp_shmem_path)])
     checks += guarded(
         "ports", lambda: check_ports(config, _producers(config, options), options.connect_timeout_s)
     )
