@@ -545,6 +545,8 @@ def test_control_cut_with_both_alive_fences_the_push_until_its_write_ends(
             ]
         consumer.connect([proxy.address])
         assert push_when_connected(producer, "w").pushed
+        # Committed at the consumer too: a reservation still open at the cut is fenced.
+        wait_until(lambda: ready(cnode.store, "w"), "the warm push committed")
         held = stall(pnode)
         held[0] = True
 
