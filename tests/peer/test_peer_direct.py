@@ -89,7 +89,7 @@ def _located(consumer: Consumer, n: int) -> None:
     wait_until(
         lambda: consumer.counter_snapshot().get("locations_heard", 0) >= n,
         f"{n} locations heard",
-        timeout_s=5.0,
+        timeout_s=30.0,
     )
 
 
