@@ -1,14 +1,14 @@
 """Each answer says where the proxy's time went before prefill/decode (`Server-Timing`).
 
-Real proxy, recording stub backends (`proxy_stubs`); the item directory is `HeldItems`,
-set as the instances' stored events would have set the real one."""
+Real proxy, recording stub backends (`proxy_stubs`); the item directory is the real
+`ItemDirectory`, fed through its own `apply` the stored events the instances would send
+(`Feeds`)."""
 
 from __future__ import annotations
 
 import httpx
-from held_items import HeldItems
 from proxy_stubs import stub_mm_hash
-from proxy_testing import IMAGE_A, Rig, chat
+from proxy_testing import IMAGE_A, Feeds, Rig, chat
 
 from ecshare.apps.bench.serve_client import server_timing
 from ecshare.apps.proxy.routing import TIMING_HEADER
@@ -22,12 +22,12 @@ def steps_of(answer: httpx.Response) -> dict[str, float]:
 
 def test_a_new_item_is_timed_through_its_encode_and_a_held_one_without(rig: Rig) -> None:
     proxy = rig.start_proxy()
-    directory = HeldItems()
-    proxy.proxy.router.directory = directory
+    feeds = Feeds()
+    proxy.proxy.router.directory = feeds.directory
     rig.encoders[0].behaviour.delay_s = rig.encoders[1].behaviour.delay_s = 0.2
 
     first = proxy.post("/v1/chat/completions", chat(IMAGE_A))
-    directory.hold(rig.encoder_urls[0], stub_mm_hash(IMAGE_A))
+    feeds.store(rig.encoder_urls[0], stub_mm_hash(IMAGE_A), encoder=True)
     second = proxy.post("/v1/chat/completions", chat(IMAGE_A, text="again"))
 
     assert first.status_code == second.status_code == 200
