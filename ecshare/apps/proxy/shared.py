@@ -33,6 +33,7 @@ from typing import Annotated, Final, Literal
 
 import msgspec
 
+from ecshare.counts import Counts
 from ecshare.protocol import TransferParam
 
 MAX_TO_SUPERVISOR_BYTES: Final = 1 << 20
@@ -164,7 +165,8 @@ class Coordinator:
         self._version = 0
         self._workers: set[int] = set()
         self._flights: dict[str, tuple[int, set[int]]] = {}  # key -> (leader, waiters)
-        self.stats = dict.fromkeys(("changes", "refused", "claims", "shared", "orphaned"), 0)
+        names = ("changes", "refused", "claims", "shared", "orphaned")
+        self.stats = Counts(dict.fromkeys(names, 0))
 
     def attach(self, worker: int) -> list[Out]:
         """A worker's channel is open: the current set, before anything else."""
@@ -179,7 +181,7 @@ class Coordinator:
             waiters.discard(worker)
             if leader == worker:
                 del self._flights[key]
-                self.stats["orphaned"] += 1
+                self.stats.add("orphaned")
                 out += [(w, Landed(key)) for w in sorted(waiters)]
         return out
 
@@ -187,13 +189,13 @@ class Coordinator:
         if isinstance(message, Change):
             return self._change(worker, message)
         if isinstance(message, Claim):
-            self.stats["claims"] += 1
+            self.stats.add("claims")
             flight = self._flights.get(message.key)
             if flight is None:
                 self._flights[message.key] = (worker, set())
                 return [(worker, Claimed(message.key, lead=True))]
             flight[1].add(worker)
-            self.stats["shared"] += 1
+            self.stats.add("shared")
             return [(worker, Claimed(message.key, lead=False))]
         flight = self._flights.get(message.key)
         if flight is None or flight[0] != worker:
@@ -213,7 +215,7 @@ class Coordinator:
         changed = False
         if change.join and member not in self._registered:
             if sum(1 for role, _ in self._registered if role == change.role) >= self._max_per_role:
-                self.stats["refused"] += 1
+                self.stats.add("refused")
             else:
                 self._registered[member] = None
                 changed = True
@@ -223,7 +225,7 @@ class Coordinator:
         out: list[Out] = []
         if changed:
             self._version += 1
-            self.stats["changes"] += 1
+            self.stats.add("changes")
             members = self._members()
             out = [(w, members) for w in sorted(self._workers)]
         out.append((worker, Changed(change.id, changed)))
