@@ -12,6 +12,8 @@ from pathlib import Path
 from install_testing import REPO, Built, InstalledVenv, vllm_build
 from packaging.requirements import Requirement
 
+THP_ADVISE = REPO / "tests" / "ops" / "thp_advise.txt"
+
 
 def _members(built: Built) -> list[str]:
     with zipfile.ZipFile(built.wheel) as wheel:
@@ -86,6 +88,9 @@ def test_doctor_from_the_installed_wheel_passes_and_moves_real_bytes(
             # reads may cross hosts over TCP (tests/ops/test_doctor.py); with one, every
             # check has nothing to warn about.
             "--checksum", "xxh3_64",
+            # The host's huge-page setting, read from a copy that grants them (many hosts,
+            # this one too, give shared memory none, which doctor warns about).
+            "--thp-shmem-path", str(THP_ADVISE),
             "--server-secret-key-file", str(keys / "producer.key_secret"),
             "--authorized-keys-file", str(keys / "consumer.key"),
             "--client-secret-key-file", str(keys / "consumer.key_secret"),
