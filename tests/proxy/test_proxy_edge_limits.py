@@ -6,17 +6,21 @@ real proxy in front of the stub backends; each refusal is counted by reason.
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import socket
 import subprocess
 import sys
 import threading
-from typing import Any
+from typing import Any, cast
 
 import httpx
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
 from proxy_testing import Rig, chat
 from waiting import wait_until
 
+from ecshare.apps.proxy.edge import CappedConnections
 from ecshare.apps.ready import ProxyReady, parse_ready
 
 CHAT = "/v1/chat/completions"
@@ -80,6 +84,29 @@ def test_connections_past_the_cap_are_answered_503_and_closed(rig: Rig) -> None:
     finally:
         for sock in held:
             sock.close()
+
+
+def test_a_connection_the_server_holds_and_still_starting_is_counted_once() -> None:
+    """Between a connection's `connection_made` (the server holds it) and the loop turn
+    that ends its start, it is counted once: a second connection under the cap is served
+    (CI once saw it refused), and the one past the cap is not."""
+
+    async def run() -> None:
+        async def answer(request: web.BaseRequest) -> web.StreamResponse:
+            return web.Response()
+
+        refused: list[int] = []
+        server = web.Server(answer)
+        factory = CappedConnections(server, 2, lambda: refused.append(1))
+        transport = cast(asyncio.Transport, None)  # never used by the count
+        first = factory()
+        server.connection_made(cast(RequestHandler, first), transport)  # its connection_made
+        second = factory()
+        assert isinstance(second, RequestHandler) and refused == []
+        server.connection_made(second, transport)
+        assert not isinstance(factory(), RequestHandler) and refused == [1]
+
+    asyncio.run(run())
 
 
 def test_the_ecshare_proxy_command_caps_connections_on_its_own_loop(rig: Rig) -> None:

@@ -50,7 +50,10 @@ class CappedConnections:
         self._starting: set[RequestHandler] = set()
 
     def open(self) -> int:
-        return len(self._server.connections) + len(self._starting)
+        # A handler whose connection_made has run but whose discard has not yet is in
+        # both: counted once, or a connection under the cap is refused.
+        held = self._server.connections
+        return len(held) + len(self._starting.difference(held))
 
     def __call__(self) -> asyncio.BaseProtocol:
         if self.open() >= self._limit:
