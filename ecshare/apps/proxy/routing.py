@@ -300,8 +300,7 @@ class Router:
                     key = keys[i]
                     if h is None or key is None:
                         continue
-                    ttl = self.config.url_ttl_s if is_remote(parts[i]) else math.inf
-                    self.known.put(key, h, encoded.params[h], now + ttl)
+                    self._remember(key, parts[i], h, encoded.params[h], now)
                     if key in landed:
                         landed[key] = (h, _unpushed(encoded.params[h]))
         finally:
@@ -319,8 +318,7 @@ class Router:
                 # request with the content is then a hit, not one more encode.
                 key = keys[i]
                 if key is not None:
-                    ttl = self.config.url_ttl_s if is_remote(parts[i]) else math.inf
-                    self.known.put(key, h, param, now + ttl)
+                    self._remember(key, parts[i], h, param, now)
         if waits:
             route.timed("wait", began)
         if reused and len(reused) == len(parts):
@@ -329,6 +327,13 @@ class Router:
             route.reason = "mixed"
         route.held, route.encoded = held, len(new)
         return Routed(encoded, chosen, route, reused)
+
+    def _remember(
+        self, key: str, part: Mapping[str, Any], mm_hash: str, param: TransferParam, now: float
+    ) -> None:
+        """Map a content key to its item: for good when inline, for `url_ttl_s` when fetched."""
+        ttl = self.config.url_ttl_s if is_remote(part) else math.inf
+        self.known.put(key, mm_hash, param, now + ttl)
 
     async def _encode_new(
         self,
