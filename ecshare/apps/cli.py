@@ -145,8 +145,29 @@ _EXTRAS = {
 }
 
 
+# Flags whose value may be 40 characters of Z85, an alphabet that holds "-": a key
+# that starts with "-" would read to argparse as the next flag, so it is glued on.
+_KEY_FLAGS = frozenset({"--events-encoder-key", "--events-pd-key", "--server-key"})
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse `ecshare` arguments; a key flag takes the next word whatever it starts with."""
+    words = list(sys.argv[1:] if argv is None else argv)
+    glued: list[str] = []
+    index = 0
+    while index < len(words):
+        word = words[index]
+        if word in _KEY_FLAGS and index + 1 < len(words):
+            glued.append(f"{word}={words[index + 1]}")
+            index += 2
+            continue
+        glued.append(word)
+        index += 1
+    return build_parser().parse_args(glued)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -16,7 +16,7 @@ import pytest
 from aiohttp import web
 from test_directory_feed import BACKEND, Child, children, claims, keys, start  # noqa: F401
 
-from ecshare.apps.cli import build_parser
+from ecshare.apps.cli import parse_args
 from ecshare.apps.proxy.backends import ENCODER, PREFILL_DECODE, BackendPool
 from ecshare.apps.proxy.config import ProxyConfig, config_from_args
 from ecshare.apps.proxy.directory import ItemDirectory
@@ -219,7 +219,7 @@ def test_base_url_takes_only_a_backends_base() -> None:
 
 
 def _config(*flags: str) -> ProxyConfig:
-    return config_from_args(build_parser().parse_args(["proxy", *flags]), {})
+    return config_from_args(parse_args(["proxy", *flags]), {})
 
 
 def test_membership_flags_decode_into_the_config_and_the_admin_key_never_shows(
@@ -248,6 +248,24 @@ def test_membership_flags_decode_into_the_config_and_the_admin_key_never_shows(
     assert config.prefill_decode == ()  # they will be discovered
     assert discovery_from_config(config) == {PREFILL_DECODE: ("pd.ns.svc.cluster.local", 8000)}
     assert ADMIN_KEY not in repr(config)
+
+
+def test_a_z85_key_that_starts_with_a_dash_is_taken_as_the_key_flags_value(
+    tmp_path: Path,
+) -> None:
+    # Z85 holds "-": one public key in 85 starts with it, and argparse alone would read
+    # such a key as the next flag (a CI run met one at random).
+    key = "-" + KeyPair.generate().public_text[1:]
+    config = _config(
+        "--events-port", "5800",
+        "--events-key", str(tmp_path / "proxy.key_secret"),
+        "--events-encoder-key", key,
+        "--events-pd-key", key,
+        "--pd", "http://pd:1",
+    )  # fmt: skip
+    assert (config.events_encoder_key, config.events_pd_key) == (key, key)
+    status = parse_args(["status", "tcp://127.0.0.1:5701", "--server-key", key])
+    assert status.server_key == key
 
 
 @pytest.mark.parametrize(
