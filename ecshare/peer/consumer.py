@@ -483,6 +483,9 @@ class Consumer(NetworkThread, Phased):
                 self._step(self._wait())
                 self.passes += 1
         except BaseException as exc:
+            if self._ended_by_close(exc):
+                log.info("consumer stopping: its data plane was closed under it (%s)", exc)
+                return  # through `finally`: the shutdown still ends every fetch
             log.exception("consumer network thread failed; every fetch now fails as internal")
             with self._lock:
                 self.failure = exc  # new fetches fail at once from here on

@@ -80,7 +80,14 @@ from ecshare.store import (
     StoreError,
     StoreFull,
 )
-from ecshare.transport.base import DataTransport, FailureKind, PeerInfo, ReadState, Segment
+from ecshare.transport.base import (
+    DataTransport,
+    FailureKind,
+    PeerInfo,
+    ReadState,
+    Segment,
+    TransportError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -654,8 +661,13 @@ class Inbox:
                 r.next_probe = now + _PROBE_INTERVAL_S
                 return
         dest = r.entry.extents[0][0]
-        r.probe = self._transport.read(r.agent, [Segment(dest, 0, 1)])
-        self._count("push_probes", 1)
+        try:
+            r.probe = self._transport.read(r.agent, [Segment(dest, 0, 1)])
+        except TransportError as exc:
+            # Our data plane refused to post (its owner closed it): no word of the write.
+            self._inconclusive(r, f"cannot probe {r.agent}: {exc}")
+        else:
+            self._count("push_probes", 1)
         if added:
             self._transport.remove_peer(r.agent)  # retired until the probe ends
         r.next_probe = now + _PROBE_INTERVAL_S

@@ -260,6 +260,9 @@ class Producer(NetworkThread, Phased):
                 if active and not events:
                     endpoints.nap()
         except BaseException as exc:
+            if self._ended_by_close(exc):
+                log.info("producer stopping: its data plane was closed under it (%s)", exc)
+                return
             log.exception("producer network thread failed; it serves no grants any more")
             self.failure = exc
             raise

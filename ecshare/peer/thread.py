@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import threading
 from collections.abc import Callable
 from typing import Protocol, TypeVar
@@ -21,12 +22,15 @@ from typing import Protocol, TypeVar
 from ecshare.config import Config
 from ecshare.control import Waker
 from ecshare.store import Store
-from ecshare.transport.base import DataTransport
+from ecshare.transport.base import DataTransport, TransportError
 
 _T = TypeVar("_T", bound="NetworkThread")
+log = logging.getLogger(__name__)
 # Binding sockets and creating the first objects takes milliseconds; this only
 # bounds a start-up that hangs.
 _START_TIMEOUT_S = 30.0
+# How long past shutdown_timeout_s `stop()` waits for the thread's last steps.
+_JOIN_GRACE_S = 2.0
 _PR_SET_NAME = 15
 
 
@@ -142,8 +146,22 @@ class NetworkThread:
         if self._waker is not None:
             self._waker.wake()
         if self._thread is not None:
-            self._thread.join(timeout=self._config.shutdown_timeout_s)
+            # The thread's own waits at shutdown end after shutdown_timeout_s; the grace
+            # covers what follows them, so that the caller may close the transport after.
+            self._thread.join(timeout=self._config.shutdown_timeout_s + _JOIN_GRACE_S)
+            if self._thread.is_alive():
+                log.warning(
+                    "%s's network thread still runs %.1f s after stop; its transport "
+                    "should not be closed under it",
+                    self._name,
+                    self._config.shutdown_timeout_s + _JOIN_GRACE_S,
+                )
             self._thread = None
+
+    def _ended_by_close(self, exc: BaseException) -> bool:
+        """Whether `exc` is only the owner closing our data plane after asking us to
+        stop (a stop that gave up waiting): an end, not a failure."""
+        return self._stop.is_set() and isinstance(exc, TransportError)
 
     def __enter__(self: _T) -> _T:
         return self.start()

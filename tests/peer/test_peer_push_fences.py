@@ -16,6 +16,8 @@ write stand still and a probe fail on demand; the control plane is real ZMQ thro
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -24,7 +26,7 @@ from peer_testing import Keyring
 from waiting import wait_until
 
 from ecshare.apps.chaos.faultproxy import FaultProxy, Faults
-from ecshare.peer import Producer
+from ecshare.peer import FailureReason, FetchFailed, FetchItem, Producer
 from ecshare.store import Store
 from ecshare.transport import FailureKind
 from ecshare.transport.loopback import Completion
@@ -123,3 +125,52 @@ def test_a_probe_failing_for_another_reason_leaves_the_push_fenced_and_counted(
         timeout_s=10,
         detail=lambda: links,
     )
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_data_plane_closed_while_the_consumer_stops_ends_its_thread_without_a_failure(
+    loop_producer: MakeLoopProducer,
+    loop_consumer: MakeLoopConsumer,
+    keyring: Keyring,
+    proxy_of: list[FaultProxy],
+) -> None:
+    # The owner closes the transport once `stop()` returns, and the network thread may
+    # still be in its last steps, probing a fenced push: that probe, or any other use of
+    # the closed data plane after the stop, ends the thread quietly (a CI run saw
+    # `TransportError: transport is closed` kill it).
+    h, n = "fenced-2", 1 << 20
+    _pnode, producer = loop_producer(
+        keyring.producer_config(), entries={"w": 4096, h: n}, completion=Completion.SYNC
+    )
+    proxy = FaultProxy("127.0.0.1", producer.port, faults=Faults(), seed=4)
+    proxy_of.append(proxy)
+    cnode, consumer = loop_consumer(keyring.consumer_config(), {**PUSH, "shutdown_timeout_s": 4.0})
+    consumer.connect([proxy.address])
+    assert _push_when_connected(producer, "w")
+
+    cnode.transport.stall()  # the write into our region stands still
+    producer.push(h, to="pd-0")
+    wait_until(lambda: consumer.push_pending(h), timeout_s=5)
+    wait_until(lambda: producer.counters["push_writes"] == 2, timeout_s=5)
+    proxy.hold(30.0)  # the session is lost: the reservation is orphaned and probed
+    wait_until(lambda: consumer.counter_snapshot().get("push_probes", 0) >= 1, timeout_s=10)
+
+    stopping = threading.Thread(target=consumer.stop)
+    stopping.start()
+
+    def stop_asked() -> bool:
+        future = consumer.fetch([FetchItem("other", pushed=False)], [proxy.address])[0]
+        with contextlib.suppress(FetchFailed):
+            future.result(timeout=5)
+        return isinstance(future.exception(), FetchFailed) and (
+            future.exception().reason is FailureReason.SHUTDOWN  # type: ignore[union-attr]
+        )
+
+    wait_until(stop_asked, "the stop asked")
+    inconclusive = consumer.counter_snapshot().get("push_probes_inconclusive", 0)
+    cnode.transport.close()  # while the thread waits on the fenced push
+    stopping.join(timeout=15)
+    assert not stopping.is_alive()
+    assert consumer.failure is None and not consumer.healthy
+    counters = consumer.counter_snapshot()
+    assert counters.get("push_probes_inconclusive", 0) > inconclusive, counters
