@@ -117,20 +117,20 @@ def test_a_bad_key_file_is_one_clear_config_error(tmp_path: Path, text: str, say
 def test_edge_flags_decode_into_the_config() -> None:
     config = _config(
         "--pd", "http://a:1", "--client-uuids", "tenant", "--max-uuid-chars", "64",
-        "--allow-client-embeds", "--tenant-isolation",
+        "--allow-client-embeds", "--tenant-isolation", "--route-headers",
         "--limit-mm-per-prompt", '{"image": 2, "video": 0}', "--max-encoder-calls", "3",
         "--max-encoder-in-flight", "5", "--max-tenant-in-flight", "7",
         "--max-connections", "9", "--body-timeout", "2.5",
     )  # fmt: skip
     assert (config.client_uuids, config.max_uuid_chars) == ("tenant", 64)
-    assert config.allow_client_embeds and config.tenant_isolation
+    assert config.allow_client_embeds and config.tenant_isolation and config.route_headers
     assert config.limit_mm_per_prompt == {"image": 2, "video": 0}
     assert (config.max_encoder_calls, config.max_encoder_in_flight) == (3, 5)
     assert (config.max_tenant_in_flight, config.max_connections) == (7, 9)
     assert config.body_timeout_s == 2.5
     defaults = _config("--pd", "http://a:1")
     assert (defaults.client_uuids, defaults.allow_client_embeds) == ("refuse", False)
-    assert not defaults.tenant_isolation
+    assert not defaults.tenant_isolation and not defaults.route_headers
 
 
 def test_proxy_key_variable_does_not_upset_the_instance_config() -> None:

@@ -41,7 +41,7 @@ def media_of(body: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def test_a_repeated_inline_image_held_somewhere_skips_the_encoders(rig: Rig) -> None:
-    proxy = rig.start_proxy()
+    proxy = rig.start_proxy(route_headers=True)
     feeds = with_directory(proxy)
     first = proxy.post("/v1/chat/completions", chat(IMAGE_A))
     assert first.status_code == 200
@@ -125,7 +125,7 @@ def test_a_worker_that_waited_for_another_workers_encode_reuses_its_item(rig: Ri
     """Two workers (two proxies sharing one flight table, as the supervisor links them):
     the one that waited learns the item too, so its next request with the image skips
     the encoders."""
-    first, second = rig.start_proxy(), rig.start_proxy()
+    first, second = rig.start_proxy(route_headers=True), rig.start_proxy(route_headers=True)
     flights = SingleFlight()
     feeds = with_directory(first)
     for proxy in (first, second):
@@ -186,7 +186,7 @@ def test_a_content_whose_encoder_is_out_of_rotation_goes_by_load(rig: Rig) -> No
 
 
 def test_routing_load_sends_every_media_part_to_an_encoder(rig: Rig) -> None:
-    proxy = rig.start_proxy(routing="load")
+    proxy = rig.start_proxy(route_headers=True, routing="load")
     feeds = with_directory(proxy)
     feeds.store(rig.encoder_urls[0], stub_mm_hash(IMAGE_A), encoder=True)
     feeds.store(rig.encoder_urls[1], stub_mm_hash(IMAGE_A), encoder=True)
@@ -204,7 +204,7 @@ def test_a_chats_later_turns_land_where_its_earlier_image_is(rig: Rig) -> None:
     rig._runners.extend(runner for runner, _ in started)
     pd_urls = (rig.pd_urls[0], started[0][1])
     stubs = {pd_urls[0]: rig.prefill_decode[0], pd_urls[1]: extra}
-    proxy = rig.start_proxy(prefill_decode=pd_urls)
+    proxy = rig.start_proxy(route_headers=True, prefill_decode=pd_urls)
     feeds = with_directory(proxy)
     turns: list[dict[str, Any]] = [
         {"role": "user", "content": [IMAGE_A, {"type": "text", "text": "t0"}]}

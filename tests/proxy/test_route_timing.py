@@ -1,4 +1,5 @@
-"""Each answer says where the proxy's time went before prefill/decode (`Server-Timing`).
+"""With `--route-headers`, each answer says where the proxy's time went before
+prefill/decode (`Server-Timing`); without it, nothing (`test_route_headers`).
 
 Real proxy, recording stub backends (`proxy_stubs`); the item directory is the real
 `ItemDirectory`, fed through its own `apply` the stored events the instances would send
@@ -21,7 +22,7 @@ def steps_of(answer: httpx.Response) -> dict[str, float]:
 
 
 def test_a_new_item_is_timed_through_its_encode_and_a_held_one_without(rig: Rig) -> None:
-    proxy = rig.start_proxy()
+    proxy = rig.start_proxy(route_headers=True)
     feeds = Feeds()
     proxy.proxy.router.directory = feeds.directory
     rig.encoders[0].behaviour.delay_s = rig.encoders[1].behaviour.delay_s = 0.2
@@ -38,7 +39,7 @@ def test_a_new_item_is_timed_through_its_encode_and_a_held_one_without(rig: Rig)
 
 
 def test_load_routing_times_the_encoder_stage_of_every_request(rig: Rig) -> None:
-    proxy = rig.start_proxy(routing="load")
+    proxy = rig.start_proxy(route_headers=True, routing="load")
     rig.encoders[0].behaviour.delay_s = rig.encoders[1].behaviour.delay_s = 0.2
     answers = [proxy.post("/v1/chat/completions", chat(IMAGE_A)) for _ in range(2)]
     for answer in answers:
@@ -48,7 +49,7 @@ def test_load_routing_times_the_encoder_stage_of_every_request(rig: Rig) -> None
 
 
 def test_a_request_without_media_carries_no_timing(rig: Rig) -> None:
-    proxy = rig.start_proxy()
+    proxy = rig.start_proxy(route_headers=True)
     answer = proxy.post(
         "/v1/chat/completions",
         {"model": "stub-model", "messages": [{"role": "user", "content": "hi"}]},

@@ -5,13 +5,14 @@ It starts one real EPD deployment, `ecshare launch --cpu` over the tiny Qwen2-VL
 The workload (`serve_workload`: multi-turn chats that resend their images, Zipf
 popularity, a reuse share, fixed offered rate) runs once per routing mode and round,
 each run through a proxy of its own (`ecshare proxy`, the launch's proxy flags plus
-`--routing MODE`) started in front of the same instances, one run after the other, the
-modes' order reversed on odd rounds. Each run sends the same pattern over images of its
-own (`image_seed`), so that no cache (vLLM's, a region, a proxy's directory) carries an
-image from one run into another; a fresh proxy per run starts with an empty directory,
-while the instances' processes and warm-up stay the same for every mode (a restart of
-the instances instead would cost minutes and add start-up noise to one mode). Where the
-proxy has no `--routing` flag (everything routes by load), only `load` runs.
+`--route-headers` and `--routing MODE`) started in front of the same instances, one run
+after the other, the modes' order reversed on odd rounds. Each run sends the same
+pattern over images of its own (`image_seed`), so that no cache (vLLM's, a region, a
+proxy's directory) carries an image from one run into another; a fresh proxy per run
+starts with an empty directory, while the instances' processes and warm-up stay the same
+for every mode (a restart of the instances instead would cost minutes and add start-up
+noise to one mode). Where the proxy has no `--routing` flag (everything routes by load),
+only `load` runs.
 
 Per mode it reports, from the instances' own counters: encoder calls per request (the
 encoders' finished vLLM requests) and items encoded (their stored outputs), bytes moved
@@ -413,7 +414,8 @@ class _Deployment:
             workdir=Path(ready.workdir),
             events_port=ready.events_port,
         )
-        command = [sys.executable, "-m", "ecshare", "proxy", *argv]
+        # The report reads each answer's route and steps: the proxy's opt-in headers.
+        command = [sys.executable, "-m", "ecshare", "proxy", *argv, "--route-headers"]
         if proxy_routing_modes():
             command += ["--routing", mode]
         proc = _popen(command, self.workdir / f"proxy-{mode}.log")

@@ -4,7 +4,8 @@
 turn has been answered (a chat client waits for the answer before its next turn), and
 records per request when it was sent, its time to first token (the first streamed event
 that carries a token), when it ended, its generated token ids, the proxy's steps (its
-`Server-Timing` header, `ecshare.apps.proxy.routing`) and any error. A failed request is
+`Server-Timing` header, `ecshare.apps.proxy.routing`, sent by a proxy started with
+`--route-headers`) and any error. A failed request is
 recorded, never raised: the report counts it.
 """
 
@@ -17,6 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+
+from ecshare.apps.proxy.routing import ROUTE_HEADER, TIMING_HEADER
 
 __all__ = ["Record", "reference_tokens", "send_all", "server_timing"]
 
@@ -73,8 +76,8 @@ async def _stream(
         if resp.status != 200:
             record.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
             return
-        record.steps = server_timing(resp.headers.get("Server-Timing", ""))
-        record.route = resp.headers.get("x-ecshare-route", "")
+        record.steps = server_timing(resp.headers.get(TIMING_HEADER, ""))
+        record.route = resp.headers.get(ROUTE_HEADER, "")
         async for raw in resp.content:
             line = raw.strip()
             if not line.startswith(b"data:"):

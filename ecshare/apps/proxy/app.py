@@ -208,6 +208,7 @@ class Proxy:
             self.metrics,
             timeout_s=c.pd_timeout_s,
             connect_timeout_s=c.connect_timeout_s,
+            route_headers=c.route_headers,
         )
         health = asyncio.create_task(
             watch_health(

@@ -78,6 +78,10 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     # prefill/decode instance fetches from: dropped (and counted) unless the operator
     # trusts every client with that.
     pass_ec_transfer_params: bool = False
+    # Each routed answer's `x-ecshare-route` and `Server-Timing` headers (`routing`): they
+    # name the prefill/decode instance and tell a caller whether its media was held
+    # already, which another tenant may have sent, so they are for trusted callers only.
+    route_headers: bool = False
     # "omit": each media item whose params carry its placeholder metadata reaches
     # prefill/decode as that metadata only (no download, decode or processing there);
     # "keep": the request goes with its media as the client sent it.
@@ -494,6 +498,14 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
         help="forward ec_transfer_params that clients write into request bodies (by default "
         "they are dropped and counted: they would choose where prefill/decode fetches from)",
     )
+    parser.add_argument(
+        "--route-headers",
+        action="store_true",
+        help="add x-ecshare-route and Server-Timing to each routed answer: they name the "
+        "prefill/decode instance and say whether the request's media was held already "
+        "(perhaps sent by another tenant), so only for trusted callers and benchmarks; "
+        "the proxy's log and metrics say the same without them (off)",
+    )
     _add_membership_arguments(parser)
 
 
@@ -536,6 +548,7 @@ def config_from_args(
         "access_log": args.access_log,
         "workers": args.workers,
         "pass_ec_transfer_params": args.pass_ec_transfer_params,
+        "route_headers": args.route_headers,
         "pd_media": args.pd_media,
         "client_uuids": args.client_uuids,
         "max_uuid_chars": args.max_uuid_chars,

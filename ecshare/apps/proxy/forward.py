@@ -73,11 +73,13 @@ class PrefillDecodeStage:
         *,
         timeout_s: float,
         connect_timeout_s: float,
+        route_headers: bool = False,
     ) -> None:
         self._session = session
         self._pool = pool
         self._metrics = metrics
         self._timeout_s = timeout_s
+        self._route_headers = route_headers
         # No total: a stream may run as long as it keeps talking.
         self._timeout = aiohttp.ClientTimeout(
             total=None, connect=connect_timeout_s, sock_read=timeout_s
@@ -97,8 +99,10 @@ class PrefillDecodeStage:
         """Answer `request` with a prefill/decode instance's answer to `payload` at `path`,
         trying `first` first (the one routing chose) while it is healthy; if
         `with_media` is given, `payload` went without the media, and a failure of it is
-        answered by sending what `with_media` makes instead. With `route`, the answer says
-        how the request was routed, and to which instance (`routing.ROUTE_HEADER`)."""
+        answered by sending what `with_media` makes instead. With `route`, and where the
+        proxy shows routes (`--route-headers`), the answer says how the request was routed,
+        to which instance and where the proxy's time went (`routing.ROUTE_HEADER`,
+        `routing.TIMING_HEADER`)."""
         headers = {"X-Request-Id": request_id}
         if payload is not None:
             headers["Content-Type"] = "application/json"
@@ -117,7 +121,7 @@ class PrefillDecodeStage:
                 if resp is None:
                     continue  # refused: try another instance
                 shown: dict[str, str] = {}
-                if route is not None:
+                if route is not None and self._route_headers:
                     route.timed("pd", sent)
                     shown = {ROUTE_HEADER: route.header(backend.url)}
                     shown[TIMING_HEADER] = route.server_timing()

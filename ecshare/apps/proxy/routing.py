@@ -39,14 +39,18 @@ to an encoder by load, prefill/decode by load.
 
 Every request with media is counted by how it was routed (`route_total{reason}`: held,
 mixed, new, load), and items that no encoder call was made for
-(`encoder_calls_saved_total`: held, or sharing another request's encode). Each answer
-says why it went where it went in an `x-ecshare-route` header, and the proxy logs the same
-at debug level. Each answer also says where the proxy's time went before prefill/decode
-answered, in a `Server-Timing` header (W3C; milliseconds): `parse` (the body read and
-checked), `key` (content keys), `lookup` (known items, the directory, the choice of
-prefill/decode), `encode` (the encoder calls), `wait` (another request's encode),
-`render` (the media-free request), `pd` (from sending to prefill/decode to its answer's
-headers). A step that did not happen is left out.
+(`encoder_calls_saved_total`: held, or sharing another request's encode), and the proxy
+logs each request's route at debug level. With `--route-headers` (off by default), each
+answer also says why it went where it went in an `x-ecshare-route` header
+(`pd=URL;reason=REASON;items_held=K/N`), and where the proxy's time went before
+prefill/decode answered, in a `Server-Timing` header (W3C; milliseconds): `parse` (the
+body read and checked), `key` (content keys), `lookup` (known items, the directory, the
+choice of prefill/decode), `encode` (the encoder calls), `wait` (another request's
+encode), `render` (the media-free request), `pd` (from sending to prefill/decode to its
+answer's headers). A step that did not happen is left out. The headers are off by
+default because they name an internal instance and tell a caller whether its media was
+held already (`reason=held`, `items_held`, no `encode` step): media another tenant may
+have sent.
 """
 
 from __future__ import annotations
