@@ -23,6 +23,7 @@ from tests.proxy.test_directory_feed import children, keys, start, until  # noqa
 BACKEND = "http://127.0.0.1:9"  # nothing listens: the feed is what is watched
 ADMIN_KEY = "admin-key-0123456789abcdef"
 API_KEY = "api-key-0123456789abcdef"
+AS_ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}  # /metrics needs a key where keys are set
 
 
 def _sample(text: str, name: str) -> float | None:
@@ -60,7 +61,7 @@ def test_router_uses_the_directory_the_item_feeds_fill(
             await until(lambda: bool(proxy.router.directory.holders("a")), "a held")
             assert proxy.router.directory.holders("a") == {BACKEND}
             async with aiohttp.ClientSession() as session:
-                async with session.get(running.url + "/metrics") as r:
+                async with session.get(running.url + "/metrics", headers=AS_ADMIN) as r:
                     text = await r.text()
                 assert _sample(text, "ecshare_proxy_directory_items") == 1.0
                 assert _sample(text, 'ecshare_proxy_members{role="prefill_decode"}') == 1.0
@@ -76,7 +77,7 @@ def test_router_uses_the_directory_the_item_feeds_fill(
                             assert body["members"] == [
                                 {"role": "prefill_decode", "url": BACKEND, "sources": ["static"]}
                             ]
-                async with session.get(running.url + "/metrics") as r:
+                async with session.get(running.url + "/metrics", headers=AS_ADMIN) as r:
                     text = await r.text()
                 unauthorized = 'ecshare_proxy_membership_changes_total{change="unauthorized"}'
                 assert _sample(text, unauthorized) == 2.0

@@ -1,14 +1,16 @@
-"""Limits and the API key: refused before any backend sees the request, OpenAI-shaped."""
+"""Limits and the keys: refused before any backend sees the request, OpenAI-shaped; what
+names the backends (`/metrics`, `/health`'s details) only for a caller with a key."""
 
 from __future__ import annotations
 
 import httpx
 import openai
 import pytest
-from proxy_testing import IMAGE_A, Rig, chat
+from proxy_testing import IMAGE_A, ProxyUnderTest, Rig, chat
 
 CHAT = "/v1/chat/completions"
 KEY = "sk-proxy-test-0123456789"
+ADMIN_KEY = "an-admin-key-of-some-length"
 
 
 def test_oversized_body_is_refused_with_413(rig: Rig) -> None:
@@ -74,7 +76,49 @@ def test_right_api_key_is_accepted_and_not_passed_on(rig: Rig) -> None:
             assert KEY not in str(call.headers)
 
 
-def test_health_and_metrics_answer_without_the_api_key(rig: Rig) -> None:
+def test_health_status_answers_without_the_api_key(rig: Rig) -> None:
     proxy = rig.start_proxy(api_key=KEY)
     assert httpx.get(proxy.url + "/health", timeout=15).status_code == 200
-    assert httpx.get(proxy.url + "/metrics", timeout=15).status_code == 200
+
+
+def scrape(proxy: ProxyUnderTest, key: str | None) -> httpx.Response:
+    headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+    return httpx.get(proxy.url + "/metrics", headers=headers, timeout=15)
+
+
+def test_metrics_naming_the_backends_need_an_api_key_or_the_admin_key(rig: Rig) -> None:
+    proxy = rig.start_proxy(api_keys={KEY: "team-a"}, admin_key=ADMIN_KEY)
+    for refused in (scrape(proxy, None), scrape(proxy, KEY + "x"), scrape(proxy, ADMIN_KEY[1:])):
+        assert refused.status_code == 401
+        assert refused.json()["error"]["type"] == "authentication_error"
+        assert rig.pd_urls[0] not in refused.text
+    assert proxy.metric("rejected_total", reason="auth") == 3
+    for key in (KEY, ADMIN_KEY):
+        shown = scrape(proxy, key)
+        assert shown.status_code == 200
+        assert f'url="{rig.pd_urls[0]}"' in shown.text  # what the key was needed for
+        assert 'ecshare_proxy_rejected_total{reason="auth"} 3.0' in shown.text
+
+
+@pytest.mark.parametrize(
+    "keys", [{"api_key": KEY}, {"admin_key": ADMIN_KEY}], ids=["api-key", "admin-key"]
+)
+def test_with_any_key_set_metrics_and_health_details_need_one(
+    rig: Rig, keys: dict[str, str]
+) -> None:
+    proxy = rig.start_proxy(**keys)
+    (key,) = keys.values()
+    assert scrape(proxy, None).status_code == 401
+    assert scrape(proxy, key).status_code == 200
+    anonymous = httpx.get(proxy.url + "/health", timeout=15)
+    assert anonymous.status_code == 200 and anonymous.json() == {"status": "ok"}
+    bearer = {"Authorization": f"Bearer {key}"}
+    shown = httpx.get(proxy.url + "/health", headers=bearer, timeout=15)
+    assert [b["url"] for b in shown.json()["prefill_decode"]] == rig.pd_urls
+
+
+def test_without_keys_metrics_stay_open(rig: Rig) -> None:
+    proxy = rig.start_proxy()
+    answer = scrape(proxy, None)
+    assert answer.status_code == 200 and f'url="{rig.pd_urls[0]}"' in answer.text
+    assert proxy.metric("rejected_total", reason="auth") == 0

@@ -60,8 +60,9 @@ def _alive(pid: int) -> bool:
 
 
 def _samples(url: str, name: str) -> list[tuple[dict[str, str], float]]:
-    """The samples of metric `name`, scraped on a fresh connection (any worker may answer)."""
-    text = httpx.get(url + "/metrics", timeout=10).text
+    """The samples of metric `name`, scraped on a fresh connection (any worker may answer),
+    with the admin key that some of these proxies are given (one without keys ignores it)."""
+    text = httpx.get(url + "/metrics", headers=AS_ADMIN, timeout=10).text
     return [
         (s.labels, s.value)
         for family in text_string_to_metric_families(text)
@@ -96,6 +97,7 @@ def _post_into(url: str, body: dict[str, Any], statuses: list[int]) -> None:
 
 
 ADMIN_KEY = "an-admin-key-of-some-length"
+AS_ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 
 def _members(url: str, method: str, role: str, member: str) -> dict[str, Any]:

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("nixl") is None:
     pytest.skip(
@@ -61,7 +62,6 @@ from ecshare.vllm.servers import (
     chat_request,
     free_port,
     post_chat,
-    read_by_label,
     read_metrics,
 )
 
@@ -196,8 +196,15 @@ def encoder_requests(edge: Edge) -> float:
 
 
 def refused(proxy: str, reason: str) -> float:
-    return read_by_label(proxy, "ecshare_proxy_rejected_total", "reason", prefix="").get(
-        reason, 0.0
+    # Where keys are set, /metrics needs one: it names the backends.
+    bearer = {"Authorization": f"Bearer {KEYS['team-a']}"}
+    with urllib.request.urlopen(urllib.request.Request(proxy + "/metrics", headers=bearer)) as r:
+        text = r.read().decode()
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "ecshare_proxy_rejected_total" and s.labels.get("reason") == reason
     )
 
 

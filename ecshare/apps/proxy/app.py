@@ -13,8 +13,9 @@ Routes:
 * ``POST /v1/completions``: straight to prefill/decode, byte for byte;
 * ``GET /v1/models``: a prefill/decode instance's answer;
 * ``GET /health``: 200 while some prefill/decode instance is in rotation, else 503; with
-  every backend's state only for a caller with an API key (where keys are set);
-* ``GET /metrics``: Prometheus text;
+  every backend's state only for a caller with a key (below);
+* ``GET /metrics``: Prometheus text, whose labels name the backends: only for a caller with
+  a key (below), else 401;
 * ``GET/POST/DELETE /v1/members``: run-time membership (`discovery`), only with an admin
   key (`--admin-key-file`), which it checks itself: the API keys do not apply to it.
 
@@ -33,8 +34,12 @@ request body and counted (`client_params_dropped`), unless the operator passes t
 
 The `/v1/*` routes need an API key when keys are set (`Authorization: Bearer KEY`), and
 the key says the request's tenant (`tenants`; without keys every request is the tenant
-`default`'s). `/metrics` and `/health`'s status are for the machines that watch the proxy
-and answer without it. Every error the proxy itself answers is OpenAI-shaped (`errors`).
+`default`'s). What names the backends (`/metrics`, `/health`'s details) is for the
+operator: where API keys or an admin key are set, it needs one of them as
+`Authorization: Bearer KEY` (a refusal is counted, `rejected_total{reason="auth"}`);
+where none is set, it is open, as `/health`'s status always is. Routed answers say
+nothing of the route unless the operator asks (`--route-headers`, `routing`). Every
+error the proxy itself answers is OpenAI-shaped (`errors`).
 
 The edge is bounded, each refusal counted by reason (`rejected_total{reason}`) before any
 backend sees the request: a chat request's content parts obey the proxy's rules
@@ -77,7 +82,7 @@ from ecshare.apps.proxy.media import media_free
 from ecshare.apps.proxy.metrics import ProxyMetrics
 from ecshare.apps.proxy.parts import PartRules, check_parts, media_modalities, salted
 from ecshare.apps.proxy.routing import Directory, Router
-from ecshare.apps.proxy.tenants import DEFAULT_TENANT, Keyring
+from ecshare.apps.proxy.tenants import DEFAULT_TENANT, Keyring, holds_key
 
 log = logging.getLogger(__name__)
 
@@ -299,6 +304,15 @@ class Proxy:
             )
         return tenant
 
+    def _operator(self, request: web.Request) -> bool:
+        """Whether `request` may see the backends: any caller where no key is set, else one
+        with an API key or the admin key."""
+        admin = self.config.admin_key
+        if not self._keyring and not admin:
+            return True
+        given = request.headers.get("Authorization", "")
+        return self._keyring.tenant(given) is not None or bool(admin and holds_key(given, admin))
+
     def _enter(self, tenant: str) -> str:
         """Count a request of `tenant` in flight (the guard ends it); 429 past the cap."""
         busy = self._tenant_in_flight.get(tenant, 0)
@@ -398,8 +412,7 @@ class Proxy:
     async def health(self, request: web.Request) -> web.Response:
         up = bool(self.prefill_decode.healthy())
         report = HealthReport(status="ok" if up else "unavailable")
-        # The backends' URLs are for the operator's eyes: only with a key, where keys are set.
-        if not self._keyring or self._keyring.tenant(request.headers.get("Authorization", "")):
+        if self._operator(request):
             report.encoders = [_state(b) for b in self.encoders.backends]
             report.prefill_decode = [_state(b) for b in self.prefill_decode.backends]
         return web.Response(
@@ -408,7 +421,13 @@ class Proxy:
             content_type="application/json",
         )
 
-    async def prometheus(self, _request: web.Request) -> web.Response:
+    async def prometheus(self, request: web.Request) -> web.Response:
+        if not self._operator(request):
+            raise ProxyError(
+                401,
+                "/metrics needs an API key or the admin key (expected Authorization: Bearer)",
+                reason="auth",
+            )
         return web.Response(
             body=self.metrics.exposition(), headers={"Content-Type": self.metrics.content_type}
         )

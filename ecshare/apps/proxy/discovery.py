@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import os
 import socket
@@ -39,6 +38,7 @@ from ecshare.apps.proxy.backends import ENCODER, PREFILL_DECODE, BackendPool, de
 from ecshare.apps.proxy.config import ProxyConfig, split_target
 from ecshare.apps.proxy.directory import ItemDirectory
 from ecshare.apps.proxy.feeds import DirectoryFeeds, events_address
+from ecshare.apps.proxy.tenants import holds_key
 from ecshare.control import load_keypair, load_public_key
 
 log = logging.getLogger(__name__)
@@ -291,12 +291,9 @@ MemberAction = Callable[[Member], Awaitable[dict[str, bool]]]
 
 def member_routes(membership: Membership, admin_key: str) -> list[web.RouteDef]:
     """`GET`, `POST` and `DELETE /v1/members`, each needing `Authorization: Bearer <admin_key>`."""
-    expected = admin_key.encode()
 
     def authorized(request: web.Request) -> bool:
-        given = request.headers.get("Authorization", "")
-        token = given[7:] if given.startswith("Bearer ") else ""
-        ok = hmac.compare_digest(token.encode(), expected)
+        ok = holds_key(request.headers.get("Authorization", ""), admin_key)
         if not ok:
             membership.count("unauthorized")
             log.warning("members: refused a request without the admin key from %s", request.remote)

@@ -44,6 +44,7 @@ entries; another tenant's hit on them, and the timing that would tell of it, is 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -107,12 +108,25 @@ class Keyring:
 
     def tenant(self, authorization: str) -> str | None:
         """The tenant of an `Authorization: Bearer KEY` header's key; None if it names none."""
-        scheme, _, token = authorization.partition(" ")
-        if scheme.lower() != "bearer":
+        token = bearer_token(authorization)
+        if token is None:
             return None
         # Looked up by digest: how long a lookup takes depends on the digest, which tells
         # nothing of the keys.
-        return self._tenants.get(_digest(token.strip()))
+        return self._tenants.get(_digest(token))
+
+
+def bearer_token(authorization: str) -> str | None:
+    """The KEY of an `Authorization: Bearer KEY` header; None for any other header."""
+    scheme, _, token = authorization.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else None
+
+
+def holds_key(authorization: str, key: str) -> bool:
+    """Whether an `Authorization: Bearer KEY` header carries `key` (the admin key), compared
+    in constant time."""
+    token = bearer_token(authorization)
+    return token is not None and hmac.compare_digest(token.encode(), key.encode())
 
 
 def scoped_uuid(tenant: str, uuid: str) -> str:
