@@ -311,6 +311,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             prefill_decode=(pds[0].url,),
             port=0,
             admin_key=ADMIN_KEY,
+            route_headers=True,  # the tests read each answer's route
             health_interval_s=1.0,
             events_port=EVENTS_PORT,
             events_key_file=str(deployment.proxy_key.secret_path),

@@ -79,7 +79,9 @@ def run_proxy(config: ProxyConfig) -> int:
     (`ecshare.apps.proxy.server.serve_worker`), or `config.workers` under `supervise`."""
     if not config.keys() and config.host not in ("127.0.0.1", "::1", "localhost"):
         log.warning(
-            "serving on %s without an API key: anyone who can connect may use it", config.host
+            "serving on %s without an API key: anyone who can connect may use it and read "
+            "its /metrics, which name the backends",
+            config.host,
         )
     if config.workers > 1:
         return supervise(config)
