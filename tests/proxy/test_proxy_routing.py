@@ -142,6 +142,19 @@ def test_request_id_reaches_every_backend(rig: Rig) -> None:
     assert pd_call.headers["x-request-id"] == "req-42"
 
 
+def test_ids_the_proxy_makes_share_its_prefix_and_count_nothing(rig: Rig) -> None:
+    # A counter in the id would tell a caller how many requests others sent meanwhile.
+    proxy = rig.start_proxy()
+    for _ in range(3):
+        proxy.post(CHAT, chat(IMAGE_A))
+    ids = [call.headers["x-request-id"] for call in rig.prefill_decode[0].calls]
+    assert len(ids) == 3 and len(set(ids)) == 3
+    prefixes = {i.rsplit("-", 1)[0] for i in ids}
+    tails = [i.rsplit("-", 1)[1] for i in ids]
+    assert len(prefixes) == 1
+    assert all(len(tail) == 16 and int(tail, 16) >= 0 for tail in tails)  # 64 random bits
+
+
 def test_without_encoders_media_goes_to_prefill_decode_and_is_no_fallback(rig: Rig) -> None:
     proxy = rig.start_proxy(encoders=())
     proxy.openai().chat.completions.create(**chat(IMAGE_A))

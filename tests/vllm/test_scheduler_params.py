@@ -209,6 +209,8 @@ def test_an_item_size_comes_from_the_store_table_and_an_unknown_dtype_is_refused
 # -- a consumer that stops answering ---------------------------------------------------------
 
 
+# The thread's death is the injected fault itself; pytest would print it as a warning.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_fetches_of_a_dead_consumer_thread_end_in_local_encoding_and_report_unhealthy(
     ec: EC, monkeypatch: pytest.MonkeyPatch
 ) -> None:

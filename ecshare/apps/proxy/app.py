@@ -54,8 +54,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import itertools
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -101,9 +101,9 @@ _ENDPOINTS = {
 _AUTHENTICATED = frozenset({"chat", "completions", "models", "other"})
 _GENERATING = frozenset({"chat", "completions"})  # counted against the tenant's in-flight
 _MAX_REQUEST_ID = 128
-# Request ids the proxy makes: unique across proxies by the prefix, cheap by the counter.
+# Request ids the proxy makes: the process's prefix (for its logs), then random bits: a
+# counter would tell a caller how many requests others sent between two of its own.
 _ID_PREFIX = uuid.uuid4().hex[:16]
-_ID_COUNTER = itertools.count()
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -500,7 +500,7 @@ def without_client_params(body: dict[str, Any]) -> dict[str, Any]:
 
 def _request_id(request: web.Request) -> str:
     given = request.headers.get("X-Request-Id", "")
-    return given[:_MAX_REQUEST_ID] if given else f"{_ID_PREFIX}-{next(_ID_COUNTER)}"
+    return given[:_MAX_REQUEST_ID] if given else f"{_ID_PREFIX}-{secrets.token_hex(8)}"
 
 
 def _state(backend: Backend) -> BackendState:
