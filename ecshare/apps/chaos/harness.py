@@ -113,7 +113,8 @@ class ChaosRun(Verdict):
                     recovering = self.tally.delivered <= delivered_at_last_kind
                 else:
                     recovering = False
-                if recovering:
+                short = self.tally.delivered < o.min_delivered
+                if (recovering or short) and now - started <= o.every_fault_within_s:
                     self.budget += o.inflight_per_consumer
                 elif not missing or now - started > o.every_fault_within_s:
                     for kind in missing:

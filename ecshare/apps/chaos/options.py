@@ -107,6 +107,10 @@ class ChaosOptions:
     large_read_bytes: int = 4 * MiB  # the mid-read faults wait for a read at least this large
     read_wait_s: float = 3.0  # how long such a fault waits for one before it is dealt again
     every_fault_within_s: float = 300.0  # run on past `fetches` until every kind has run
+    # Run on past `fetches` (within every_fault_within_s) until this many were delivered:
+    # fetches that fail fast while a link is down use up the budget in a moment, and a
+    # run that served few shows little of the paths that serve.
+    min_delivered: int = 0
     verbose: bool = False  # children log warnings (peer failures are expected here)
     # The share of fetch batches that come with a push: a producer pushes the items to
     # the consumer, which fetches them at the same time (announced as pushed or not)
