@@ -19,6 +19,8 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
+from concurrent.futures import Future
+from typing import Any
 
 import pytest
 from loopback_testing import MakeLoopConsumer, MakeLoopProducer
@@ -62,6 +64,40 @@ def proxy_of() -> Iterator[list[FaultProxy]]:
         proxy.close()
 
 
+def _pushing_pair(
+    loop_producer: MakeLoopProducer,
+    loop_consumer: MakeLoopConsumer,
+    keyring: Keyring,
+    proxy_of: list[FaultProxy],
+    h: str,
+    *,
+    seed: int,
+    consumer_config: dict[str, object] = PUSH,
+) -> tuple[Any, Producer, FaultProxy, Any, Any]:
+    """A producer holding `h` (1 MiB), a push consumer behind a fault proxy, one warm
+    push done: (producer node, producer, proxy, consumer node, consumer)."""
+    pnode, producer = loop_producer(
+        keyring.producer_config(), entries={"w": 4096, h: 1 << 20}, completion=Completion.SYNC
+    )
+    proxy = FaultProxy("127.0.0.1", producer.port, faults=Faults(), seed=seed)
+    proxy_of.append(proxy)
+    cnode, consumer = loop_consumer(keyring.consumer_config(), consumer_config)
+    consumer.connect([proxy.address])
+    assert _push_when_connected(producer, "w")
+    return pnode, producer, proxy, cnode, consumer
+
+
+def _push_standing_still(cnode: Any, producer: Producer, consumer: Any, h: str) -> Future[Any]:
+    """Push `h` with the write into the consumer's region standing still, once posted:
+    else a session lost first ends the offer unwritten, and its PushDone (a word)
+    rightly frees the blocks."""
+    cnode.transport.stall()
+    push = producer.push(h, to="pd-0")
+    wait_until(lambda: consumer.push_pending(h), timeout_s=5)
+    wait_until(lambda: producer.counters["push_writes"] == 2, timeout_s=5)
+    return push
+
+
 @pytest.mark.parametrize("kind", [FailureKind.BACKEND, FailureKind.INVALID])
 def test_a_probe_failing_for_another_reason_leaves_the_push_fenced_and_counted(
     loop_producer: MakeLoopProducer,
@@ -70,25 +106,14 @@ def test_a_probe_failing_for_another_reason_leaves_the_push_fenced_and_counted(
     proxy_of: list[FaultProxy],
     kind: FailureKind,
 ) -> None:
-    h, n = "fenced-1", 1 << 20
-    pnode, producer = loop_producer(
-        keyring.producer_config(), entries={"w": 4096, h: n}, completion=Completion.SYNC
+    h = "fenced-1"
+    pnode, producer, proxy, cnode, consumer = _pushing_pair(
+        loop_producer, loop_consumer, keyring, proxy_of, h, seed=3
     )
-    proxy = FaultProxy("127.0.0.1", producer.port, faults=Faults(), seed=3)
-    proxy_of.append(proxy)
-    cnode, consumer = loop_consumer(keyring.consumer_config(), PUSH)
-    consumer.connect([proxy.address])
-    assert _push_when_connected(producer, "w")
-
     # Every READ from the producer fails, for a reason that is not its being gone.
     producer_agent = pnode.transport.name
     cnode.transport.fail_next(10_000, kind, peer=producer_agent)
-    cnode.transport.stall()  # the write into our region stands still
-    push = producer.push(h, to="pd-0")
-    wait_until(lambda: consumer.push_pending(h), timeout_s=5)
-    # Posted: else a session lost first ends the offer unwritten, and its PushDone
-    # (a word) rightly frees the blocks.
-    wait_until(lambda: producer.counters["push_writes"] == 2, timeout_s=5)
+    push = _push_standing_still(cnode, producer, consumer, h)
 
     # The session is lost, and stays lost for a while: probes run, and say nothing.
     proxy.hold(3.0)
@@ -138,20 +163,12 @@ def test_a_data_plane_closed_while_the_consumer_stops_ends_its_thread_without_a_
     # still be in its last steps, probing a fenced push: that probe, or any other use of
     # the closed data plane after the stop, ends the thread quietly (a CI run saw
     # `TransportError: transport is closed` kill it).
-    h, n = "fenced-2", 1 << 20
-    _pnode, producer = loop_producer(
-        keyring.producer_config(), entries={"w": 4096, h: n}, completion=Completion.SYNC
-    )
-    proxy = FaultProxy("127.0.0.1", producer.port, faults=Faults(), seed=4)
-    proxy_of.append(proxy)
-    cnode, consumer = loop_consumer(keyring.consumer_config(), {**PUSH, "shutdown_timeout_s": 4.0})
-    consumer.connect([proxy.address])
-    assert _push_when_connected(producer, "w")
-
-    cnode.transport.stall()  # the write into our region stands still
-    producer.push(h, to="pd-0")
-    wait_until(lambda: consumer.push_pending(h), timeout_s=5)
-    wait_until(lambda: producer.counters["push_writes"] == 2, timeout_s=5)
+    h = "fenced-2"
+    _pnode, producer, proxy, cnode, consumer = _pushing_pair(
+        loop_producer, loop_consumer, keyring, proxy_of, h, seed=4,
+        consumer_config={**PUSH, "shutdown_timeout_s": 4.0},
+    )  # fmt: skip
+    _push_standing_still(cnode, producer, consumer, h)
     proxy.hold(30.0)  # the session is lost: the reservation is orphaned and probed
     wait_until(lambda: consumer.counter_snapshot().get("push_probes", 0) >= 1, timeout_s=10)
 
