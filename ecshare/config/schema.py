@@ -592,6 +592,17 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
             "never run it: they progress their own reads.",
         ),
     ] = True
+    ucx_keepalive: Annotated[
+        bool,
+        Meta(
+            description="Leave UCX's endpoint keepalive on. Off (the default) sets "
+            "UCX_KEEPALIVE_INTERVAL=inf for the NIXL agent unless the environment sets it: "
+            "with it on, once two instances transfer both ways (reads one way, pushes the "
+            "other), each transfer that cross-memory attach ends inside the call waits "
+            "instead for the other instance's thread to poll its data plane. A killed peer "
+            "is found either way; a silent one by ecshare's heartbeats and deadlines.",
+        ),
+    ] = False
     ucx_tls: Annotated[
         Annotated[str, Meta(min_length=1)] | None,
         Meta(

@@ -515,7 +515,7 @@ class Consumer(NetworkThread, Phased):
         if self._inbox.awaiting_writes:
             # Writes into our region over TCP land only as our data plane progresses.
             self._deliver()
-            self._wait_pushes()
+            self._wait_pushes(poller)
             wake_at = now
         elif self._inbox.busy:
             wake_at = min(wake_at, now + 0.005)  # fenced pushes: their probes and notices
@@ -572,16 +572,17 @@ class Consumer(NetworkThread, Phased):
             took = now - g.requested_at
             self._reply_s = took if not self._reply_s else 0.8 * self._reply_s + 0.2 * took
 
-    def _wait_pushes(self) -> None:
+    def _wait_pushes(self, poller: zmq.Poller) -> None:
         """Progress our data plane for up to `READ_WAIT_S`, napping between, and keep
-        the notices for the inbox; returns early on the first one (see `Reads.wait`)."""
+        the notices for the inbox; returns early on the first one, or once a socket of
+        `poller` is ready: a push's word is its PushDone, on the control plane."""
         until = time.monotonic() + READ_WAIT_S
         while True:
             notes = self._notices.take("push")
             if notes:
                 self._notes.extend(notes)
                 return
-            if time.monotonic() >= until:
+            if time.monotonic() >= until or poller.poll(0):
                 return
             time.sleep(READ_NAP_S)
 

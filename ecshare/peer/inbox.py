@@ -1,6 +1,6 @@
 """The consumer's side of push: reserve blocks for offers, commit what was written.
 
-    RESERVED --written (PushDone or notification), checked--> COMMITTED
+    RESERVED --written (PushDone or notice), checked--> COMMITTED
        |   \\--not written (PushDone)--> RELEASED      (the blocks go back at once)
        \\--given up (deadline, session lost, bad data, stop)--> FENCED --write ended--> RELEASED
 
@@ -12,7 +12,8 @@ counted, and learns nothing: no extents, no layout.
 A reservation is an ALLOCATED entry: never announced, never READY, never a
 local hit. Its blocks are the producer's to write from the ACCEPTED reply until
 one of these words that the write is over, and only these:
-- the write's NIXL notification (our own data plane: the data has landed);
+- the push's notice on our own data plane, which the producer sends once its
+  write is DONE where its `PushDone` must wait for a later session;
 - the producer's `PushDone`, which it sends only once its data plane has ended
   the write (DONE or FAILED on the handle it holds) or when it never posted one;
 - our own data plane's word that the producer cannot write any more: a probe

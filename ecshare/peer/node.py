@@ -100,6 +100,7 @@ def make_transport(config: Config, name: str, *, serves_reads: bool = True) -> D
         backends=tuple(config.nixl_backends),
         progress_thread=config.nixl_progress_thread and serves_reads,
         ucx_env=ucx_env,
+        keepalive=config.ucx_keepalive,
     )
 
 

@@ -460,10 +460,7 @@ class Producer(NetworkThread, Phased):
 
     def _end_session(self, session: Session, why: str, *, keep_leases: bool) -> None:
         if self._pusher is not None:
-            agent = self._pusher.target_ended(session.session_id)
-            if agent:
-                # Retired, not dropped: writes still moving keep it until they end.
-                self._transport.remove_peer(agent)
+            self._pusher.target_ended(session.session_id)
         endpoints = self._endpoints
         if endpoints is not None and endpoints.lanes is not None:
             endpoints.lanes.forget(session.session_id)

@@ -10,7 +10,12 @@ producer's allow-list like any other, can be pushed to. The push pins its
 source entry (owner ``push:<session>``) from the offer until the data plane
 has ended the write: DONE or FAILED on the handle we hold, never a timeout, a
 session ending or a word from the consumer. Only then is the consumer told
-(`PushDone`), and only then may it reuse the blocks it reserved. An accepted
+(`PushDone`), and only then may it reuse the blocks it reserved. The write
+carries no NIXL notification: one would hold its DONE, and the next transfer's
+on that endpoint, until the consumer's thread polls its data plane. Where the
+`PushDone` must wait for a later session, the push's notice is sent on the data
+plane once the write is DONE (`_notice`), so that a consumer that fenced the
+blocks hears of the write's end without that session. An accepted
 offer we decide not to write (we gave up waiting for the answer) is answered
 `PushDone(written=False)` at once, so the consumer's blocks go back.
 
@@ -22,7 +27,7 @@ Standing credit. A consumer may grant a session a credit (`PushCredit`): blocks
 reserved ahead of time. A push whose item fits the credit held skips the offer:
 it says what it writes (`PushCredited`, before the write, on the same session)
 and writes into the credit's first bytes at once; the rest is as above, its
-`PushDone` and notification naming the credit. A credit is used once; the
+`PushDone` (and notice) naming the credit. A credit is used once; the
 consumer grants the next. Otherwise (none held, the item too large) the push
 offers, as ever. A credit still unused when its session ends is returned with a
 `PushDone(written=False)`, kept for the consumer's next session like any other;
@@ -165,6 +170,8 @@ class Pusher:
         self._targets: dict[str, PushTarget] = {}  # session id -> target
         # (user, push name) -> PushDones whose session ended before the write did.
         self._unreported: dict[tuple[str, str], collections.deque[p.PushDone]] = {}
+        # Consumer agents no session uses, unloaded once their last write has ended.
+        self._retiring: set[str] = set()
         # Credit ids a consumer said are void: never written, whenever their grant comes.
         self._void_credits: collections.OrderedDict[str, None] = collections.OrderedDict()
         # Per-item timestamps of each step of a push (see peer/phases.py); off unless set.
@@ -210,15 +217,13 @@ class Pusher:
             target.send(done)
             self._count("push_done_reported_late", 1)
 
-    def target_ended(self, session_id: str) -> str:
+    def target_ended(self, session_id: str) -> None:
         """The session is gone: offers end unwritten, writes run on to the backend's end.
-
-        Returns the consumer's agent name when no other session still uses it (the
-        caller retires it from the transport), else "".
-        """
+        The consumer's agent is unloaded once no session uses it and no write to it is
+        moving (`_retire_unused`)."""
         target = self._targets.pop(session_id, None)
         if target is None:
-            return ""
+            return
         if target.credit is not None:
             # Unused: its blocks are the consumer's again, which it hears on its next session.
             self._report_later(target, self._returned(target.session_id, target.credit))
@@ -231,8 +236,20 @@ class Pusher:
                 # It may have reserved blocks whose answer never came: it hears
                 # PushDone on its next session, if it has one.
                 self._end(push, PushState.FAILED, "the consumer's session ended", tell=True)
-        still = any(t.agent == target.agent for t in self._targets.values())
-        return "" if still else target.agent
+        self._retire_unused(target.agent)
+
+    def _retire_unused(self, agent: str) -> None:
+        """Unload a consumer's agent that no session uses, once no write to it moves: a
+        write ending after its session sends its notice first (`_notice`), which an
+        unloaded agent could not take."""
+        if any(t.agent == agent for t in self._targets.values()):
+            self._retiring.discard(agent)
+            return
+        if any(x.target.agent == agent and x.handle is not None for x in self._pushes.values()):
+            self._retiring.add(agent)
+            return
+        self._retiring.discard(agent)
+        self._transport.remove_peer(agent)
 
     def offer_requested(self) -> None:
         """Offer what `request` queued: first thing once woken, as each push's write
@@ -460,9 +477,7 @@ class Pusher:
             return
         segments = pair_segments(entry.extents, dest)
         push.move(PushState.WRITING)
-        push.handle = self._transport.write(
-            push.target.agent, segments, PUSH_NOTICE + push.push_id.encode()
-        )
+        push.handle = self._transport.write(push.target.agent, segments)
         if self.phases is not None:
             self.phases.mark(push.mm_hash, "write_posted")
         self._count("push_writes", 1)
@@ -491,6 +506,18 @@ class Pusher:
         else:
             self._count("push_write_failures", 1)
             self._end(push, PushState.FAILED, f"write failed: {status.detail}", tell=True)
+        if push.target.agent in self._retiring:
+            self._retire_unused(push.target.agent)
+
+    def _notice(self, push: _Push) -> None:
+        """The written push's word on the data plane, for a push whose PushDone must wait
+        for a later session: the consumer may have fenced its blocks (see `inbox`). Not
+        sent otherwise: a NIXL notification makes the next transfer on the endpoint wait
+        for the consumer's progress (docs/PUSH.md, "Performance")."""
+        if self._transport.note(push.target.agent, PUSH_NOTICE + push.push_id.encode()):
+            self._count("push_notices", 1)
+        else:
+            self._count("push_notices_unsent", 1)  # the kept PushDone still says it
 
     def _report_later(self, gone: PushTarget, done: p.PushDone) -> None:
         """The session that asked is gone: tell the consumer's newest session of the
@@ -527,6 +554,8 @@ class Pusher:
                 self.phases.mark(push.mm_hash, "done_sent")
             if push.session_gone or not push.target.send(done):
                 self._report_later(push.target, done)
+                if state is PushState.PUSHED:
+                    self._notice(push)
         if state is not PushState.PUSHED:
             self._count("push_failed" if state is PushState.FAILED else "push_refused", 1)
         outcome = PushOutcome(

@@ -173,6 +173,11 @@ class WritingTransport(DataTransport, Protocol):
         remote progress. Polled and released like a read; `notify` reaches the peer once
         the data has landed."""
 
+    def note(self, peer: str, message: bytes) -> bool:
+        """Send `message` to `peer`'s `progress`, bound to no transfer; False where it could
+        not be sent. Sent once a write is DONE, it says what the write's `notify` would,
+        without holding the write's DONE until the peer has taken it."""
+
 
 def writer_of(transport: DataTransport) -> WritingTransport | None:
     """`transport` if it can write (push), else None."""

@@ -241,6 +241,25 @@ class Ledger(abc.ABC, Generic[H, P]):
         """
         return self._post("WRITE", peer, segments, notify)
 
+    def note(self, peer: str, message: bytes) -> bool:
+        """Send `message` to `peer`'s `progress`, bound to no transfer; False where it could
+        not be sent (an unknown peer, or one removed and unloaded; a closed transport; the
+        backend's refusal). A removed peer still loaded for its transfers is sent to.
+
+        A writer that waits for its write's DONE and then calls this tells the peer what
+        `write(..., notify=...)` would, at the same point or later: the data has landed.
+        It does not make the write's DONE wait for the peer to take the message, as a
+        write's own notification does where the backend sends it only after the write has
+        completed (NIXL's UCX backend: the write is DONE only once the peer has progressed).
+        """
+        with self._lock:
+            if self._closed:
+                return False
+            p = self._peers.get(peer) or self._retired.get(peer)
+            if p is None:
+                return False
+            return self._send_note(p, bytes(message))
+
     def release(self, handle: ReadHandle) -> None:
         """The caller is done with a transfer. A PENDING one is abandoned, not stopped.
 
@@ -291,6 +310,10 @@ class Ledger(abc.ABC, Generic[H, P]):
     @abc.abstractmethod
     def _launch(self, handle: H, peer: P, segments: Sequence[Segment], notify: bytes) -> None:
         """Post a checked transfer; it joins `peer.reads` unless it has already ended."""
+
+    @abc.abstractmethod
+    def _send_note(self, peer: P, message: bytes) -> bool:
+        """Send a message bound to no transfer to a loaded peer (`note`)."""
 
     def _let_go(self, handle: H) -> None:
         """The backend's part of an ended transfer goes."""

@@ -331,6 +331,13 @@ class LoopbackTransport(Ledger[LoopbackRead, _Peer]):
         if target._completion is not Completion.TARGET:
             target._drive(handle)
 
+    def _send_note(self, peer: _Peer, message: bytes) -> bool:
+        target = peer.target
+        if target._closed:
+            return False
+        target._notes.append((self._name, message))
+        return True
+
     def _let_go(self, handle: LoopbackRead) -> None:
         handle.told = False
         target = handle.target

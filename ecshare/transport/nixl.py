@@ -30,6 +30,20 @@ progress loop (about 1 ms with a 1 ms poll, against 0.05 ms without notify
 for 64 KiB). A consumer normally reports completion on the control plane
 instead and leaves `notify` empty.
 
+Keepalive. UCX checks the liveness of an endpoint whose peer may fail
+(NIXL asks for that error handling) with keepalive messages on the peer's
+active-message lane, TCP here. Once the peer has used its own endpoint back to
+us (it reads from us, we write to it), every flush of ours then waits for the
+peer's worker to progress, and NIXL flushes each transfer: a cross-memory-attach
+READ or WRITE that would end inside the call stays PENDING until the other
+process's thread next polls its data plane, 0.1 to 3 ms on this host, or for
+as long as that thread sleeps. So agents are created with
+``UCX_KEEPALIVE_INTERVAL=inf`` unless the caller or the environment sets it.
+Nothing here relies on it: a killed peer still fails its transfers at once
+(its sockets close, cross-memory attach finds no process), and a peer that is
+alive but silent is found by the control plane's heartbeats and deadlines,
+which UCX's keepalive would not shorten (the peer's kernel still answers it).
+
 Blocking. Over cross memory attach the copy runs synchronously inside `read`
 (about 1.2 ms for 16 MiB, 6 ms for 64 MiB). Never call `read` on a thread an
 engine waits on.
@@ -129,6 +143,7 @@ _ENV_LOCK = threading.Lock()
 # How long NIXL's progress thread sleeps in poll() on the UCX worker's event fd
 # when no event comes (see the module docstring): a fallback, not a poll rate.
 _PROGRESS_THREAD_WAKE_US = 100_000
+_KEEPALIVE = "UCX_KEEPALIVE_INTERVAL"
 
 
 _CUDA_STACKS = ("torch", "cuda.bindings", "cupy")
@@ -214,6 +229,16 @@ def may_attach(ucx_tls: str) -> bool:
     if ucx_tls.startswith("^"):
         return not names & {"cma", "sm", "shm"}
     return not names or "all" in names or local
+
+
+def agent_env(ucx_env: Mapping[str, str], *, keepalive: bool = False) -> dict[str, str]:
+    """The UCX settings an agent is created under: `ucx_env`, and UCX's endpoint
+    keepalive off (``UCX_KEEPALIVE_INTERVAL=inf``) unless `keepalive`, `ucx_env` or the
+    process's environment says otherwise (see "Keepalive" in the module docstring)."""
+    env = dict(ucx_env)
+    if not keepalive and _KEEPALIVE not in env and _KEEPALIVE not in os.environ:
+        env[_KEEPALIVE] = "inf"
+    return env
 
 
 @contextlib.contextmanager
@@ -333,9 +358,11 @@ class NixlTransport(Ledger[NixlRead, _Peer]):
         num_threads: int = 0,
         ucx_env: Mapping[str, str] | None = None,
         prepared_block_size: int = 0,
+        keepalive: bool = False,
     ) -> None:
         """`ucx_env` (e.g. ``{"UCX_TLS": "tcp"}``) is applied while the agent is
-        created only. `prepared_block_size` > 0 turns on prepared descriptor lists."""
+        created only. `prepared_block_size` > 0 turns on prepared descriptor lists.
+        `keepalive` leaves UCX's endpoint keepalive on (see "Keepalive" above)."""
         super().__init__(name, threading.Lock())
         if prepared_block_size < 0:
             raise ValueError("prepared_block_size must be >= 0")
@@ -352,7 +379,7 @@ class NixlTransport(Ledger[NixlRead, _Peer]):
             num_threads=num_threads,
         )
         try:
-            with _environ(ucx_env or {}):
+            with _environ(agent_env(ucx_env or {}, keepalive=keepalive)):
                 self._agent: Any = _create_agent(nixl_api, name, config)
         except Exception as e:
             raise TransportError(f"cannot create NIXL agent {name!r}: {e}") from e
@@ -505,6 +532,14 @@ class NixlTransport(Ledger[NixlRead, _Peer]):
 
     def _let_go(self, handle: NixlRead) -> None:
         self._release_xfer(handle)
+
+    def _send_note(self, peer: _Peer, message: bytes) -> bool:
+        try:
+            self._agent.send_notif(peer.info.agent_name, message)
+        except Exception as e:
+            log.warning("NIXL notification to %s failed: %s", peer.info.agent_name, e)
+            return False
+        return True
 
     # ------------------------------------------------------------------ NIXL
 

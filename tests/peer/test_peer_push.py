@@ -56,6 +56,7 @@ from ecshare.peer import (
 from ecshare.peer.notices import Notices
 from ecshare.store import EntryState, Store, StoreFull
 from ecshare.transport import NixlTransport, ReadState, ReadStatus, Segment
+from ecshare.transport.base import writer_of
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -679,11 +680,15 @@ def test_shared_node_hands_push_notices_to_its_consumer_while_its_producer_serve
 ) -> None:
     """An engine that encodes and consumes runs a Producer and a Consumer over one
     transport. While its producer serves TCP reads (its loop progresses the shared data
-    plane flat out), every push into its consumer still commits on the write's own
-    notification, never mistaken by the producer for a grant's."""
+    plane flat out), every push into its consumer commits, and every push notice the
+    pushing producer's data plane sends it (the word a push whose PushDone must wait for
+    a later session gets, `Pusher._notice`) reaches the consumer, never mistaken by the
+    producer for a grant's."""
     items = {f"shared-push-{i}": 1 << 20 for i in range(12)}
     served = {"served-0": 4 << 20}
-    _remote, producer = make_producer(keyring.producer_config(), TCP, entries=items)
+    remote, producer = make_producer(keyring.producer_config(), TCP, entries=items)
+    pushing = writer_of(remote.transport)
+    assert pushing is not None
     engine = Node.create(
         config_of(keyring.producer_config(), keyring.consumer_config(), PUSH, TCP), "engine"
     )
@@ -708,17 +713,21 @@ def test_shared_node_hands_push_notices_to_its_consumer_while_its_producer_serve
         assert push_when_connected(producer, first).pushed
         outcomes = [producer.push(h, to="pd-0") for h in rest]
         assert all(f.result(timeout=30).pushed for f in outcomes)
+        # As a push's notice is sent (from the pusher's agent), while the engine's producer
+        # loop still progresses the shared data plane for the reads it serves.
+        for i in range(len(items)):
+            assert pushing.note(engine.transport.name, f"push:n{i}".encode())
+        wait_until(
+            lambda: own_consumer.counter_snapshot().get("push_notices", 0) == len(items),
+            timeout_s=10,
+            detail=lambda: own_consumer.counter_snapshot(),
+        )
         stop.set()
         pulls.join(timeout=20)
 
         wait_until(lambda: all(ready(engine.store, h) for h in items), timeout_s=10)
         for h, n in items.items():
             np.testing.assert_array_equal(stored_bytes(engine, h), expected(h, n))
-        wait_until(
-            lambda: own_consumer.counter_snapshot().get("push_notices", 0) == len(items),
-            timeout_s=10,
-            detail=lambda: own_consumer.counter_snapshot(),
-        )
         assert own_producer.counters["bad_notifications"] == 0
         assert own_consumer.counter_snapshot().get("unexpected_notifications", 0) == 0
         assert reader.counter_snapshot()["fetched"] >= 1  # the producer did serve meanwhile

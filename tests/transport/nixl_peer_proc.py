@@ -33,14 +33,20 @@ def address(mm: mmap.mmap) -> int:
 
 
 def _serve(
-    conn: Connection, name: str, size: int, seed: int, env: dict[str, str], stderr: str | None
+    conn: Connection,
+    name: str,
+    size: int,
+    seed: int,
+    env: dict[str, str],
+    stderr: str | None,
+    transport_kw: dict[str, Any],
 ) -> None:
     if stderr is not None:  # UCX writes its fatal errors straight to descriptor 2
         os.dup2(os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), 2)
     os.environ.update(env)
     mm = mmap.mmap(-1, size)
     np.frombuffer(mm, dtype=np.uint8)[:] = pattern(seed, size)
-    t = NixlTransport(name)
+    t = NixlTransport(name, **transport_kw)
     t.register(address(mm), size)
     conn.send(t.local_info())
     notifs: list[tuple[str, bytes]] = []
@@ -61,6 +67,17 @@ def _serve(
         elif cmd == "sleep":  # stop progressing for a while
             time.sleep(arg)
             conn.send(None)
+        elif cmd == "read_from":  # read a peer's first bytes into ours, driving it to its end
+            info, length = arg
+            if info.agent_name not in t.peers:
+                t.add_peer(info)
+            h = t.read(info.agent_name, [Segment(0, 0, length)])
+            until = time.monotonic() + 10
+            while t.poll(h).state is ReadState.PENDING and time.monotonic() < until:
+                pass
+            state = t.poll(h).state
+            t.release(h)
+            conn.send(state.value)
         elif cmd == "stop":
             t.close()
             conn.send(None)
@@ -77,6 +94,7 @@ class Producer:
         seed: int,
         env: Mapping[str, str] | None = None,
         stderr: Path | None = None,
+        transport_kw: Mapping[str, Any] | None = None,
     ) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
@@ -91,6 +109,7 @@ class Producer:
                 seed,
                 {**LOOPBACK, **(env or {})},
                 None if stderr is None else str(stderr),
+                dict(transport_kw or {}),
             ),
             daemon=True,
         )
