@@ -421,6 +421,8 @@ COUNTED: Final[tuple[Counted, ...]] = (
         "push_late_replies",
         "push_duplicate_replies",
         "push_done_reported_late",
+        "push_notices",
+        "push_notices_unsent",
         "push_peer_refused",
         "push_credits",
         "push_credits_refused",
