@@ -170,8 +170,6 @@ class Pusher:
         self._targets: dict[str, PushTarget] = {}  # session id -> target
         # (user, push name) -> PushDones whose session ended before the write did.
         self._unreported: dict[tuple[str, str], collections.deque[p.PushDone]] = {}
-        # Consumer agents no session uses, unloaded once their last write has ended.
-        self._retiring: set[str] = set()
         # Credit ids a consumer said are void: never written, whenever their grant comes.
         self._void_credits: collections.OrderedDict[str, None] = collections.OrderedDict()
         # Per-item timestamps of each step of a push (see peer/phases.py); off unless set.
@@ -239,16 +237,14 @@ class Pusher:
         self._retire_unused(target.agent)
 
     def _retire_unused(self, agent: str) -> None:
-        """Unload a consumer's agent that no session uses, once no write to it moves: a
-        write ending after its session sends its notice first (`_notice`), which an
-        unloaded agent could not take."""
-        if any(t.agent == agent for t in self._targets.values()):
-            self._retiring.discard(agent)
+        """Unload a consumer's agent that no session uses, once no write to it moves (the
+        last such write, ending after its session, calls this again): a write ending after
+        its session sends its notice first (`_notice`), which an unloaded agent could not
+        take."""
+        if any(t.agent == agent for t in self._targets.values()) or any(
+            x.target.agent == agent and x.handle is not None for x in self._pushes.values()
+        ):
             return
-        if any(x.target.agent == agent and x.handle is not None for x in self._pushes.values()):
-            self._retiring.add(agent)
-            return
-        self._retiring.discard(agent)
         self._transport.remove_peer(agent)
 
     def offer_requested(self) -> None:
@@ -506,7 +502,7 @@ class Pusher:
         else:
             self._count("push_write_failures", 1)
             self._end(push, PushState.FAILED, f"write failed: {status.detail}", tell=True)
-        if push.target.agent in self._retiring:
+        if push.session_gone:
             self._retire_unused(push.target.agent)
 
     def _notice(self, push: _Push) -> None:
