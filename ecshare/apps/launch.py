@@ -23,7 +23,7 @@ It serves the model on the hardware it finds: one GPU per instance, round-robin 
 the NVIDIA GPUs it sees, with vLLM's own defaults; or, with `--cpu` or where it finds
 no GPU, the CPU test settings of `ecshare.vllm.servers` (`CPU_ARGS`, `CPU_ENV`), each
 instance bound to its own core, with its worker in its engine process on one thread
-(`CPU_LAUNCH_ENV_DEFAULTS`). `--help` lists every argument and variable it passes.
+(`CPU_ENV_DEFAULTS`). `--help` lists every argument and variable it passes.
 
 Before it starts anything it checks the model path, each instance's config (as its
 connector will decode it), every port set in advance (the proxy's, and any the extra
@@ -67,8 +67,8 @@ from ecshare.apps.launch_checks import (
     find_gpus,
     is_loopback,
 )
-from ecshare.apps.launch_options import CPU_LAUNCH_ENV_DEFAULTS, Device, LaunchOptions
 from ecshare.apps.launch_options import GPU_MEMORY_SHARE as GPU_MEMORY_SHARE
+from ecshare.apps.launch_options import Device, LaunchOptions
 from ecshare.apps.launch_options import add_launch_arguments as add_launch_arguments
 from ecshare.apps.launch_options import options_from_args as options_from_args
 from ecshare.apps.proxy.config import API_KEY_ENV
@@ -119,7 +119,6 @@ def plan_servers(
     name = options.served_model_name or options.model
     model = Path(options.model)
     total = options.encoders + options.prefill_decode
-    cpu_env = {k: v for k, v in CPU_LAUNCH_ENV_DEFAULTS.items() if k not in os.environ}
     per_gpu = Counter(gpus[n % len(gpus)] for n in range(total)) if gpus else Counter()
 
     def server(role: str, index: int, n: int, extra: dict[str, Any]) -> VllmServer:
@@ -140,7 +139,6 @@ def plan_servers(
             gpu_memory_utilization=(
                 int(GPU_MEMORY_SHARE / share * 100) / 100 if share > 1 else None
             ),
-            extra_env=cpu_env if gpus is None else {},
         )
         kind = "encoder" if role == "ec_producer" else "prefill_decode"
         return VllmServer(spec, workdir / f"{kind}{index}.log")

@@ -18,13 +18,6 @@ from ecshare.vllm.servers import CPU_ARGS, CPU_ENV, CPU_ENV_DEFAULTS, ENV_DEFAUL
 Device = Literal["auto", "cpu", "gpu"]
 # The share of a GPU's memory vLLM takes by default, split between instances on one GPU.
 GPU_MEMORY_SHARE = 0.9
-# With --cpu, unless already set: each instance runs its one worker inside its engine
-# process, on one OpenMP thread (it has one core), because vLLM's multiprocess executor
-# keeps a worker spinning for a second after every step (docs/VLLM.md, "CPU per request").
-CPU_LAUNCH_ENV_DEFAULTS: dict[str, str] = {
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "OMP_NUM_THREADS": "1",
-}
 
 
 @dataclass
@@ -58,7 +51,7 @@ def _epilog() -> str:
     cpu_env = textwrap.fill(
         " ".join(f"{k}={v}" for k, v in CPU_ENV.items())
         + " VLLM_CPU_OMP_THREADS_BIND=(its own core, round-robin), and "
-        + " ".join(f"{k}={v}" for k, v in {**CPU_ENV_DEFAULTS, **CPU_LAUNCH_ENV_DEFAULTS}.items())
+        + " ".join(f"{k}={v}" for k, v in CPU_ENV_DEFAULTS.items())
         + " where not already set",
         88,
         initial_indent=indent,

@@ -78,12 +78,23 @@ CPU_ARGS: tuple[str, ...] = (
     "--enforce-eager", "--limit-mm-per-prompt", '{"image": 2, "video": 0}',
 )  # fmt: skip
 # Their environment, beside VLLM_CPU_OMP_THREADS_BIND (the instance's core): the CPU
-# platform, a 1 GiB KV cache, and no model hub unless the environment says otherwise.
+# platform and a 1 GiB KV cache; and, unless the environment says otherwise, no model hub,
+# and the worker inside the engine process on one OpenMP thread (it has one core). vLLM's
+# multiprocess executor keeps its worker spinning for a second after every step, and
+# starts a third process that imports torch and vLLM again (docs/VLLM.md, "CPU per
+# request").
 CPU_ENV: dict[str, str] = {
     "VLLM_TARGET_DEVICE": "cpu",
     "VLLM_CPU_KVCACHE_SPACE": "1",
 }
-CPU_ENV_DEFAULTS: dict[str, str] = {"HF_HUB_OFFLINE": "1"}
+CPU_ENV_DEFAULTS: dict[str, str] = {
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "OMP_NUM_THREADS": "1",
+}
+# An instance's `extra_env` for vLLM's own multiprocess executor on CPU: its worker in a
+# process of its own, as vLLM runs it by default there and under tensor parallelism.
+WORKER_PROCESS_ENV: dict[str, str] = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
 # The environment of every instance, unless already set: no usage report, and UCX on the
 # loopback device (every instance of one `ServerSpec` host shares this host).
 ENV_DEFAULTS: dict[str, str] = {"VLLM_NO_USAGE_STATS": "1", "UCX_NET_DEVICES": "lo"}

@@ -28,7 +28,6 @@ from ecshare.apps.launch import (
     send_requests_here,
 )
 from ecshare.apps.launch_checks import check_model, find_gpus
-from ecshare.apps.launch_options import CPU_LAUNCH_ENV_DEFAULTS
 from ecshare.control import load_keypair, load_public_key
 from ecshare.vllm.servers import CPU_ARGS, CPU_ENV, CPU_ENV_DEFAULTS, ENV_DEFAULTS
 
@@ -112,7 +111,7 @@ def test_bad_launch_options_are_refused(argv: tuple[str, ...]) -> None:
 def test_cpu_test_settings_apply_only_without_gpus(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    for name in (*CPU_ENV, *CPU_LAUNCH_ENV_DEFAULTS, "CUDA_VISIBLE_DEVICES"):
+    for name in (*CPU_ENV, *CPU_ENV_DEFAULTS, "CUDA_VISIBLE_DEVICES"):
         monkeypatch.delenv(name, raising=False)
     options = _options("--encoders", "2", "--pd", "1")
 
@@ -122,7 +121,7 @@ def test_cpu_test_settings_apply_only_without_gpus(
         assert _has_run(command, CPU_ARGS)
         assert {k: env[k] for k in CPU_ENV} == CPU_ENV
         assert env["VLLM_CPU_OMP_THREADS_BIND"] == str(server.spec.core)
-        assert {k: env[k] for k in CPU_LAUNCH_ENV_DEFAULTS} == CPU_LAUNCH_ENV_DEFAULTS
+        assert {k: env[k] for k in CPU_ENV_DEFAULTS} == CPU_ENV_DEFAULTS
         assert "CUDA_VISIBLE_DEVICES" not in env
 
     # Three instances on two GPUs: round-robin, and the two that share GPU 0 split it.
@@ -133,7 +132,7 @@ def test_cpu_test_settings_apply_only_without_gpus(
         command, env = server.spec.command(), server.spec.env()
         assert not any(arg in command for arg in ("--dtype", "--max-model-len", "--enforce-eager"))
         assert not set(CPU_ENV) & set(env) and "VLLM_CPU_OMP_THREADS_BIND" not in env
-        assert not set(CPU_LAUNCH_ENV_DEFAULTS) & set(env)
+        assert not set(CPU_ENV_DEFAULTS) & set(env)
         utilization = [
             command[i + 1] for i, a in enumerate(command) if a == "--gpu-memory-utilization"
         ]
@@ -176,7 +175,6 @@ def test_help_lists_every_default_launch_passes() -> None:
     for key, value in {
         **CPU_ENV,
         **CPU_ENV_DEFAULTS,
-        **CPU_LAUNCH_ENV_DEFAULTS,
         **ENV_DEFAULTS,
     }.items():
         assert f"{key}={value}" in text, key

@@ -2,8 +2,12 @@
 
 An encoder (ec_producer, core 0) and a prefill/decode instance (ec_consumer, core 1)
 run the tiny Qwen2-VL, whose image placeholders are sized by the patch grid
-(`image_grid_thw`). Three `ecshare proxy` processes (subprocesses, as operators run
-them) stand in front of the same two instances, one per way of sending a request on:
+(`image_grid_thw`). They run vLLM's multiprocess executor (`WORKER_PROCESS_ENV`): each
+worker, and with it the connector's worker side, is a process of its own, as under
+tensor parallelism. The other end-to-end tests run the worker inside the engine process,
+as `ecshare launch --cpu` does. Three `ecshare proxy` processes (subprocesses, as
+operators run them) stand in front of the same two instances, one per way of sending a
+request on:
 
 * `omit` (the default `--pd-media omit`): prefill/decode gets each encoded image as its
   grid only, and takes the item from ecshare;
@@ -70,6 +74,7 @@ from serving_testing import (
 
 from ecshare.apps.proxy.fanout import encoder_request, media_parts
 from ecshare.vllm.servers import (
+    WORKER_PROCESS_ENV,
     Keys,
     ServerSpec,
     VllmServer,
@@ -169,6 +174,7 @@ def start_pair(tmp: Path, tiny_model: Path) -> Starting[Path]:
                 **keys.producer_config(), **ENCODER_REGION,
                 "listen_port": port, "push_targets": [PUSH_NAME],
             },
+            extra_env=WORKER_PROCESS_ENV,
         ),
         tmp / "encoder.log",
     )  # fmt: skip
@@ -179,6 +185,7 @@ def start_pair(tmp: Path, tiny_model: Path) -> Starting[Path]:
                 **keys.consumer_config(), **PD_TUNING,
                 "trusted_producers": [f"tcp://127.0.0.1:{port}"], "push_name": PUSH_NAME,
             },
+            extra_env=WORKER_PROCESS_ENV,
         ),
         tmp / "prefill_decode.log",
     )  # fmt: skip

@@ -74,9 +74,9 @@ PD_ARGS = (
     "--max-model-len", "320",
 )  # fmt: skip
 PD_REGION = {"region_bytes": 1 << 20, "block_bytes": 4096}  # 32 items of 64 for 32 clients
-# The clients start 50 ms apart (all 32 within 1.6 s, while the first are still being
+# The clients start 25 ms apart (all 32 within 0.8 s, while the first are still being
 # answered), so that fetches keep coming while earlier items are loaded and unpinned.
-STAGGER_S = 0.05
+STAGGER_S = 0.025
 
 
 @dataclass
