@@ -21,6 +21,10 @@ instances started early are gone that no more than EARLY_INSTANCES of them live 
 they start up on the core the tests running meanwhile leave idle. Instances never taken
 are stopped at the end of the session.
 
+Only a module with a selected test marked `vllm_serve` starts early (with `-m "not
+vllm_serve"` the plugin module's in-process tests run, and its instance is never taken).
+Instances taken run at the session's own priority.
+
 Bytecode: this machine's environment sets PYTHONDONTWRITEBYTECODE=1, so no process
 writes a .pyc, and every child a test starts (`ecshare serve`, doctor, status, chaos and
 bench children, each vLLM process through the plugin) compiled ecshare from source again:
@@ -80,8 +84,15 @@ def _early_starts(session: pytest.Session) -> dict[str, list[Any]]:
     spans: dict[int, tuple[Any, int, int]] = {}  # id -> (early_start, first, last index)
     after_serving: dict[int, int] = {}  # id -> the test after the last vllm_serve one before it
     last_serving = -1
+    # Only modules with a selected test that serves vLLM (see the module's docstring).
+    serving = {
+        getattr(item, "module", None)
+        for item in items
+        if item.get_closest_marker("vllm_serve") is not None
+    }
     for index, item in enumerate(items):
-        early = getattr(getattr(item, "module", None), "early_start", None)
+        module = getattr(item, "module", None)
+        early = getattr(module, "early_start", None) if module in serving else None
         if early is None:
             if item.get_closest_marker("vllm_serve") is not None:
                 last_serving = index

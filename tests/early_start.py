@@ -7,10 +7,10 @@ and deadlines). A module defines `early_start = EarlyStart(name, instances, star
 level; tests/conftest.py calls `start()` once the instances of every earlier module that
 serves vLLM are gone, and few enough started early live (see its docstring), and the
 module's fixture calls `take()`. The processes start at niceness BACKGROUND_NICE, so
-that they take only what CPU the tests running meanwhile leave, and are set back to 0
-(every descendant) when taken, so that the module's own tests see them as if its fixture
-had started them; nothing about them differs otherwise. Where nothing started them
-early, `take()` starts them then.
+that they take only what CPU the tests running meanwhile leave, and are set back to the
+session's own niceness (every descendant) when taken, so that the module's own tests see
+them as if its fixture had started them; nothing about them differs otherwise. Where
+nothing started them early, `take()` starts them then.
 """
 
 from __future__ import annotations
@@ -65,9 +65,10 @@ class EarlyStart(Generic[_T]):
 
     def start(self, tmp_path_factory: pytest.TempPathFactory, nice: int = BACKGROUND_NICE) -> None:
         """Start the processes at niceness `nice`, unless they are started or were taken.
-        Only a process that may lower a niceness again (root) starts them niced; any
-        other leaves them to `take()`."""
-        if self._started is not None or self._taken or (nice > 0 and os.geteuid() != 0):
+        Only a process that may lower a niceness again (root) starts them niced below its
+        own priority; any other leaves them to `take()`."""
+        below_own = nice > os.getpriority(os.PRIO_PROCESS, 0)
+        if self._started is not None or self._taken or (below_own and os.geteuid() != 0):
             return
         model = ensure_tiny_model(TINY_MODEL_DIR)
         self._started = self._start(tmp_path_factory.mktemp(self._name), model)
@@ -75,10 +76,11 @@ class EarlyStart(Generic[_T]):
 
     def take(self, tmp_path_factory: pytest.TempPathFactory) -> Starting[_T]:
         """The started processes, now the caller's to wait for and stop."""
-        self.start(tmp_path_factory, nice=0)
+        own = os.getpriority(os.PRIO_PROCESS, 0)  # the session's: a run started niced stays so
+        self.start(tmp_path_factory, nice=own)
         started, self._started, self._taken = self._started, None, True
         assert started is not None, f"{self._name}: taken twice"
-        _renice(started.processes, 0)
+        _renice(started.processes, own)
         return started
 
     def close(self) -> None:
