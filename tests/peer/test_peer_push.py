@@ -548,6 +548,10 @@ def test_control_cut_with_both_alive_fences_the_push_until_its_write_ends(
         assert push_when_connected(producer, "w").pushed
         # Committed at the consumer too: a reservation still open at the cut is fenced.
         wait_until(lambda: ready(cnode.store, "w"), "the warm push committed")
+        # The session's warm-up read has ended and given its block back: one still moving
+        # at the stall would stay fenced (its block quarantined) beside the push's.
+        wait_until(lambda: consumer.fences()["warm_up"] == 0, "the warm-up read ended")
+        assert cnode.store.stats().quarantined == 0
         held = stall(pnode)
         held[0] = True
 
