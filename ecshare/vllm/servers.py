@@ -295,11 +295,44 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
         os.killpg(pgid, sig)
 
 
+# Ports free_port() has handed out in this process: not handed out twice.
+_HANDED_OUT: set[int] = set()
+LOWEST_FREE_PORT = 20000
+
+
 def free_port() -> int:
+    """A TCP port free now on 127.0.0.1, for a process that binds it later, outside the
+    kernel's ephemeral range: a `vllm serve` binds its port after seconds of imports, and
+    any connection made meanwhile on this host takes its local port from that range (a
+    start-up once failed so, "Address already in use"). Never one this process handed
+    out before. Where no such port is free, one the kernel picks."""
+    low, high = _ephemeral_range()
+    ports = [p for p in range(LOWEST_FREE_PORT, 65536) if not low <= p <= high]
+    for port in random.sample(ports, min(len(ports), 200)):
+        if port not in _HANDED_OUT and _bindable(port):
+            _HANDED_OUT.add(port)
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+        found: int = sock.getsockname()[1]
+        return found
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 def ensure_tiny_model(directory: Path, python: str = sys.executable) -> Path:

@@ -29,7 +29,7 @@ from ecshare.apps.launch import (
 )
 from ecshare.apps.launch_checks import check_model, find_gpus
 from ecshare.control import load_keypair, load_public_key
-from ecshare.vllm.servers import CPU_ARGS, CPU_ENV, CPU_ENV_DEFAULTS, ENV_DEFAULTS
+from ecshare.vllm.servers import CPU_ARGS, CPU_ENV, CPU_ENV_DEFAULTS, ENV_DEFAULTS, free_port
 
 
 def _options(*argv: str) -> LaunchOptions:
@@ -94,6 +94,24 @@ def test_unknown_encoder_endpoint_leaves_trust_to_the_producer_key(
     _, pd = plan_servers(_options("--ec-extra-config", '{"listen_port": 0}'), tmp_path)
     assert "trusted_producers" not in pd[0].spec.extra_config
     assert "trust any producer that authenticates" in capsys.readouterr().err
+
+
+def test_free_ports_are_outside_the_ephemeral_range_and_never_handed_out_twice() -> None:
+    """An instance binds its port after seconds of imports: a port the kernel also gives
+    outgoing connections could be taken meanwhile."""
+    low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    taken = socket.socket()
+    try:
+        taken.bind(("127.0.0.1", free_port()))
+        ports = [free_port() for _ in range(300)]
+        assert len(set(ports)) == len(ports)
+        assert taken.getsockname()[1] not in ports
+        assert not [p for p in ports if low <= p <= high]
+        for port in ports[:20]:  # each still bindable now
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", port))
+    finally:
+        taken.close()
 
 
 @pytest.mark.parametrize(
