@@ -357,6 +357,7 @@ class Launched:
 
 def start_launch(model: Path, workdir: Path, push: bool, env: dict[str, str]) -> Launched:
     from ecshare.apps.ready import LaunchReady, parse_ready
+    from ecshare.vllm.servers import popen_session
 
     command = [
         sys.executable, "-m", "ecshare", "launch", "--cpu", "--model", str(model),
@@ -366,14 +367,13 @@ def start_launch(model: Path, workdir: Path, push: bool, env: dict[str, str]) ->
     ]  # fmt: skip
     if not push:
         command.append("--no-push")
-    proc = subprocess.Popen(
+    proc = popen_session(
         command,
         env={**os.environ, **env},
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        start_new_session=True,
     )
     lines: list[str] = []
     ready: list[LaunchReady] = []

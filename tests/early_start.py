@@ -9,8 +9,11 @@ serves vLLM are gone, and few enough started early live (see its docstring), and
 module's fixture calls `take()`. The processes start at niceness BACKGROUND_NICE, so
 that they take only what CPU the tests running meanwhile leave, and are set back to the
 session's own niceness (every descendant) when taken, so that the module's own tests see
-them as if its fixture had started them; nothing about them differs otherwise. Where
-nothing started them early, `take()` starts them then.
+them as if its fixture had started them; nothing about them differs otherwise. Each
+runs in a session of its own, and the niceness is set on that session too
+(`ecshare.vllm.servers.set_session_niceness`): where the kernel groups sessions, a
+process's own niceness counts only within its session. Where nothing started them
+early, `take()` starts them then.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import Any, Generic, Protocol, TypeVar
 import psutil
 import pytest
 
-from ecshare.vllm.servers import ensure_tiny_model
+from ecshare.vllm.servers import ensure_tiny_model, niceness, set_session_niceness
 
 _T = TypeVar("_T")
 TINY_MODEL_DIR = Path(__file__).resolve().parents[1] / ".work" / "tiny-qwen2vl"
@@ -76,7 +79,7 @@ class EarlyStart(Generic[_T]):
 
     def take(self, tmp_path_factory: pytest.TempPathFactory) -> Starting[_T]:
         """The started processes, now the caller's to wait for and stop."""
-        own = os.getpriority(os.PRIO_PROCESS, 0)  # the session's: a run started niced stays so
+        own = niceness()  # the session's: a run started niced stays so
         self.start(tmp_path_factory, nice=own)
         started, self._started, self._taken = self._started, None, True
         assert started is not None, f"{self._name}: taken twice"
@@ -91,12 +94,16 @@ class EarlyStart(Generic[_T]):
 
 
 def _renice(processes: Sequence[Process], nice: int) -> None:
-    """Each process and every descendant it has started by now (later ones inherit)."""
+    """Each process and every descendant it has started by now (later ones inherit), and
+    each session they lead (never this session)."""
+    ours = os.getsid(0)
     for process in processes:
         if process.proc is None:
             continue
         with contextlib.suppress(psutil.Error):
             root = psutil.Process(process.proc.pid)
             for one in [root, *root.children(recursive=True)]:
-                with contextlib.suppress(psutil.Error):
+                with contextlib.suppress(psutil.Error, OSError):
                     one.nice(nice)
+                    if os.getsid(one.pid) != ours:
+                        set_session_niceness(one.pid, nice)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ecshare.apps.ready import LaunchReady, parse_ready
+from ecshare.vllm.servers import popen_session
 
 
 @dataclass
@@ -53,13 +54,12 @@ def start_launch(workdir: Path, model: Path, *flags: str) -> Launching:
         "--ec-extra-config", json.dumps({"region_bytes": 64 << 20}),
         "--workdir", str(workdir), *flags,
     ]  # fmt: skip
-    proc = subprocess.Popen(
+    proc = popen_session(
         command,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        start_new_session=True,
     )
     launching = Launching(proc, [], threading.Event())
 

@@ -44,6 +44,7 @@ from ecshare.vllm.servers import (
     SERVED_MODEL_NAME,
     chat_request,
     ensure_tiny_model,
+    popen_session,
     post_chat,
     random_image_url,
     read_by_label,
@@ -129,13 +130,12 @@ def run_epd_demo(model_dir: Path = MODEL_DIR, *, push: bool = True) -> int:
         ]  # fmt: skip
         print(f"2. ecshare launch: 1 encoder, 1 prefill/decode instance and the proxy ({workdir})")
         t0 = time.monotonic()
-        proc = subprocess.Popen(
+        proc = popen_session(
             command,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            start_new_session=True,
         )
         said: queue.Queue[LaunchReady | None] = queue.Queue()
         threading.Thread(target=_forward, args=(proc, said), daemon=True).start()

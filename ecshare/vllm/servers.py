@@ -173,13 +173,12 @@ class VllmServer:
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         # Its own session: the API server, engine core and worker are one process
         # group that stop() can end together, even if the API server dies first.
-        self.proc = subprocess.Popen(
+        self.proc = popen_session(
             self.spec.command(),
             env=self.spec.env(),
             stdin=subprocess.DEVNULL,
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            start_new_session=True,
         )
         return self
 
@@ -288,6 +287,43 @@ def post_chat(base_url: str, body: dict[str, Any], timeout_s: float = 120.0) -> 
     with urllib.request.urlopen(request, timeout=timeout_s) as resp:
         answer: dict[str, Any] = json.load(resp)
         return answer
+
+
+def popen_session(args: list[str], **kwargs: Any) -> subprocess.Popen[Any]:
+    """`subprocess.Popen(args, **kwargs)` in a session of its own (one process group, for
+    ending it whole), weighed by the scheduler no higher than this process (`niceness`).
+
+    Linux with autogroups (`/proc/sys/kernel/sched_autogroup_enabled`) shares the
+    CPU between sessions first and weighs a niceness only within its session, and a new
+    session's group starts at niceness 0: a `vllm serve` started from `nice -n 19`
+    would otherwise take as much CPU as the un-niced work beside it."""
+    proc = subprocess.Popen(args, start_new_session=True, **kwargs)
+    set_session_niceness(proc.pid, niceness())
+    return proc
+
+
+def niceness() -> int:
+    """This process's niceness as the scheduler weighs it: its own, or its session's
+    (autogroup's) where that is higher."""
+    return max(os.getpriority(os.PRIO_PROCESS, 0), _session_niceness(os.getpid()))
+
+
+def set_session_niceness(pid: int, nice: int) -> None:
+    """Weigh the session that process `pid` belongs to at niceness `nice` against other
+    sessions, where the kernel groups sessions so (else nothing to do: each process's
+    own niceness is what counts). A process may raise it, and lower it to 0."""
+    if nice == _session_niceness(pid):
+        return
+    with contextlib.suppress(OSError):  # no autogroups in this kernel, or pid gone
+        Path(f"/proc/{pid}/autogroup").write_text(str(nice))
+
+
+def _session_niceness(pid: int) -> int:
+    """The niceness of `pid`'s session group ("/autogroup-12 nice 0"); 0 where none."""
+    try:
+        return int(Path(f"/proc/{pid}/autogroup").read_text().split()[-1])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:

@@ -48,6 +48,7 @@ from ecshare.control import (
 from ecshare.peer import Consumer, Node, Producer, start_consumer, start_producer
 from ecshare.peer.dataplane import announced
 from ecshare.transport import NixlTransport
+from ecshare.vllm.servers import popen_session
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -280,14 +281,13 @@ def start_producer_process(
     ]
     # A file, not a pipe, for stderr: nobody drains it while the producer runs.
     errors = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed by stop()
-    process = subprocess.Popen(
+    process = popen_session(
         cmd,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=errors,
         text=True,
         env=child_env(env),
-        start_new_session=True,
     )
     producer = ProducerProcess(process, "", (), errors, hooks)
     if started is not None:

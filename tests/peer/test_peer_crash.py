@@ -36,6 +36,7 @@ from waiting import wait_until
 
 from ecshare.config import Config
 from ecshare.peer import Consumer, FailureReason, FetchFailed, FetchResult, Node
+from ecshare.vllm.servers import popen_session
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -163,13 +164,12 @@ def test_consumer_sigkilled_during_read_leaves_pins_to_their_lease(
     cmd = fetch_command(
         producer.address, list(entries), {**FAST, **keyring.consumer_config(), **TCP}
     )
-    consumer = subprocess.Popen(
+    consumer = popen_session(
         cmd,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         env=child_env(),
-        start_new_session=True,
     )
     children.append(consumer)
 

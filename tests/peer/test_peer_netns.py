@@ -19,6 +19,8 @@ pytest.importorskip("nixl._api")
 
 from peer_testing import FAST, Keyring, SpawnProducer, child_env, fetch_command
 
+from ecshare.vllm.servers import popen_session
+
 pytestmark = pytest.mark.timeout(90)
 
 PRODUCER_IP = "10.77.0.1"
@@ -105,13 +107,12 @@ def test_cross_host_fetch_over_tcp_in_network_namespaces(
         timeout_s=30.0,
         prefix=["ip", "netns", "exec", veth_pair.consumer_ns],
     )
-    consumer = subprocess.Popen(
+    consumer = popen_session(
         cmd,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         env=child_env({"UCX_TLS": "tcp", "UCX_NET_DEVICES": veth_pair.consumer_dev}),
-        start_new_session=True,
     )
     children.append(consumer)
     out, err = consumer.communicate(timeout=60)

@@ -6,15 +6,19 @@ The one test of a failed run starts a real `vllm serve` that exits at once."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
+import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from ecshare.apps.cli import build_parser
@@ -112,6 +116,49 @@ def test_free_ports_are_outside_the_ephemeral_range_and_never_handed_out_twice()
                 sock.bind(("127.0.0.1", port))
     finally:
         taken.close()
+
+
+def test_a_session_started_from_a_niced_process_takes_only_what_unniced_work_leaves() -> None:
+    """Each instance, launch and producer runs in a session of its own (`popen_session`).
+    Where the kernel groups sessions (autogroup), a niceness counts only within one, and
+    a new session's group starts at 0: a `vllm serve` started from `nice -n 19` took half
+    of a core beside un-niced work. Two loops spin on one core, one started so."""
+    cpu = max(os.sched_getaffinity(0))
+    spin = f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"
+    starter = (
+        "import sys, time\n"
+        "from ecshare.vllm.servers import popen_session\n"
+        f"print(popen_session([sys.executable, '-c', {spin!r}]).pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    niced = subprocess.Popen(
+        ["nice", "-n", "19", sys.executable, "-c", starter],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    plain = subprocess.Popen([sys.executable, "-c", spin])
+    spinner = None
+    try:
+        assert niced.stdout is not None
+        spinner = psutil.Process(int(niced.stdout.readline()))
+        assert os.getsid(spinner.pid) == spinner.pid  # a session of its own
+        assert spinner.nice() == 19  # its starter's
+        time.sleep(0.5)  # both spin on that core by now
+        before = [sum(p.cpu_times()[:2]) for p in (spinner, psutil.Process(plain.pid))]
+        time.sleep(2.0)
+        after = [sum(p.cpu_times()[:2]) for p in (spinner, psutil.Process(plain.pid))]
+        niced_s, plain_s = (a - b for a, b in zip(after, before, strict=True))
+        # Weights 15 against 1024 (nice 19 against 0), in one session group or two.
+        assert niced_s < plain_s / 4, (niced_s, plain_s)
+    finally:
+        plain.kill()
+        if spinner is not None:
+            with contextlib.suppress(psutil.Error):
+                spinner.kill()
+        os.killpg(niced.pid, signal.SIGKILL)
+        plain.wait()
+        niced.wait()
 
 
 @pytest.mark.parametrize(
@@ -344,6 +391,7 @@ def test_the_api_key_file_reaches_the_proxy_and_the_curl_example(tmp_path: Path)
     assert json.loads(curl[curl.index("-d") + 1])["model"] == "m"
 
 
+@pytest.mark.cpu_bound
 def test_a_failed_run_keeps_its_logs_and_says_where(tmp_path: Path) -> None:
     model = tmp_path / "model"
     model.mkdir()

@@ -72,6 +72,7 @@ from ecshare.vllm.servers import (
     VllmServer,
     ensure_tiny_model,
     free_port,
+    popen_session,
     random_image_url,
     read_by_label,
     read_metrics,
@@ -449,13 +450,12 @@ def _write_records(
 def _popen(command: list[str], log: Path) -> subprocess.Popen[str]:
     """`command` in a session of its own, its stdout piped here, its stderr to `log`."""
     with open(log, "w") as err:
-        return subprocess.Popen(
+        return popen_session(
             command,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=err,
             text=True,
-            start_new_session=True,
         )
 
 
