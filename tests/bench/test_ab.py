@@ -82,6 +82,7 @@ def test_unknown_bench_names_are_refused() -> None:
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.cpu_bound
 def test_every_target_of_the_fetch_and_pipeline_benches_is_read_off_both_trees(
     tmp_path: Path,
 ) -> None:

@@ -25,6 +25,8 @@ from ecshare.apps.bench.sporadic import DIRECT_STEPS, ECSHARE_STEPS, RAW_STEPS, 
 
 pytest.importorskip("nixl._api")
 
+pytestmark = pytest.mark.cpu_bound
+
 SIZES = {64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20}
 MODES = {"single", "batch"}
 SPORADIC_SIZES = {64 << 10, 1 << 20, 4_505_600, 16 << 20}

@@ -31,6 +31,8 @@ from ecshare.apps.bench.store import StoreBenchResult
 from ecshare.apps.bench.synthetic import format_size
 from ecshare.apps.cli import main
 
+pytestmark = pytest.mark.cpu_bound
+
 SIZES = (64 << 10, 256 << 10)
 SIZES_ARG = "64KiB,256KiB"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

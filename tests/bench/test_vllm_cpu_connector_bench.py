@@ -24,7 +24,7 @@ import pytest
 pytest.importorskip("nixl._api")
 pytest.importorskip("vllm.distributed.ec_transfer.ec_connector.cpu.session")
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.cpu_bound]
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "vllm_cpu_connector.py"
 SIZES = (64 << 10, 1 << 20, 4_505_600, 16 << 20)

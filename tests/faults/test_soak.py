@@ -27,6 +27,7 @@ MIN_LEAK_MIB = 6.0
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.cpu_bound
 def test_soak_memory_and_region_usage_stay_bounded() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "ecshare", "chaos", "--soak", str(SOAK_S), "--producers", "1",

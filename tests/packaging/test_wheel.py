@@ -9,8 +9,13 @@ import zipfile
 from email.parser import Parser
 from pathlib import Path
 
+import pytest
 from install_testing import REPO, Built, InstalledVenv, vllm_build
 from packaging.requirements import Requirement
+
+# Built and installed once per session, with tests/packaging/test_vllm_plugin.py's
+# instance, which `make unit` runs in the low-priority session.
+pytestmark = pytest.mark.cpu_bound
 
 THP_ADVISE = REPO / "tests" / "ops" / "thp_advise.txt"
 
