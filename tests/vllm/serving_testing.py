@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ecshare.apps.ready import ProxyReady, parse_ready
-from ecshare.vllm.servers import VllmServer, post_chat, random_image_url
+from ecshare.vllm.servers import VllmServer, post_chat, random_image_url, read_metrics
 
 
 def token_ids(answer: dict[str, Any]) -> list[int]:
@@ -55,15 +55,17 @@ def wait_metrics(
 
 
 def settled_metrics(
-    server: VllmServer, quiet_s: float = 0.3, timeout_s: float = 10.0
+    server: VllmServer | str, quiet_s: float = 0.3, timeout_s: float = 10.0
 ) -> dict[str, float]:
-    """The server's metrics once two scrapes `quiet_s` apart agree: what an earlier
-    request left moving (a save reported a step later, say) is counted by then."""
+    """The server's metrics (a server, or its URL) once two scrapes `quiet_s` apart agree:
+    what an earlier request left moving (a save reported a step later, say) is counted by
+    then."""
+    url = server.url if isinstance(server, VllmServer) else server
     deadline = time.monotonic() + timeout_s
-    metrics = server.metrics()
+    metrics = read_metrics(url)
     while True:
         time.sleep(quiet_s)
-        again = server.metrics()
+        again = read_metrics(url)
         if again == metrics or time.monotonic() > deadline:
             return again
         metrics = again
@@ -102,12 +104,14 @@ def start_proxy(
 ) -> tuple[subprocess.Popen[str], str]:
     """`ecshare proxy` in front of `encoder` and `prefill_decode` (a `--pd` value) on a
     free port; the process and its URL. Its output goes to `log`."""
-    command = [
-        sys.executable, "-m", "ecshare", "proxy", "--encoder", encoder, "--pd", prefill_decode,
-        "--port", "0", *flags,
-    ]  # fmt: skip
+    return run_proxy(["--encoder", encoder, "--pd", prefill_decode, "--port", "0", *flags], log)
+
+
+def run_proxy(argv: list[str], log: Path) -> tuple[subprocess.Popen[str], str]:
+    """`ecshare proxy *argv`, once it is ready: the process and its URL. Its output goes
+    to `log`."""
     proc = subprocess.Popen(
-        command,
+        [sys.executable, "-m", "ecshare", "proxy", *argv],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -7,12 +7,17 @@ three set-ups of the tiny Qwen2-VL, one after the other:
 * `epd_push`: `ecshare launch` (an encoder, a prefill/decode instance, the proxy in front,
   media-free, the encoder pushing each item into prefill/decode);
 * `single`: one plain `vllm serve` (the session's `plain_vllm`, tests/conftest.py);
-* `epd_pull`: the same launch with `--no-push`, where prefill/decode pulls every item.
+* `epd_pull`: the same instances behind a proxy of their own with launch's proxy flags
+  but no push names (as `ecshare bench serve` runs each mode, and as `launch --no-push`
+  configures its proxy), so that prefill/decode pulls every item. Instances of their own
+  would cost two more vLLM start-ups; tests/vllm/test_launch_push.py holds what else
+  `--no-push` leaves out of the instances' configs.
 
 For each, the tool must finish with every request completed and none failed, and report
-TTFT p50 and p99 and throughput (its saved result, `--save-result`). The prefill/decode
-instance's own counters show that each EPD run is what it claims: items reached it
-without their media, and were announced as pushed with push on and never with it off.
+TTFT p50 and p99 and throughput (its saved result, `--save-result`). Each run draws
+images of its own (`--seed`). The prefill/decode instance's own counters over each EPD
+run show that it is what it claims: items reached it without their media, and were
+announced as pushed with push on and never with it off.
 Tiny-model figures mean nothing as speed; the table the test prints (`-s`) is the form
 of docs/PERFORMANCE.md's.
 
@@ -43,8 +48,11 @@ if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("nixl") 
 import launch_testing
 from early_start import EarlyStart, Starting
 from launch_testing import Launching
+from serving_testing import run_proxy, settled_metrics
 
-from ecshare.vllm.servers import VllmServer, read_by_label, read_metrics
+from ecshare.apps.launch import proxy_argv
+from ecshare.apps.ready import LaunchReady
+from ecshare.vllm.servers import VllmServer, read_by_label
 
 pytestmark = [pytest.mark.timeout(1800), pytest.mark.vllm_serve]
 
@@ -65,8 +73,9 @@ BENCH_SERVE = (
 )
 
 
-def bench_serve_args(base_url: str, tokenizer: Path, result: Path) -> list[str]:
-    """The recipe's arguments (docs/PERFORMANCE.md, "vllm bench serve")."""
+def bench_serve_args(base_url: str, tokenizer: Path, result: Path, seed: int) -> list[str]:
+    """The recipe's arguments (docs/PERFORMANCE.md, "vllm bench serve"), drawing its
+    random requests from `seed`."""
     return [
         "--backend", "openai-chat", "--base-url", base_url,
         "--endpoint", "/v1/chat/completions",
@@ -79,17 +88,24 @@ def bench_serve_args(base_url: str, tokenizer: Path, result: Path) -> list[str]:
         "--request-rate", "inf", "--max-concurrency", "4",
         "--percentile-metrics", "ttft,tpot,e2el", "--metric-percentiles", "50,99",
         "--save-result", "--result-dir", str(result.parent),
-        "--result-filename", result.name, "--disable-tqdm",
+        "--result-filename", result.name, "--disable-tqdm", "--seed", str(seed),
     ]  # fmt: skip
 
 
-def run_bench_serve(base_url: str, tokenizer: Path, tmp: Path, name: str) -> dict[str, Any]:
+def run_bench_serve(
+    base_url: str, tokenizer: Path, tmp: Path, name: str, seed: int
+) -> dict[str, Any]:
     """`vllm bench serve` against `base_url`; its saved result. Its output goes to a log."""
     result = tmp / f"{name}.json"
     log = tmp / f"{name}.bench.log"
     with open(log, "wb") as out:
         done = subprocess.run(
-            [sys.executable, "-c", BENCH_SERVE, *bench_serve_args(base_url, tokenizer, result)],
+            [
+                sys.executable,
+                "-c",
+                BENCH_SERVE,
+                *bench_serve_args(base_url, tokenizer, result, seed),
+            ],
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -122,8 +138,7 @@ def start_push_launch(tmp: Path, model: Path) -> Starting[Launching]:
     return Starting(launching, [launching])
 
 
-# The push launch may start up before this module's turn (tests/early_start.py); the
-# pull launch starts once it is gone, so that no run shares the cores with a start-up.
+# The launch may start up before this module's turn (tests/early_start.py).
 early_start = EarlyStart("bench_serve", 2, start_push_launch)
 
 
@@ -151,30 +166,60 @@ def side_by_side(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
-def bench_launch(
-    launching: Launching, model: Path, tmp: Path, name: str
+def start_pull_proxy(info: LaunchReady, log: Path) -> tuple[subprocess.Popen[str], str]:
+    """A proxy in front of the launch's instances with launch's own proxy flags, but no
+    push names: it asks the encoders for no push, as launch's proxy does with --no-push."""
+    argv = proxy_argv(
+        info.encoders,
+        info.prefill_decode,
+        (),
+        host="127.0.0.1",
+        port=0,
+        workers=1,
+        pd_media="omit",
+        api_key_file=None,
+        limit=None,
+        workdir=Path(info.workdir),
+        events_port=info.events_port,
+    )
+    return run_proxy(argv, log)
+
+
+def bench_epd(
+    url: str, pd: str, model: Path, tmp: Path, name: str, seed: int
 ) -> tuple[dict[str, Any], dict[str, float]]:
-    """The bench's result against a launch, and its prefill/decode instance's counters.
-    Those of all but the last few requests are published long before the bench ends
-    (vLLM records a step's counts as it streams the step's outputs)."""
-    info = launching.info(START_TIMEOUT_S)
-    result = run_bench_serve(info.url, model, tmp, name)
-    (pd,) = info.prefill_decode
-    counters = read_metrics(pd)
-    print(f"\n{name}: prefill/decode {how_items_came(pd, counters)}")
-    return result, counters
+    """The bench's result through the proxy at `url`, and what the run moved of the
+    prefill/decode instance's counters (settled before and after: the last requests'
+    counts are published a step after their answers)."""
+    before = settled_metrics(pd)
+    exposed_before = exposed_by_mode(pd)
+    result = run_bench_serve(url, model, tmp, name, seed)
+    after = settled_metrics(pd)
+    moved = {key: value - before.get(key, 0.0) for key, value in after.items()}
+    exposed = {}
+    for mode, (total, n) in exposed_by_mode(pd).items():
+        total_before, n_before = exposed_before.get(mode, (0.0, 0.0))
+        exposed[mode] = (total - total_before, n - n_before)
+    print(f"\n{name}: prefill/decode {how_items_came(moved, exposed)}")
+    return result, moved
 
 
-def how_items_came(pd_url: str, counters: dict[str, float]) -> str:
-    """What the prefill/decode instance counted: items pushed, fetched and encoded there,
-    and the mean exposed latency (its scheduler asking to the item being local) by mode."""
+def exposed_by_mode(pd_url: str) -> dict[str, tuple[float, float]]:
+    """The prefill/decode instance's exposed latency (its scheduler asking to the item
+    being local) by mode: (sum in seconds, count)."""
     sums = read_by_label(pd_url, "exposed_latency_seconds_sum", "mode")
     counts = read_by_label(pd_url, "exposed_latency_seconds_count", "mode")
+    return {mode: (sums.get(mode, 0.0), n) for mode, n in counts.items()}
+
+
+def how_items_came(moved: dict[str, float], exposed: dict[str, tuple[float, float]]) -> str:
+    """Items pushed, fetched and encoded at prefill/decode over a run, and the mean exposed
+    latency by mode."""
     means = ", ".join(
-        f"{mode} {1000 * sums[mode] / n:.2f} ms x{n:.0f}" for mode, n in counts.items() if n
+        f"{mode} {1000 * s / n:.2f} ms x{n:.0f}" for mode, (s, n) in exposed.items() if n
     )
     keys = ("media_free_items", "push_received", "fetched_items", "local_encodes")
-    items = ", ".join(f"{k} {counters.get(k + '_total', 0):.0f}" for k in keys)
+    items = ", ".join(f"{k} {moved.get(k + '_total', 0):.0f}" for k in keys)
     return f"{items}; mean exposed latency: {means or 'none'}"
 
 
@@ -186,25 +231,26 @@ def test_vllm_bench_serve_runs_against_epd_push_a_single_instance_and_epd_pull_w
 
     push = early_start.take(tmp_path_factory).value
     try:
-        # Every instance of the first runs is up before any runs, so that none shares the
-        # cores with a start-up.
-        push.info(START_TIMEOUT_S)
+        # Every instance is up before any run, so that none shares the cores with a
+        # start-up.
+        info = push.info(START_TIMEOUT_S)
         plain_vllm.wait_ready(START_TIMEOUT_S)
-        results["epd_push"], pushed = bench_launch(push, model, tmp_path, "epd_push")
+        (pd,) = info.prefill_decode
+        results["epd_push"], pushed = bench_epd(info.url, pd, model, tmp_path, "epd_push", 1)
+        results["single"] = run_bench_serve(plain_vllm.url, model, tmp_path, "single", 2)
+        proxy, url = start_pull_proxy(info, tmp_path / "pull-proxy.log")
+        try:
+            results["epd_pull"], pulled = bench_epd(url, pd, model, tmp_path, "epd_pull", 3)
+        finally:
+            proxy.terminate()
+            proxy.wait(30)
     finally:
         push.stop()
     # The requests went through the encoder, reached prefill/decode without their media,
     # and the proxy asked the encoder to push their items there.
     assert pushed.get("media_free_items_total", 0) >= 1, pushed
     assert pushed.get("push_announced_total", 0) >= 1, pushed
-
-    results["single"] = run_bench_serve(plain_vllm.url, model, tmp_path, "single")
-
-    pull = start_launch(tmp_path / "epd_pull", model, "--no-push")
-    try:
-        results["epd_pull"], pulled = bench_launch(pull, model, tmp_path, "epd_pull")
-    finally:
-        pull.stop()
+    # Through the proxy without push names: none announced, each item fetched.
     assert pulled.get("media_free_items_total", 0) >= 1, pulled
     assert pulled.get("push_announced_total", 0) == 0, pulled
     assert pulled.get("fetched_items_total", 0) >= 1, pulled
