@@ -153,7 +153,16 @@ def test_duplicate_push_joins_the_one_in_flight(
     cnode, consumer = make_consumer(keyring.consumer_config(), PUSH)
     consumer.connect([producer.address])
     assert push_when_connected(producer, "w").pushed
-    first, second = producer.push(h, to="pd-0"), producer.push(h, to="pd-0")
+    # The first push's write stays in flight until let go: on one host it would end
+    # inside the WRITE call, before a second call on a loaded host came at all.
+    held = stall(pnode)
+    held[0] = True
+    first = producer.push(h, to="pd-0")
+    wait_until(lambda: producer.pushes_in_flight() == 1, timeout_s=10)
+    second = producer.push(h, to="pd-0")
+    wait_until(lambda: producer.counters["push_joined"] == 1, timeout_s=10)
+    assert not first.done() and not second.done()
+    held[0] = False
     assert first.result(timeout=10).pushed and second.result(timeout=10).pushed
     assert producer.counters["push_offers"] == 2  # "w", then one for both of h
     again = producer.push(h, to="pd-0").result(timeout=10)
