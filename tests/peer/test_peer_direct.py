@@ -703,7 +703,15 @@ def _thawed_and_whole(
     assert counters.get("fenced_reads_ended", 0) == fenced and consumer.fenced_reads()[0] == 0
     assert cnode.store.stats().canary_violations == 0
     cnode.store.check_invariants()
-    wait_until(lambda: [x.up for x in consumer.peer_liveness()] == [True], timeout_s=15.0)
+
+    # The freeze may have outlasted the heartbeat timeout (the fetch gives up first, but
+    # a loaded host can stretch what follows): the session then ended, and a consumer
+    # that takes no push makes it again only when asked.
+    def up() -> bool:
+        consumer.connect([producer.address])
+        return [x.up for x in consumer.peer_liveness()] == [True]
+
+    wait_until(up, "the session to the thawed producer", timeout_s=15.0, interval_s=0.1)
     result = consumer.fetch([h], [producer.address])[0].result(timeout=15)
     assert result.nbytes == n
     np.testing.assert_array_equal(stored_bytes(cnode, h), expected(h, n))
