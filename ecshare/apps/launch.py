@@ -17,7 +17,8 @@ For the proxy's item directory it gives every instance a loopback address of its
 and one `events_port` shared by all, generates the proxy's CURVE key pair and lists its
 public key as each instance's `admin_keys_file` (the keys that may subscribe to the
 feed), and starts the proxy with `--events-port`, `--events-key` and the encoders' and
-prefill/decode instances' public keys (`proxy_argv`, which `ecshare bench serve` reuses).
+prefill/decode instances' public keys (`proxy_argv`; `second_proxy_argv` gives another
+proxy in front of a running launch the same, as `ecshare bench serve` starts one per mode).
 
 It serves the model on the hardware it finds: one GPU per instance, round-robin over
 the NVIDIA GPUs it sees, with vLLM's own defaults; or, with `--cpu` or where it finds
@@ -273,6 +274,26 @@ def proxy_argv(
             "--events-pd-key", str(workdir / f"consumer{PUBLIC_SUFFIX}"),
         ]  # fmt: skip
     return argv
+
+
+def second_proxy_argv(ready: LaunchReady, *, push: bool, limit: str | None) -> list[str]:
+    """The flags of one more `ecshare proxy` in front of a running launch's instances, on
+    a free port of 127.0.0.1, one worker, media left out: launch's own, with its push
+    names where `push` (without them it asks the encoders for no push, as launch's
+    proxy does with --no-push)."""
+    return proxy_argv(
+        ready.encoders,
+        ready.prefill_decode,
+        ready.push_names if push else (),
+        host="127.0.0.1",
+        port=0,
+        workers=1,
+        pd_media="omit",
+        api_key_file=None,
+        limit=limit,
+        workdir=Path(ready.workdir),
+        events_port=ready.events_port,
+    )
 
 
 def events_port_of(servers: Sequence[VllmServer]) -> int | None:

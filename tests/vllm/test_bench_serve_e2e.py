@@ -50,7 +50,7 @@ from early_start import EarlyStart, Starting
 from launch_testing import Launching
 from serving_testing import run_proxy, settled_metrics
 
-from ecshare.apps.launch import proxy_argv
+from ecshare.apps.launch import second_proxy_argv
 from ecshare.apps.ready import LaunchReady
 from ecshare.vllm.servers import VllmServer, read_by_label
 
@@ -121,20 +121,11 @@ def run_bench_serve(
     return saved
 
 
-def start_launch(workdir: Path, model: Path, *flags: str) -> Launching:
-    return launch_testing.start_launch(
-        workdir,
-        model,
-        "--served-model-name",
-        MODEL_NAME,
-        "--ready-timeout",
-        str(START_TIMEOUT_S),
-        *flags,
-    )
-
-
 def start_push_launch(tmp: Path, model: Path) -> Starting[Launching]:
-    launching = start_launch(tmp / "epd_push", model)
+    launching = launch_testing.start_launch(
+        tmp / "epd_push", model, "--served-model-name", MODEL_NAME,
+        "--ready-timeout", str(START_TIMEOUT_S),
+    )  # fmt: skip
     return Starting(launching, [launching])
 
 
@@ -169,20 +160,7 @@ def side_by_side(results: dict[str, dict[str, Any]]) -> str:
 def start_pull_proxy(info: LaunchReady, log: Path) -> tuple[subprocess.Popen[str], str]:
     """A proxy in front of the launch's instances with launch's own proxy flags, but no
     push names: it asks the encoders for no push, as launch's proxy does with --no-push."""
-    argv = proxy_argv(
-        info.encoders,
-        info.prefill_decode,
-        (),
-        host="127.0.0.1",
-        port=0,
-        workers=1,
-        pd_media="omit",
-        api_key_file=None,
-        limit=None,
-        workdir=Path(info.workdir),
-        events_port=info.events_port,
-    )
-    return run_proxy(argv, log)
+    return run_proxy(second_proxy_argv(info, push=False, limit=None), log)
 
 
 def bench_epd(

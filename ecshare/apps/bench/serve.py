@@ -400,21 +400,9 @@ class _Deployment:
         return Round(records, reference, before, after)
 
     def _start_proxy(self, ready: LaunchReady, mode: str) -> tuple[subprocess.Popen[str], str]:
-        from ecshare.apps.launch import proxy_argv
+        from ecshare.apps.launch import second_proxy_argv
 
-        argv = proxy_argv(
-            ready.encoders,
-            ready.prefill_decode,
-            ready.push_names,
-            host="127.0.0.1",
-            port=0,
-            workers=1,
-            pd_media="omit",
-            api_key_file=None,
-            limit=self.limit,
-            workdir=Path(ready.workdir),
-            events_port=ready.events_port,
-        )
+        argv = second_proxy_argv(ready, push=True, limit=self.limit)
         # The report reads each answer's route and steps: the proxy's opt-in headers.
         command = [sys.executable, "-m", "ecshare", "proxy", *argv, "--route-headers"]
         if proxy_routing_modes():
