@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from early_start import TINY_MODEL_DIR
 from skip_check import (  # noqa: F401  (hooks: CI fails a skip not on tests/skips_allowed.txt)
     pytest_make_collect_report,
     pytest_runtest_makereport,
@@ -55,8 +56,6 @@ if TYPE_CHECKING:
     from ecshare.vllm.servers import VllmServer
 
 REPO = Path(__file__).resolve().parents[1]
-# The tiny model the tests in tests/vllm build too (their `tiny_model` fixture).
-TINY_MODEL_DIR = REPO / ".work" / "tiny-qwen2vl"
 PLAIN = "plain_vllm"
 _PLAIN_WANTED = pytest.StashKey[bool]()
 _EARLY = pytest.StashKey[dict[str, list[Any]]]()  # nodeid -> EarlyStart to start there

@@ -30,9 +30,14 @@ import psutil
 import pytest
 
 from ecshare.vllm.servers import ensure_tiny_model, niceness, set_session_niceness
+from ecshare.vllm.tiny_model import transformers_version
 
 _T = TypeVar("_T")
-TINY_MODEL_DIR = Path(__file__).resolve().parents[1] / ".work" / "tiny-qwen2vl"
+# The tiny model the tests serve, one build per transformers version (its files record the
+# version): `make test-vllm034` runs tests in this tree with another venv's.
+TINY_MODEL_DIR = (
+    Path(__file__).resolve().parents[1] / ".work" / f"tiny-qwen2vl-{transformers_version()}"
+)
 BACKGROUND_NICE = 19
 
 

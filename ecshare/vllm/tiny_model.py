@@ -122,7 +122,8 @@ def ensure_tiny_qwen2vl(
 
 
 def is_built(directory: str | os.PathLike[str], *, seed: int = 0, dtype: str = "float32") -> bool:
-    """Whether `directory` holds a complete build of this version, seed and dtype."""
+    """Whether `directory` holds a complete build of this version, seed and dtype, made
+    with the transformers installed here."""
     try:
         found = json.loads(_marker_path(Path(directory)).read_text())
     except (OSError, ValueError):
@@ -141,8 +142,24 @@ def _marker_path(directory: Path) -> Path:
     return directory / MARKER
 
 
+def transformers_version() -> str:
+    """The installed transformers' version, read from its metadata (nothing imported).
+    A build is of one version: its files record it (config.json's `transformers_version`)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("transformers")
+    except PackageNotFoundError:
+        return "none"
+
+
 def _marker(seed: int, dtype: str, ids: dict[str, int]) -> dict[str, Any]:
-    out: dict[str, Any] = {"build_version": BUILD_VERSION, "seed": seed, "dtype": dtype}
+    out: dict[str, Any] = {
+        "build_version": BUILD_VERSION,
+        "seed": seed,
+        "dtype": dtype,
+        "transformers": transformers_version(),
+    }
     if ids:
         out["token_ids"] = ids
     return out

@@ -18,6 +18,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from early_start import TINY_MODEL_DIR
 
 from ecshare.apps.bench.serve import proxy_routing_modes, routing_modes
 from ecshare.apps.bench.serve_client import Record, server_timing
@@ -289,7 +290,7 @@ def test_quick_run_reports_every_mode_with_no_wrong_answer(tmp_path: Path) -> No
     done = subprocess.run(
         [
             sys.executable, "-m", "ecshare", "bench", "serve", "--quick", "--json",
-            "--model", str(REPO / ".work" / "tiny-qwen2vl"), "--workdir", str(tmp_path),
+            "--model", str(TINY_MODEL_DIR), "--workdir", str(tmp_path),
         ],
         capture_output=True, text=True, timeout=1700, cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO)},

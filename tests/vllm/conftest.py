@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from early_start import TINY_MODEL_DIR
 
 # The whole vLLM stack is part of the test environment (`make venv` installs
 # it); this only spares a core-only environment a collection error.
@@ -75,8 +76,6 @@ if VLLM_RELEASE >= (0, 34):
     # ship, for kernels these tests never call: no model runs here.
     if current_platform.is_cpu() and not vllm.triton_utils.HAS_TRITON:
         vllm.triton_utils.HAS_TRITON = True
-REPO = Path(__file__).resolve().parents[2]
-TINY_MODEL_DIR = REPO / ".work" / "tiny-qwen2vl"
 HIDDEN = 128  # the tiny model's hidden size: one encoder output row
 BLOCK = 16
 PREFIX, SUFFIX = 10, 5  # text tokens around the image placeholder

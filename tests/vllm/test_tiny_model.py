@@ -7,7 +7,14 @@ from pathlib import Path
 
 import torch
 
-from ecshare.vllm.tiny_model import build_tiny_qwen2vl, ensure_tiny_qwen2vl, is_built, token_ids
+from ecshare.vllm.tiny_model import (
+    MARKER,
+    build_tiny_qwen2vl,
+    ensure_tiny_qwen2vl,
+    is_built,
+    token_ids,
+    transformers_version,
+)
 
 
 def test_tiny_model_build_is_byte_identical_and_leaves_caller_rng_alone(
@@ -31,3 +38,10 @@ def test_tiny_model_build_is_byte_identical_and_leaves_caller_rng_alone(
     stamp = (again / "model.safetensors").stat().st_mtime_ns
     assert ensure_tiny_qwen2vl(again) == again
     assert (again / "model.safetensors").stat().st_mtime_ns == stamp
+    # Nor is another transformers' build (its files record its version): ensure() redoes it.
+    assert config["transformers_version"] == transformers_version()
+    marker = json.loads((again / MARKER).read_text())
+    (again / MARKER).write_text(json.dumps({**marker, "transformers": "4.0.0"}))
+    assert not is_built(again)
+    assert ensure_tiny_qwen2vl(again) == again and is_built(again)
+    assert (again / "model.safetensors").stat().st_mtime_ns != stamp
