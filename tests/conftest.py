@@ -2,7 +2,7 @@
 
 `plain_vllm` is a plain single `vllm serve` instance over the tiny Qwen2-VL (no
 connector, core 0): the reference whose answers the end-to-end tests compare every
-answer served through ecshare with (tests/proxy/test_proxy_real_backends.py,
+answer served through ecshare with (tests/vllm/test_launch_e2e.py,
 tests/vllm/test_serving_e2e.py). It is started once per session and stopped at the end
 of it; each module asks it its own requests, with images of its own.
 

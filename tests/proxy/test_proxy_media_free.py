@@ -6,7 +6,7 @@ no audio fields; the stub prefill/decode instance records what reached it,
 and can fail metadata-only requests the way vLLM does when a fetch fails.
 The same path with real vLLM instances is tests/vllm/test_epd_e2e.py (`media_free_items`)
 and tests/vllm/test_media_free_scheduler.py; real vLLM's refusal of mixed raw and
-embedded images, which the stub copies, is tested in tests/proxy/test_proxy_real_backends.py.
+embedded images, which the stub copies, is tested in tests/vllm/test_launch_e2e.py.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def test_an_image_left_unannounced_keeps_every_image_of_the_request_whole(rig: R
 
 
 def test_the_stub_refuses_mixed_raw_and_embedded_images_as_vllm_does(rig: Rig) -> None:
-    # Real vLLM's refusal: test_proxy_real_backends.py's
+    # Real vLLM's refusal: tests/vllm/test_launch_e2e.py's
     # test_real_vllm_refuses_mixed_raw_and_embedded_images.
     # Forwards the parts as the client sent them, embeddings too.
     proxy = rig.start_proxy(pd_media="keep", allow_client_embeds=True, client_uuids="strip")
