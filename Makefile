@@ -5,10 +5,10 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 TVHOOK := scripts/tv_cpu_compat
 # pip without its byte-compiling of every module installed (most of torch, vLLM and
-# transformers is never imported here: it is most of an install's CPU). Each module is
-# compiled once instead, by the first process that imports it, which is why recipes
-# write bytecode where this machine's environment says not to (PYTHONDONTWRITEBYTECODE=1:
-# with it, each process would compile all it imports from source again).
+# transformers is never imported here; compiling it all is about 40% of a venv's build).
+# Each module is compiled once instead, by the first process that imports it, which is
+# why recipes write bytecode where this machine's environment says not to
+# (PYTHONDONTWRITEBYTECODE=1: with it, each process would compile all it imports again).
 INSTALL := install -q --no-compile
 unexport PYTHONDONTWRITEBYTECODE
 
@@ -34,6 +34,8 @@ $(STAMP): pyproject.toml Makefile $(TVHOOK)/_tv_cpu_compat.py $(TVHOOK)/_tv_cpu_
 		cp $(TVHOOK)/_tv_cpu_compat.py $(TVHOOK)/_tv_cpu_compat.pth "$$sp/"
 	# nixl-cu12 names torch as a dependency (a CUDA build); it never imports it.
 	$(BIN)/pip $(INSTALL) --no-deps "nixl-cu12==1.5.1" "nixl==1.5.1"
+	# `make test` builds both venvs at once: their editable installs of this tree (which
+	# write its ecshare.egg-info) take turns.
 	mkdir -p .work && flock .work/install.lock $(BIN)/pip $(INSTALL) -e ".[test]"
 	# Stop here, not in the first test, if any of that did not take.
 	$(BIN)/python -c "import torchvision.transforms.v2.functional, nixl._api, ecshare.vllm.connector"
