@@ -414,7 +414,12 @@ class EC:
         return dict(done.ec_transfer_params)
 
     def close(self) -> None:
-        for scheduler in self.schedulers:
+        # Last made, first shut down: a consumer goes before the producers it reads. Shut
+        # down the other way, a consumer could post a read (a warm-up on a Welcome it had
+        # not handled yet) to a producer of this process already gone: NIXL then aborts
+        # the process (seen once, after the hung-thread test). A producer of another
+        # process that goes away is a disconnect error instead.
+        for scheduler in reversed(self.schedulers):
             scheduler.shutdown()
         for worker in self._workers.values():
             worker.close()
