@@ -156,9 +156,11 @@ def test_a_worker_that_waited_for_another_workers_encode_reuses_its_item(rig: Ri
 
 def test_every_proxy_sends_a_new_content_to_the_same_encoder(rig: Rig) -> None:
     proxies = [rig.start_proxy(), rig.start_proxy()]  # as two workers, each its own memory
+    # The encoders' addresses (free ports) are hashed with each content: with 8 contents all
+    # landed on one encoder in 1 run of 128 by chance; with 32, in 1 of 2 billion.
     images = [
         {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{i:04d}"}}
-        for i in range(8)
+        for i in range(32)
     ]
     for image in images:
         for proxy in proxies:
