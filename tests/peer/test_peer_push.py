@@ -340,9 +340,12 @@ def test_late_push_is_fenced_the_fetch_pulls_and_its_blocks_wait_for_the_write(
     moves it along), never reused before."""
     h, n = "late-1", 8 << 20
     pnode, producer = make_producer(keyring.producer_config(), TCP, entries={"w": 4096, h: n})
+    # No NIXL progress thread: it would move the write along while the test holds the
+    # consumer's own progress calls (seen as a push done early under load).
     cnode, consumer = make_consumer(
-        keyring.consumer_config(), PUSH, TCP, {"push_deadline_s": 0.3, "push_wait_s": 30.0}
-    )
+        keyring.consumer_config(), PUSH, TCP,
+        {"push_deadline_s": 0.3, "push_wait_s": 30.0, "nixl_progress_thread": False},
+    )  # fmt: skip
     consumer.connect([producer.address])
     assert push_when_connected(producer, "w").pushed
     real_progress = cnode.transport.progress
@@ -352,7 +355,8 @@ def test_late_push_is_fenced_the_fetch_pulls_and_its_blocks_wait_for_the_write(
     push = producer.push(h, to="pd-0")
     wait_until(lambda: consumer.push_pending(h), timeout_s=5)
     time.sleep(0.1)
-    assert not push.done() and pnode.store.stats().pins == 1  # the source stays pinned
+    assert not push.done(), push.result()
+    assert pnode.store.stats().pins == 1  # the source stays pinned
     result = consumer.fetch([FetchItem(h, pushed=True)], [producer.address])[0].result(timeout=10)
 
     assert not result.pushed and result.peer == producer.address
