@@ -318,8 +318,8 @@ def run_bench_serve(
 
     parser = FlexibleArgumentParser()
     add_cli_args(parser)
-    args = parser.parse_args(bench_serve_args(base_url, tokenizer, tmp / f"{name}.json", seed))
     result = tmp / f"{name}.json"
+    args = parser.parse_args(bench_serve_args(base_url, tokenizer, result, seed))
     log = tmp / f"{name}.bench.log"
     states = random.getstate(), np.random.get_state()
     try:
