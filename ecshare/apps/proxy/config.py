@@ -25,6 +25,7 @@ import msgspec
 from ecshare.apps.proxy.tenants import DEFAULT_TENANT, check_tenants, read_key_file
 from ecshare.config import ConfigError
 from ecshare.config.fields import parse_size
+from ecshare.config.secret_files import read_secret_file
 
 API_KEY_ENV = "ECSHARE_PROXY_API_KEY"
 MiB = 1 << 20
@@ -104,8 +105,34 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_tenant_in_flight: int = 256
     # Open client connections (per proxy process); more are answered 503 and closed.
     max_connections: int = 1024
+    # Open connections of one client address (per proxy process); 0: an eighth of
+    # max_connections.
+    max_connections_per_address: int = 0
+    # Connections that have not yet shown a key and sent a whole request body: their own
+    # pool inside max_connections, so that they never take an authenticated tenant's
+    # connection (`edge`); 0: a quarter of max_connections.
+    max_preauth_connections: int = 0
+    # A new connection's first byte, and its whole request header, must arrive within these.
+    first_byte_timeout_s: float = 5.0
+    header_timeout_s: float = 10.0
+    # An idle connection between two requests is closed after this long.
+    keepalive_timeout_s: float = 30.0
     # Longest time a request body may take to arrive.
     body_timeout_s: float = 30.0
+    # Encoder calls in flight for one tenant, of max_encoder_in_flight, and the longest a
+    # request waits for an encoder slot before it is refused (429, `fanout`); 0: half of
+    # max_encoder_in_flight.
+    max_tenant_encoder_in_flight: int = 0
+    encoder_slot_wait_s: float = 10.0
+    # Inline media bounded by what it decodes to, read from its header before any encoder
+    # call (`bounds`): pixels of an image or of one video frame, frames of a video,
+    # seconds of audio.
+    max_image_pixels: int = 33_554_432
+    max_video_frames: int = 18_000
+    max_audio_seconds: float = 600.0
+    # The secret under which tenant salts are keyed (`tenants.tenant_salt`); with tenant
+    # isolation and none given, each proxy process makes one of its own at start.
+    tenant_secret: str | None = None
     # Membership and the item directory (`discovery`, `directory`, `feeds`).
     events_port: int | None = None  # where every instance publishes its item events
     events_key_file: str | None = None  # the proxy's CURVE secret key for the feeds
@@ -132,6 +159,13 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     route_load_weight: float = 1.0
 
     def __post_init__(self) -> None:
+        for name, whole, share in (
+            ("max_connections_per_address", self.max_connections, 8),
+            ("max_preauth_connections", self.max_connections, 4),
+            ("max_tenant_encoder_in_flight", self.max_encoder_in_flight, 2),
+        ):
+            if not getattr(self, name):
+                msgspec.structs.force_setattr(self, name, max(1, whole // share))
         if not self.prefill_decode and self.discover_pd is None and self.admin_key is None:
             raise ConfigError(
                 "--pd",
@@ -177,9 +211,42 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
             ("--max-encoder-in-flight", self.max_encoder_in_flight),
             ("--max-tenant-in-flight", self.max_tenant_in_flight),
             ("--max-connections", self.max_connections),
+            ("--max-connections-per-address", self.max_connections_per_address),
+            ("--max-preauth-connections", self.max_preauth_connections),
+            ("--max-tenant-encoder-in-flight", self.max_tenant_encoder_in_flight),
+            ("--max-image-pixels", self.max_image_pixels),
+            ("--max-video-frames", self.max_video_frames),
         ):
             if count < 1:
                 raise ConfigError(flag, f"got {count}, expected >= 1")
+        for flag, part, whole, whole_flag in (
+            (
+                "--max-connections-per-address",
+                self.max_connections_per_address,
+                self.max_connections,
+                "--max-connections",
+            ),
+            (
+                "--max-preauth-connections",
+                self.max_preauth_connections,
+                self.max_connections,
+                "--max-connections",
+            ),
+            (
+                "--max-tenant-encoder-in-flight",
+                self.max_tenant_encoder_in_flight,
+                self.max_encoder_in_flight,
+                "--max-encoder-in-flight",
+            ),
+        ):
+            if part > whole:
+                raise ConfigError(flag, f"got {part}, expected at most {whole_flag} ({whole})")
+        if self.tenant_secret is not None and len(self.tenant_secret) < 32:
+            raise ConfigError(
+                "--tenant-secret-file",
+                "the tenant secret is shorter than 32 characters (make one with: "
+                "python -c 'import secrets; print(secrets.token_hex(32))')",
+            )
         if self.max_body_bytes < 1024:
             raise ConfigError("--max-body", f"got {self.max_body_bytes} bytes, expected >= 1 KiB")
         if self.encoder_batch_size < 1:
@@ -207,6 +274,11 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
             ("--health-interval", self.health_interval_s),
             ("--health-timeout", self.health_timeout_s),
             ("--body-timeout", self.body_timeout_s),
+            ("--first-byte-timeout", self.first_byte_timeout_s),
+            ("--header-timeout", self.header_timeout_s),
+            ("--keepalive-timeout", self.keepalive_timeout_s),
+            ("--encoder-slot-wait", self.encoder_slot_wait_s),
+            ("--max-audio-seconds", self.max_audio_seconds),
         ):
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(flag, f"got {value!r}, expected a positive number of seconds")
@@ -220,13 +292,14 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
         return keys
 
     def __repr__(self) -> str:
-        secret = ("api_key", "api_keys", "admin_key")
+        secret = ("api_key", "api_keys", "admin_key", "tenant_secret")
         shown: dict[str, Any] = {
             f: getattr(self, f) for f in self.__struct_fields__ if f not in secret
         }
         shown["api_key"] = None if self.api_key is None else "<hidden>"
         shown["admin_key"] = None if self.admin_key is None else "<hidden>"
         shown["api_keys"] = f"<{len(self.api_keys)} hidden>"
+        shown["tenant_secret"] = None if self.tenant_secret is None else "<hidden>"
         return "ProxyConfig(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
 
 
@@ -411,9 +484,34 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
         ("--max-encoder-in-flight", d.max_encoder_in_flight, "encoder calls in flight"),
         ("--max-tenant-in-flight", d.max_tenant_in_flight, "requests in flight per tenant"),
         ("--max-connections", d.max_connections, "open client connections per process"),
+        (
+            "--max-image-pixels",
+            d.max_image_pixels,
+            "pixels of an inline image or video frame, read from its header",
+        ),
+        ("--max-video-frames", d.max_video_frames, "frames of an inline video"),
     )
     for flag, count, text in counts:
         parser.add_argument(flag, type=int, default=count, help=f"{text} ({count})")
+    shares = (
+        (
+            "--max-connections-per-address",
+            "open connections of one client address per process",
+            "an eighth of --max-connections",
+        ),
+        (
+            "--max-preauth-connections",
+            "connections per process that have not yet shown a key and sent a whole body",
+            "a quarter of --max-connections",
+        ),
+        (
+            "--max-tenant-encoder-in-flight",
+            "encoder calls in flight for one tenant",
+            "half of --max-encoder-in-flight",
+        ),
+    )
+    for flag, text, derived in shares:
+        parser.add_argument(flag, type=int, default=0, help=f"{text} ({derived})")
     parser.add_argument(
         "--max-body",
         metavar="SIZE",
@@ -438,6 +536,23 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
         ("--health-interval", d.health_interval_s, "seconds between health checks"),
         ("--health-timeout", d.health_timeout_s, "one health check, seconds"),
         ("--body-timeout", d.body_timeout_s, "longest a request body may take, seconds"),
+        (
+            "--first-byte-timeout",
+            d.first_byte_timeout_s,
+            "a new connection's first byte, seconds",
+        ),
+        (
+            "--header-timeout",
+            d.header_timeout_s,
+            "a new connection's whole request header, seconds",
+        ),
+        ("--keepalive-timeout", d.keepalive_timeout_s, "idle time between requests, seconds"),
+        (
+            "--encoder-slot-wait",
+            d.encoder_slot_wait_s,
+            "longest wait for an encoder slot before 429, seconds",
+        ),
+        ("--max-audio-seconds", d.max_audio_seconds, "seconds of inline audio"),
     )
     for flag, default, text in timeouts:
         parser.add_argument(flag, type=float, default=default, help=f"{text} ({default:g})")
@@ -490,6 +605,13 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.route_load_weight,
         help="what a request in flight on a prefill/decode instance weighs against one "
         f"of the request's items held there ({d.route_load_weight:g})",
+    )
+    parser.add_argument(
+        "--tenant-secret-file",
+        metavar="PATH",
+        help="the secret (0600, 32+ characters) that keys each tenant's salt under "
+        "--tenant-isolation; give every proxy in front of the same instances the same one "
+        "(unset: each proxy makes its own at start)",
     )
     parser.add_argument("--access-log", action="store_true", help="log every request")
     parser.add_argument(
@@ -559,7 +681,18 @@ def config_from_args(
         "max_encoder_in_flight": args.max_encoder_in_flight,
         "max_tenant_in_flight": args.max_tenant_in_flight,
         "max_connections": args.max_connections,
+        "max_connections_per_address": args.max_connections_per_address,
+        "max_preauth_connections": args.max_preauth_connections,
+        "first_byte_timeout_s": args.first_byte_timeout,
+        "header_timeout_s": args.header_timeout,
+        "keepalive_timeout_s": args.keepalive_timeout,
         "body_timeout_s": args.body_timeout,
+        "max_tenant_encoder_in_flight": args.max_tenant_encoder_in_flight,
+        "encoder_slot_wait_s": args.encoder_slot_wait,
+        "max_image_pixels": args.max_image_pixels,
+        "max_video_frames": args.max_video_frames,
+        "max_audio_seconds": args.max_audio_seconds,
+        "tenant_secret": read_secret_file(args.tenant_secret_file, "--tenant-secret-file"),
         **_membership_values(args),
         "routing": args.routing,
         "url_ttl_s": args.url_ttl,

@@ -1,0 +1,49 @@
+"""The one check every secret file passes before it is read: API keys, the admin key, the
+tenant secret and CURVE secret keys alike.
+
+A secret file must be a regular file that only its owner can read (`chmod 600`, or 400):
+one its group or every user on the host can read lets them act as whoever holds it (a
+tenant, the operator, an instance), so it is refused, as ssh refuses such a key, with the
+command that fixes it. A Kubernetes Secret mounted with `defaultMode: 0400` passes (its
+files are symlinks into the volume, and the check follows them, as a read does).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+
+from ecshare.config.errors import ConfigError
+
+
+def check_secret_file(path: str, flag: str) -> None:
+    """Raise `ConfigError` (naming `flag`) unless `path` is a regular file that only its
+    owner may read."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        raise ConfigError(flag, f"cannot read {path!r}: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(mode):
+        raise ConfigError(flag, f"{path!r} is not a regular file")
+    if os.name == "nt":
+        return
+    if mode & 0o077:
+        who = "every user on this host" if mode & 0o007 else "its group"
+        raise ConfigError(
+            flag,
+            f"{path!r} is readable by {who} (mode {oct(stat.S_IMODE(mode))}), who could act "
+            f"with the secret it holds; fix it with: chmod 600 {path}",
+        )
+
+
+def read_secret_file(path: str | None, flag: str) -> str | None:
+    """The stripped text of the secret file `path` once it passes `check_secret_file`;
+    None where no path is given."""
+    if path is None:
+        return None
+    check_secret_file(path, flag)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(flag, f"cannot read {path!r}: {exc}") from None
