@@ -12,8 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import httpx
 import pytest
 from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
+from proxy_testing import Rig
 from test_directory_feed import BACKEND, Child, children, claims, keys, start  # noqa: F401
 
 from ecshare.apps.cli import parse_args
@@ -134,6 +137,38 @@ def test_registration_needs_the_admin_key_and_a_member_serves_once_healthy() -> 
             await runner.cleanup()
 
     asyncio.run(run())
+
+
+def test_listing_and_removal_without_the_admin_key_are_refused_counted_and_change_nothing(
+    rig: Rig,
+) -> None:
+    proxy = rig.start_proxy(admin_key=ADMIN_KEY)
+    members_url = proxy.url + "/v1/members"
+    auth = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    member = {"role": "encoder", "url": "http://127.0.0.1:9"}
+    joined = httpx.post(members_url, json=member, headers=auth, timeout=10)
+    assert joined.status_code == 200 and joined.json() == {"joined": True}
+
+    refusals = 0
+    for headers in ({}, {"Authorization": "Bearer " + ADMIN_KEY[:-1] + "x"}):
+        for method in ("GET", "DELETE"):
+            refused = httpx.request(method, members_url, json=member, headers=headers, timeout=10)
+            refusals += 1
+            assert refused.status_code == 401, (method, headers, refused.text)
+            assert "members" not in refused.text  # nothing listed to a caller without the key
+
+    listed = httpx.get(members_url, headers=auth, timeout=10).json()
+    assert member["url"] in {m["url"] for m in listed["members"]}  # still a member
+    assert listed["stats"]["unauthorized"] == refusals
+    scraped = httpx.get(proxy.url + "/metrics", headers=auth, timeout=10).text
+    counted = [
+        s.value
+        for family in text_string_to_metric_families(scraped)
+        for s in family.samples
+        if s.name == "ecshare_proxy_membership_changes_total"
+        and s.labels == {"change": "unauthorized"}
+    ]
+    assert counted == [refusals]
 
 
 def test_dns_discovery_follows_the_names_answers_and_keeps_members_when_lookups_fail() -> None:

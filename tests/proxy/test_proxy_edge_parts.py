@@ -149,6 +149,16 @@ def test_more_media_items_than_the_limit_are_refused_before_any_encoder_call(rig
     assert proxy.post(CHAT, chat(IMAGE_A, IMAGE_B, AUDIO)).status_code == 200
 
 
+def test_client_embeddings_count_toward_the_media_limit(rig: Rig) -> None:
+    # As vLLM counts them: an `image_embeds` part is an image item, trusted or not.
+    proxy = rig.start_proxy(allow_client_embeds=True, limit_mm_per_prompt={"image": 2})
+    embeds = {"type": "image_embeds", "image_embeds": "AAAA"}
+    refused_with(proxy, chat(IMAGE_A, IMAGE_B, embeds), "too_many_parts", "3 image items")
+    refused_with(proxy, chat(embeds, embeds, embeds), "too_many_parts", "3 image items")
+    assert nothing_reached_a_backend(rig)
+    assert proxy.post(CHAT, chat(IMAGE_A, embeds)).status_code == 200
+
+
 def test_the_media_limit_defaults_to_vllms(rig: Rig) -> None:
     proxy = rig.start_proxy()
     many = [{"type": "image_url", "image_url": {"url": f"https://e.com/{i}"}} for i in range(1000)]
