@@ -6,21 +6,17 @@ real proxy in front of the stub backends; each refusal is counted by reason.
 
 from __future__ import annotations
 
-import asyncio
 import signal
 import socket
 import subprocess
 import sys
 import threading
-from typing import Any, cast
+from typing import Any
 
 import httpx
-from aiohttp import web
-from aiohttp.web_protocol import RequestHandler
 from proxy_testing import Rig, chat
 from waiting import wait_until
 
-from ecshare.apps.proxy.edge import CappedConnections
 from ecshare.apps.ready import ProxyReady, parse_ready
 
 CHAT = "/v1/chat/completions"
@@ -65,7 +61,9 @@ def read_answer(sock: socket.socket) -> bytes:
 
 
 def test_connections_past_the_cap_are_answered_503_and_closed(rig: Rig) -> None:
-    proxy = rig.start_proxy(max_connections=2)
+    proxy = rig.start_proxy(
+        max_connections=2, max_connections_per_address=2, max_preauth_connections=2
+    )
     held = [connect(proxy.url) for _ in range(2)]
     try:
         # Both are served (so the proxy holds them), and stay open (keep-alive).
@@ -86,27 +84,27 @@ def test_connections_past_the_cap_are_answered_503_and_closed(rig: Rig) -> None:
             sock.close()
 
 
-def test_a_connection_the_server_holds_and_still_starting_is_counted_once() -> None:
-    """Between a connection's `connection_made` (the server holds it) and the loop turn
-    that ends its start, it is counted once: a second connection under the cap is served
-    (CI once saw it refused), and the one past the cap is not."""
-
-    async def run() -> None:
-        async def answer(request: web.BaseRequest) -> web.StreamResponse:
-            return web.Response()
-
-        refused: list[int] = []
-        server = web.Server(answer)
-        factory = CappedConnections(server, 2, lambda: refused.append(1))
-        transport = cast(asyncio.Transport, None)  # never used by the count
-        first = factory()
-        server.connection_made(cast(RequestHandler, first), transport)  # its connection_made
-        second = factory()
-        assert isinstance(second, RequestHandler) and refused == []
-        server.connection_made(second, transport)
-        assert not isinstance(factory(), RequestHandler) and refused == [1]
-
-    asyncio.run(run())
+def test_a_burst_of_connections_is_counted_exactly(rig: Rig) -> None:
+    """Ten connections accepted in one go, before any of them has started: exactly the cap
+    of them stay, each of the others is answered 503 (CI once saw one under the cap
+    refused, when connections were counted before their start)."""
+    proxy = rig.start_proxy(
+        max_connections=4, max_connections_per_address=4, max_preauth_connections=4
+    )
+    burst = [connect(proxy.url) for _ in range(10)]
+    try:
+        wait_until(lambda: proxy.metric("rejected_total", reason="connections") == 6)
+        answers = []
+        for sock in burst:
+            sock.settimeout(0.5)
+            try:
+                answers.append(sock.recv(12))
+            except TimeoutError:
+                answers.append(b"held")
+        assert sorted(answers) == [b"HTTP/1.1 503"] * 6 + [b"held"] * 4
+    finally:
+        for sock in burst:
+            sock.close()
 
 
 def test_the_ecshare_proxy_command_caps_connections_on_its_own_loop(rig: Rig) -> None:

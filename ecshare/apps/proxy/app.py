@@ -66,6 +66,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
+from ecshare.apps.proxy import edge
 from ecshare.apps.proxy.backends import ENCODER, PREFILL_DECODE, Backend, BackendPool, watch_health
 from ecshare.apps.proxy.config import ProxyConfig
 from ecshare.apps.proxy.discovery import (
@@ -121,6 +122,8 @@ class HealthReport(msgspec.Struct, omit_defaults=True):
 
 
 TENANT_KEY = web.RequestKey("ecshare_tenant", str)  # a request's tenant, kept on it
+# The tenant whose requests in flight a request counts against, once its body has arrived.
+IN_FLIGHT_KEY = web.RequestKey("ecshare_in_flight", str)
 
 
 @dataclass
@@ -263,35 +266,39 @@ class Proxy:
         started = time.perf_counter()
         endpoint = _ENDPOINTS.get(request.path, "other")
         status = 500
-        tenant: str | None = None
+        response: web.StreamResponse | None = None
         self.metrics.started()
+        edge.began(request)
         try:
             if endpoint in _AUTHENTICATED:
                 request[TENANT_KEY] = self._authenticate(request)
-            if endpoint in _GENERATING:
-                tenant = self._enter(request[TENANT_KEY])
+                if endpoint not in _GENERATING and not request.body_exists:
+                    edge.trust(request)  # a key shown, no body to wait for
+            elif self._operator(request):
+                edge.trust(request)
             response = await handler(request)
-            status = response.status
-            return response
         except ProxyError as exc:
-            status = exc.status
             if exc.reason is not None:
                 self.metrics.rejected.labels(exc.reason).inc()
-            return error_response(exc.status, exc.message)
+            response = error_response(exc.status, exc.message, exc.retry_after)
         except web.HTTPException as exc:  # aiohttp's own: unknown route, wrong method
-            status = exc.status
-            return error_response(exc.status, f"{exc.reason}: {request.method} {request.path}")
+            response = error_response(exc.status, f"{exc.reason}: {request.method} {request.path}")
         except asyncio.CancelledError:
             status = 499  # the client closed the connection; nginx's name for it
             self.metrics.client_disconnects.inc()
             raise
         except Exception:
             log.exception("request to %s failed inside the proxy", request.path)
-            return error_response(500, "internal proxy error; the proxy's log has the details")
+            response = error_response(500, "internal proxy error; the proxy's log has the details")
         finally:
+            tenant = request.get(IN_FLIGHT_KEY)
             if tenant is not None:
                 self._tenant_in_flight[tenant] -= 1
+            if response is not None:
+                status = response.status
+            edge.ended(request, status, response)
             self.metrics.answered(endpoint, status, time.perf_counter() - started)
+        return response
 
     def _authenticate(self, request: web.Request) -> str:
         """The request's tenant; 401 when keys are set and it has none of them."""
@@ -313,8 +320,11 @@ class Proxy:
         given = request.headers.get("Authorization", "")
         return self._keyring.tenant(given) is not None or bool(admin and holds_key(given, admin))
 
-    def _enter(self, tenant: str) -> str:
-        """Count a request of `tenant` in flight (the guard ends it); 429 past the cap."""
+    def _admit(self, request: web.Request) -> None:
+        """`request`'s body has arrived: its connection is trusted, and it counts against
+        its tenant's requests in flight (the guard ends it); 429 past the cap."""
+        edge.trust(request)
+        tenant: str = request[TENANT_KEY]
         busy = self._tenant_in_flight.get(tenant, 0)
         limit = self.config.max_tenant_in_flight
         if busy >= limit:
@@ -325,7 +335,7 @@ class Proxy:
                 reason="tenant_busy",
             )
         self._tenant_in_flight[tenant] = busy + 1
-        return tenant
+        request[IN_FLIGHT_KEY] = tenant
 
     # -- routes -------------------------------------------------------------------------------
 
@@ -443,8 +453,8 @@ class Proxy:
         return msgspec.json.encode(kept), kept
 
     async def _read_object(self, request: web.Request) -> tuple[bytes, dict[str, Any]]:
-        """The body, raw and as a JSON object; 413 past the size limit, 408 past the time
-        limit, 400 if not an object."""
+        """The body, raw and as a JSON object, admitted (`_admit`); 413 past the size limit,
+        408 past the time limit, 400 if not an object."""
         limit = self.config.max_body_bytes
         too_large = ProxyError(
             413, f"the request body is larger than {limit} bytes", reason="body_too_large"
@@ -471,6 +481,7 @@ class Proxy:
             ) from None
         if not isinstance(body, dict):
             raise ProxyError(400, "the request body must be a JSON object", reason="bad_request")
+        self._admit(request)
         return raw, body
 
 

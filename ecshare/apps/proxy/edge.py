@@ -1,75 +1,284 @@
-"""The proxy's listening socket, with a cap on the client connections it keeps open.
+"""The proxy's listening socket: what a client connection may hold before it has earned it.
 
-A connection past `max_connections` (per proxy process) is answered at once with a 503
-and closed, before a byte of its request is read, and counted
-(`rejected_total{reason="connections"}`). Open connections are those aiohttp's server
-holds (each until its last request's handler ends) plus those accepted in the last loop
-iterations, whose `connection_made` (which the transport schedules with `call_soon` once
-the factory returns) may not have run yet: a burst of accepts cannot pass the cap.
+A connection is *trusted* once a request on it has shown a key (any request, where the
+proxy asks none) and its whole body has arrived; until then it is *pre-auth*. Every
+refusal and every close below is counted (`rejected_total{reason}`):
+
+* **All connections** (per proxy process) are capped at `max_connections`; one past it is
+  answered 503 and closed before a byte of it is read (`connections`). Each check below
+  runs in the connection's `connection_made`, where its address is known, in the order
+  the connections were accepted; a connection is counted from there until its
+  `connection_lost`, so a burst of accepts in one loop iteration is counted exactly.
+* **One client address** holds at most `max_connections_per_address` of them
+  (`address`), trusted or not.
+* **Pre-auth connections** are a pool of their own, `max_preauth_connections`, inside
+  the cap: however many anonymous sockets a client opens, the trusted connections keep
+  the rest. When the pool is full, a new connection takes the place of the oldest
+  pre-auth one with no request on it (still waiting for a whole header, or idle after an
+  answer): that one is closed (`evicted`). Where every pre-auth connection is inside a
+  request, the new one is refused (`preauth`).
+* **Deadlines.** A new connection's first byte must arrive within `first_byte_timeout_s`
+  (`first_byte_timeout`), and its whole first request header within `header_timeout_s`
+  (`header_timeout`, answered 408): aiohttp alone would wait for either as long as its
+  keep-alive timeout. Between requests, `keepalive_timeout_s` bounds an idle connection
+  (aiohttp's own timer, which the runner is given); a body, `body_timeout_s` (`app`).
+* **A pre-auth connection answered with an error is closed** after the answer (`app`
+  tells it where each request begins and ends): a client without a key, or with a body refused,
+  cannot park on the connection it was refused on.
+
+The per-connection state lives in `EdgeHandler`, aiohttp's `RequestHandler` with the
+deadlines and the pool's bookkeeping; `Edge` is the factory and the counts.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 from collections.abc import Callable
-from typing import cast
+from dataclasses import dataclass
+from typing import Any, cast
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
 from ecshare.apps.proxy.errors import error_body
 
-_REFUSAL = error_body(503, "the proxy has as many connections as it takes; try again later")
-REFUSAL_RESPONSE = (
-    b"HTTP/1.1 503 Service Unavailable\r\n"
-    b"Content-Type: application/json\r\n"
-    b"Connection: close\r\n"
-    b"Retry-After: 1\r\n"
-    b"Content-Length: " + str(len(_REFUSAL)).encode() + b"\r\n\r\n" + _REFUSAL
+
+def _answer(status: str, body: bytes, retry_after: bool) -> bytes:
+    return (
+        f"HTTP/1.1 {status}\r\n".encode()
+        + b"Content-Type: application/json\r\nConnection: close\r\n"
+        + (b"Retry-After: 1\r\n" if retry_after else b"")
+        + b"Content-Length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+        + body
+    )
+
+
+REFUSAL_RESPONSE = _answer(
+    "503 Service Unavailable",
+    error_body(503, "the proxy has as many connections as it takes; try again later"),
+    retry_after=True,
+)
+_ADDRESS_REFUSAL = _answer(
+    "503 Service Unavailable",
+    error_body(503, "this client address has as many connections as the proxy takes from one"),
+    retry_after=True,
+)
+_PREAUTH_REFUSAL = _answer(
+    "503 Service Unavailable",
+    error_body(503, "the proxy has as many connections without a key as it takes"),
+    retry_after=True,
+)
+_HEADER_TIMEOUT = _answer(
+    "408 Request Timeout",
+    error_body(408, "the request header did not arrive in time (--header-timeout)"),
+    retry_after=False,
 )
 
 
-class _Refusal(asyncio.Protocol):
-    """Answers a connection past the cap with a 503 and closes it."""
+@dataclass(frozen=True)
+class EdgeLimits:
+    """What a proxy process's connections may hold (`ProxyConfig`'s fields of these names)."""
+
+    max_connections: int
+    max_connections_per_address: int
+    max_preauth_connections: int
+    first_byte_timeout_s: float
+    header_timeout_s: float
+
+    @classmethod
+    def of(cls, config: Any) -> EdgeLimits:
+        return cls(**{name: getattr(config, name) for name in cls.__dataclass_fields__})
+
+
+class EdgeHandler(RequestHandler):
+    """aiohttp's handler of one connection, with its deadlines and its place in the pool."""
+
+    def __init__(self, edge: Edge, server: web.Server, **kwargs: Any) -> None:
+        super().__init__(server, **kwargs)
+        self._edge = edge
+        self.address = ""
+        self.trusted = False
+        self._admitted = False
+        self.counted = False  # in the edge's counts (`Edge.forget`)
+        self._first_byte = False
+        self._header = False
+        self._busy = 0  # requests inside the proxy's handlers
+        self._answered = 0  # requests they have ended
+        self._timers: list[asyncio.TimerHandle] = []
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # A stream transport (uvloop's are not asyncio's classes, so no isinstance).
-        writer = cast(asyncio.WriteTransport, transport)
-        writer.write(REFUSAL_RESPONSE)
-        writer.close()
+        peer = transport.get_extra_info("peername")
+        self.address = str(peer[0]) if isinstance(peer, tuple) and peer else ""
+        refusal = self._edge.admit(self)
+        if refusal is not None:
+            writer = cast(asyncio.WriteTransport, transport)
+            writer.write(refusal)
+            writer.close()
+            return
+        self._admitted = True
+        super().connection_made(transport)
+        limits = self._edge.limits
+        loop = asyncio.get_running_loop()
+        self._timers = [
+            loop.call_later(limits.first_byte_timeout_s, self._first_byte_due),
+            loop.call_later(limits.header_timeout_s, self._header_due),
+        ]
+
+    def data_received(self, data: bytes) -> None:
+        self._first_byte = True
+        if self._header:
+            super().data_received(data)
+            return
+        before = self._request_count
+        super().data_received(data)
+        if self._request_count != before:
+            self._header = True
+            self._cancel_timers()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if not self._admitted:
+            return  # refused: aiohttp's server never knew of it
+        self._admitted = False
+        self._cancel_timers()
+        self._edge.forget(self)
+        super().connection_lost(exc)
+
+    @property
+    def evictable(self) -> bool:
+        """Pre-auth, and no request on it read or being answered: closing it loses nothing."""
+        return not self.trusted and self._busy == 0 and self._answered == self._request_count
+
+    def began(self) -> None:
+        self._busy += 1
+
+    def ended(self) -> None:
+        self._busy -= 1
+        self._answered += 1
+
+    def trust(self) -> None:
+        if not self.trusted and self._admitted:
+            self.trusted = True
+            self._edge.trusted(self)
+
+    def evict(self) -> None:
+        self._close_with(None)
+
+    def _first_byte_due(self) -> None:
+        if not self._first_byte:
+            self._edge.refused("first_byte_timeout")
+            self._close_with(None)
+
+    def _header_due(self) -> None:
+        if not self._header:
+            self._edge.refused("header_timeout")
+            self._close_with(_HEADER_TIMEOUT)
+
+    def _close_with(self, answer: bytes | None) -> None:
+        transport = cast(asyncio.WriteTransport | None, self.transport)
+        if transport is not None and answer is not None:
+            transport.write(answer)
+        self.force_close()
+
+    def _cancel_timers(self) -> None:
+        for timer in self._timers:
+            timer.cancel()
+        self._timers = []
 
 
-class CappedConnections:
-    """A protocol factory: aiohttp's server's handler while fewer than `limit` connections
-    are open, else a refusal (`refused()` is called for each)."""
+class Edge:
+    """A protocol factory over aiohttp's server: an `EdgeHandler` per accepted connection,
+    and the counts that decide, at its `connection_made`, whether it may stay."""
 
-    def __init__(self, server: web.Server, limit: int, refused: Callable[[], None]) -> None:
+    def __init__(self, server: web.Server, limits: EdgeLimits, refused: Callable[[str], None]):
         self._server = server
-        self._limit = limit
-        self._refused = refused
-        self._starting: set[RequestHandler] = set()
+        self.limits = limits
+        self.refused = refused
+        self._open = 0
+        self._by_address: dict[str, int] = {}
+        # Pre-auth connections, oldest first.
+        self._preauth: OrderedDict[EdgeHandler, None] = OrderedDict()
 
     def open(self) -> int:
-        # A handler whose connection_made has run but whose discard has not yet is in
-        # both: counted once, or a connection under the cap is refused.
-        held = self._server.connections
-        return len(held) + len(self._starting.difference(held))
+        return self._open
+
+    def preauth(self) -> int:
+        return len(self._preauth)
 
     def __call__(self) -> asyncio.BaseProtocol:
-        if self.open() >= self._limit:
-            self._refused()
-            return _Refusal()
-        handler = self._server()
-        self._starting.add(handler)
-        # Two turns of the loop: the transport's connection_made, scheduled after this
-        # returns, has then run, and the server counts the connection (or it failed).
-        loop = asyncio.get_running_loop()
-        loop.call_soon(loop.call_soon, self._starting.discard, handler)
-        return handler
+        # `web.Server.__call__` makes its handlers with these same arguments.
+        return EdgeHandler(self, self._server, loop=self._server._loop, **self._server._kwargs)
+
+    def admit(self, handler: EdgeHandler) -> bytes | None:
+        """Count a new connection in; the answer that refuses it where it may not stay."""
+        address = handler.address
+        if self._open >= self.limits.max_connections:
+            return self._refuse("connections", REFUSAL_RESPONSE)
+        if self._by_address.get(address, 0) >= self.limits.max_connections_per_address:
+            return self._refuse("address", _ADDRESS_REFUSAL)
+        if len(self._preauth) >= self.limits.max_preauth_connections:
+            oldest = next((h for h in self._preauth if h.evictable), None)
+            if oldest is None:
+                return self._refuse("preauth", _PREAUTH_REFUSAL)
+            self.refused("evicted")
+            self.forget(oldest)  # at once: its connection_lost comes a loop turn later
+            oldest.evict()
+        handler.counted = True
+        self._open += 1
+        self._by_address[address] = self._by_address.get(address, 0) + 1
+        self._preauth[handler] = None
+        return None
+
+    def _refuse(self, reason: str, answer: bytes) -> bytes:
+        self.refused(reason)
+        return answer
+
+    def trusted(self, handler: EdgeHandler) -> None:
+        self._preauth.pop(handler, None)
+
+    def forget(self, handler: EdgeHandler) -> None:
+        """Count `handler`'s connection out (once, however often it is called)."""
+        if not handler.counted:
+            return
+        handler.counted = False
+        self._open -= 1
+        self._preauth.pop(handler, None)
+        left = self._by_address.get(handler.address, 0) - 1
+        if left > 0:
+            self._by_address[handler.address] = left
+        else:
+            self._by_address.pop(handler.address, None)
 
 
-class CappedSite(web.TCPSite):
-    """`web.TCPSite` whose connections are capped (`CappedConnections`)."""
+def began(request: web.BaseRequest) -> None:
+    """`request` has reached the proxy's handlers: its connection is inside a request."""
+    handler = request.protocol
+    if isinstance(handler, EdgeHandler):
+        handler.began()
+
+
+def ended(request: web.BaseRequest, status: int, response: web.StreamResponse | None) -> None:
+    """`request` is answered with `status`: a pre-auth connection answered with an error is
+    closed after `response` (aiohttp closes it once the response is written)."""
+    handler = request.protocol
+    if not isinstance(handler, EdgeHandler):
+        return
+    handler.ended()
+    if status >= 400 and not handler.trusted and response is not None:
+        response.force_close()
+
+
+def trust(request: web.BaseRequest) -> None:
+    """Mark `request`'s connection trusted: it has shown a key and sent its whole body."""
+    handler = request.protocol
+    if isinstance(handler, EdgeHandler):
+        handler.trust()
+
+
+class EdgeSite(web.TCPSite):
+    """`web.TCPSite` whose connections go through an `Edge`."""
 
     def __init__(
         self,
@@ -77,22 +286,23 @@ class CappedSite(web.TCPSite):
         host: str,
         port: int,
         *,
-        max_connections: int,
-        refused: Callable[[], None],
+        limits: EdgeLimits,
+        refused: Callable[[str], None],
         backlog: int,
         reuse_port: bool,
     ) -> None:
         super().__init__(runner, host, port, backlog=backlog, reuse_port=reuse_port)
-        self._max_connections = max_connections
+        self._limits = limits
         self._refused = refused
+        self.edge: Edge | None = None
 
     async def start(self) -> None:
         self._runner._reg_site(self)  # what BaseSite.start does
         server = self._runner.server
         assert server is not None
-        factory = CappedConnections(server, self._max_connections, self._refused)
+        self.edge = Edge(server, self._limits, self._refused)
         self._server = await asyncio.get_running_loop().create_server(
-            factory,
+            self.edge,
             self._host,
             self._port,
             backlog=self._backlog,

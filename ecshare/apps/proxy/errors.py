@@ -3,7 +3,8 @@
 Every failure the proxy answers itself is a `ProxyError` with an honest status: 400 for a
 body that is not a JSON object or a content part the proxy's rules refuse (`parts`), 401
 for a missing or wrong API key, 408 for a body that did not arrive in time, 413 for an
-oversized body, 429 for a tenant with too many requests in flight, 502 when a
+oversized body, 429 for a tenant with too many requests in flight or a request that
+waited too long for an encoder slot (with `Retry-After`), 502 when a
 prefill/decode instance failed or answered 5xx, 503 when none is healthy (or the proxy
 has as many connections as it takes), 504 when one stayed silent past its timeout. The
 body is the shape OpenAI clients parse: ``{"error": {"message", "type", "param", "code"}}``.
@@ -33,11 +34,19 @@ class ProxyError(Exception):
     """A request the proxy answers with an error of its own; one with a `reason` was refused
     before any backend saw it, and is counted under that reason (`rejected_total`)."""
 
-    def __init__(self, status: int, message: str, *, reason: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        reason: str | None = None,
+        retry_after: int | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.reason = reason
+        self.retry_after = retry_after  # seconds, sent as `Retry-After`
 
 
 class _Body(msgspec.Struct):
@@ -57,8 +66,10 @@ def error_body(status: int, message: str) -> bytes:
     return msgspec.json.encode(_Envelope(error=body))
 
 
-def error_response(status: int, message: str) -> web.Response:
-    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+def error_response(status: int, message: str, retry_after: int | None = None) -> web.Response:
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else {}
+    if retry_after is not None:
+        headers["Retry-After"] = str(retry_after)
     return web.Response(
         status=status,
         body=error_body(status, message),

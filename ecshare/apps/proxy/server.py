@@ -7,7 +7,8 @@ each of them serving through `serve_worker`. This module imports nothing of that
 
 Handler cancellation is on: when a client disconnects, its handler is cancelled at once,
 which closes the upstream connection, even while the proxy waits on a silent backend.
-Client connections are capped (`edge`).
+Client connections are bounded (`edge`): caps overall, per client address and before a
+key, and deadlines for a new connection's first byte and header.
 `serve_worker` uses uvloop when it is installed, prints one ready line
 (`ecshare.apps.ready.ProxyReady`, with the URL) once it accepts
 connections, and stops cleanly on SIGINT/SIGTERM.
@@ -29,7 +30,7 @@ from aiohttp import web
 
 from ecshare.apps.proxy.app import PROXY_KEY, Proxy, build_app
 from ecshare.apps.proxy.config import ProxyConfig
-from ecshare.apps.proxy.edge import CappedSite
+from ecshare.apps.proxy.edge import EdgeLimits, EdgeSite
 from ecshare.apps.proxy.link import SupervisorLink
 from ecshare.apps.proxy.metrics import ProxyMetrics
 from ecshare.apps.ready import ProxyReady, print_ready
@@ -67,15 +68,17 @@ async def start_proxy(
         app,
         handler_cancellation=True,
         access_log=logging.getLogger("ecshare.apps.proxy.access") if config.access_log else None,
+        keepalive_timeout=config.keepalive_timeout_s,
     )
     await runner.setup()
     proxy = app[PROXY_KEY]
-    site = CappedSite(
+    rejected = proxy.metrics.rejected
+    site = EdgeSite(
         runner,
         config.host,
         config.port,
-        max_connections=config.max_connections,
-        refused=proxy.metrics.rejected.labels("connections").inc,
+        limits=EdgeLimits.of(config),
+        refused=lambda reason: rejected.labels(reason).inc(),
         backlog=1024,
         reuse_port=reuse_port,
     )

@@ -1,0 +1,226 @@
+"""No anonymous client can lock others out at the connection layer (DESIGN.md invariant 13).
+
+Each attack of issue 40 is a real client on raw sockets against a real proxy in front of
+the stub backends. The attacker connects from its own loopback addresses (127.0.0.2 and
+up: all of 127/8 is loopback on Linux), the victim from 127.0.0.1, as two hosts would.
+Each mechanism's test is arranged so that it fails with that mechanism switched off: the
+other bounds are set out of the way (`LOOSE`), and the test says what would happen.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+import httpx
+from proxy_testing import ProxyUnderTest, Rig, chat
+from waiting import wait_until
+
+CHAT = "/v1/chat/completions"
+KEYS = {"key-of-the-victim-0123": "victim"}
+VICTIM = {"Authorization": "Bearer key-of-the-victim-0123"}
+HALF_HEADER = b"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\nContent-Ty"
+# Bounds a test does not exercise, out of its way.
+LOOSE: dict[str, Any] = {
+    "first_byte_timeout_s": 120.0,
+    "header_timeout_s": 120.0,
+    "keepalive_timeout_s": 120.0,
+}
+
+
+def attacker(url: str, n: int) -> socket.socket:
+    """A connection to the proxy from the loopback address 127.0.0.`n` (n >= 2)."""
+    host, port = url.removeprefix("http://").split(":")
+    return socket.create_connection(
+        (host, int(port)), timeout=15, source_address=(f"127.0.0.{n}", 0)
+    )
+
+
+@contextmanager
+def sockets(
+    url: str, count: int, *, addresses: int = 1, send: bytes = b""
+) -> Iterator[list[socket.socket]]:
+    """`count` attacker connections spread over `addresses` source addresses, each having
+    sent `send`; closed at the end."""
+    with ExitStack() as stack:
+        held = []
+        for i in range(count):
+            sock = stack.enter_context(attacker(url, 2 + i % addresses))
+            if send:
+                sock.sendall(send)
+            held.append(sock)
+        yield held
+
+
+def refusals(proxy: ProxyUnderTest) -> list[str]:
+    """The proxy's refusals so far, those counted at least once (for a failure's detail)."""
+    lines = proxy.proxy.metrics.exposition().decode().splitlines()
+    return [line for line in lines if "rejected_total{" in line and not line.endswith(" 0.0")]
+
+
+def served(url: str, headers: dict[str, str] | None = None) -> int:
+    """The status of one chat request on a new connection from 127.0.0.1."""
+    with httpx.Client(timeout=15) as client:
+        return client.post(url + CHAT, json=chat(), headers=headers).status_code
+
+
+def closed(sock: socket.socket, within_s: float) -> bytes | None:
+    """What the proxy sent `sock` before closing it within `within_s`; None if still open."""
+    sock.settimeout(within_s)
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except TimeoutError:
+        return None
+    except ConnectionResetError:
+        pass
+    return data
+
+
+def test_idle_and_half_header_sockets_of_one_address_leave_other_clients_served(rig: Rig) -> None:
+    """The issue's attack on `--max-connections 20`: half the sockets send nothing, half a
+    header. With one cap for all (per address = 20), the victim got 503 for as long as
+    they stayed open."""
+    proxy = rig.start_proxy(max_connections=20, max_preauth_connections=20, **LOOSE)
+    with sockets(proxy.url, 15), sockets(proxy.url, 15, send=HALF_HEADER):
+        # The address holds 2 (20 // 8); the proxy refuses the other 28 as it accepts them.
+        wait_until(
+            lambda: proxy.metric("rejected_total", reason="address") == 28,
+            detail=lambda: refusals(proxy),
+        )
+        for _ in range(5):
+            assert served(proxy.url) == 200
+    assert proxy.metric("rejected_total", reason="connections") == 0
+
+
+def test_anonymous_sockets_of_many_addresses_never_take_a_key_holders_connection(
+    rig: Rig,
+) -> None:
+    """Sockets from 15 addresses, each under its per-address cap, fill the pre-auth pool
+    (5 of 20). A tenant's connection that has shown its key keeps being served, and new
+    connections take the place of the oldest idle anonymous ones, which are closed. Without
+    a pool of their own (pre-auth = 20), the anonymous sockets take all 20 and every new
+    connection is refused."""
+    proxy = rig.start_proxy(api_keys=KEYS, max_connections=20, max_preauth_connections=5, **LOOSE)
+    with httpx.Client(timeout=15) as tenant:
+        assert tenant.post(proxy.url + CHAT, json=chat(), headers=VICTIM).status_code == 200
+        with sockets(proxy.url, 30, addresses=15) as anonymous:
+            # Each newcomer past the pool's 5 closed the oldest idle one.
+            wait_until(
+                lambda: proxy.metric("rejected_total", reason="evicted") == 25,
+                detail=lambda: refusals(proxy),
+            )
+            for _ in range(5):  # the trusted keep-alive connection
+                answer = tenant.post(proxy.url + CHAT, json=chat(), headers=VICTIM)
+                assert answer.status_code == 200
+            # New connections: the first takes an idle anonymous one's place; once served,
+            # it has left the pool, and the next finds a place free.
+            for _ in range(5):
+                assert served(proxy.url, VICTIM) == 200
+            still_open = [sock for sock in anonymous if closed(sock, 0.2) is None]
+            assert len(still_open) == 4
+    assert proxy.metric("rejected_total", reason="evicted") == 26
+    assert proxy.metric("rejected_total", reason="connections") == 0
+
+
+def test_a_pre_auth_connection_inside_a_request_is_never_evicted_and_a_full_pool_refuses(
+    rig: Rig,
+) -> None:
+    """Pre-auth connections that are each inside a request (a body on its way) are not
+    closed for a newcomer: the newcomer is refused 503, counted `preauth`."""
+    proxy = rig.start_proxy(max_connections=20, max_preauth_connections=2, **LOOSE)
+    body_coming = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\n"
+        b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"
+    )
+    with sockets(proxy.url, 2, addresses=2, send=body_coming) as slow:
+        wait_until(lambda: proxy.proxy.metrics.in_flight == 2)  # both inside the guard
+        with attacker(proxy.url, 9) as newcomer:
+            answer = closed(newcomer, 15)
+            assert answer is not None and answer.startswith(b"HTTP/1.1 503")
+        assert all(closed(sock, 0.05) is None for sock in slow)
+    assert proxy.metric("rejected_total", reason="preauth") == 1
+    assert proxy.metric("rejected_total", reason="evicted") == 0
+
+
+def test_a_socket_that_sends_nothing_is_closed_at_the_first_byte_deadline(rig: Rig) -> None:
+    proxy = rig.start_proxy(
+        first_byte_timeout_s=0.5, header_timeout_s=60.0, keepalive_timeout_s=60.0
+    )
+    with attacker(proxy.url, 2) as idle:
+        began = time.monotonic()
+        assert closed(idle, 15) == b""
+        assert 0.4 <= time.monotonic() - began < 10
+    assert proxy.metric("rejected_total", reason="first_byte_timeout") == 1
+
+
+def test_a_half_header_is_answered_408_and_closed_at_the_header_deadline(rig: Rig) -> None:
+    proxy = rig.start_proxy(
+        first_byte_timeout_s=60.0, header_timeout_s=0.5, keepalive_timeout_s=60.0
+    )
+    with attacker(proxy.url, 2) as half:
+        half.sendall(HALF_HEADER)
+        began = time.monotonic()
+        answer = closed(half, 15)
+        assert 0.4 <= time.monotonic() - began < 10
+    assert answer is not None and answer.startswith(b"HTTP/1.1 408")
+    assert b"--header-timeout" in answer
+    assert proxy.metric("rejected_total", reason="header_timeout") == 1
+    assert proxy.metric("rejected_total", reason="first_byte_timeout") == 0
+
+
+def test_an_idle_connection_between_requests_is_closed_at_the_keepalive_timeout(rig: Rig) -> None:
+    proxy = rig.start_proxy(keepalive_timeout_s=0.5)
+    with attacker(proxy.url, 2) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: proxy\r\n\r\n")
+        began = time.monotonic()
+        answer = closed(sock, 15)
+        assert 0.4 <= time.monotonic() - began < 10
+    assert answer is not None and answer.startswith(b"HTTP/1.1 200")
+
+
+def test_a_refused_pre_auth_connection_is_closed_after_its_answer(rig: Rig) -> None:
+    """A client without a key gets its 401 and the connection ends: it cannot park on it."""
+    proxy = rig.start_proxy(api_keys=KEYS, **LOOSE)
+    with attacker(proxy.url, 2) as sock:
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: proxy\r\n\r\n")
+        answer = closed(sock, 15)
+    assert answer is not None and answer.startswith(b"HTTP/1.1 401")
+    with httpx.Client(timeout=15) as tenant:  # one with the key keeps its connection
+        for _ in range(2):
+            assert tenant.get(proxy.url + "/v1/models", headers=VICTIM).status_code == 200
+    assert proxy.metric("rejected_total", reason="auth") == 1
+
+
+def test_slow_bodies_on_a_keyless_proxy_never_take_another_clients_requests(rig: Rig) -> None:
+    """Eight bodies that never finish, from eight addresses, on a proxy without keys (every
+    client is the tenant `default`, whose requests in flight are capped at 4). A request
+    counts against that cap only once its body has arrived, so the victim is served; where
+    it counted before its body was read, the victim got 429 until the slow ones timed out."""
+    proxy = rig.start_proxy(max_tenant_in_flight=4, body_timeout_s=60.0, **LOOSE)
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\n"
+        b"Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n{"
+    )
+    stop = threading.Event()
+    with sockets(proxy.url, 8, addresses=8, send=head) as slow:
+
+        def trickle() -> None:
+            while not stop.wait(0.5):
+                for sock in slow:
+                    sock.sendall(b" ")
+
+        dripping = threading.Thread(target=trickle)
+        dripping.start()
+        try:
+            for _ in range(5):
+                assert served(proxy.url) == 200
+        finally:
+            stop.set()
+            dripping.join(15)
+    assert proxy.metric("rejected_total", reason="tenant_busy") == 0
