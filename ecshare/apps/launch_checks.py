@@ -4,7 +4,7 @@ Each check returns the problems it found, one line each, naming the flag to chan
 launch can print them all and exit before any instance starts: a model path that does not
 exist (or a hub name it cannot fetch while offline), an instance config that does not
 decode, a port that is taken or that two instances would share, an API-key file that
-cannot be read or that every local user can read. Imports neither vllm nor torch.
+cannot be read or that its group or other users can read. Imports neither vllm nor torch.
 """
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ from __future__ import annotations
 import errno
 import os
 import re
-import stat
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from ecshare.apps.ops.network_checks import bind_error
 from ecshare.config import ConfigError, load_config
+from ecshare.config.secret_files import check_secret_file
 
 # A Hugging Face hub id: NAME or ORG/NAME.
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
@@ -71,21 +71,18 @@ def _in_hub_cache(model: str) -> bool:
 
 
 def check_api_key_file(path: str | None) -> list[str]:
-    """The file exists, can be read, and is not readable by every local user."""
+    """The file exists, can be read, and only its owner may read it (the proxy's own check,
+    `ecshare.config.secret_files`)."""
     if path is None:
         return []
     try:
-        mode = os.stat(path).st_mode
+        check_secret_file(path, "--api-key-file")
         with open(path, "rb"):
             pass
+    except ConfigError as exc:
+        return [str(exc)]
     except OSError as exc:
-        return [f"--api-key-file {path}: {exc.strerror or exc}"]
-    if not stat.S_ISREG(mode):
-        return [f"--api-key-file {path}: not a regular file"]
-    if mode & stat.S_IROTH:
-        return [
-            f"--api-key-file {path}: readable by every user on this host; run: chmod 600 {path}"
-        ]
+        return [f"--api-key-file: cannot read {path!r}: {exc.strerror or exc}"]
     return []
 
 

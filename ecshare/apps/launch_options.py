@@ -124,8 +124,8 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="PATH",
         help="the proxy requires this file's key as `Authorization: Bearer` on /v1/* "
-        f"(ecshare proxy --api-key-file; else ${API_KEY_ENV}); it must not be readable by "
-        "every user. Without one, launch warns when --host is beyond loopback",
+        f"(ecshare proxy --api-key-file; else ${API_KEY_ENV}); only its owner may read it "
+        "(chmod 600). Without one, launch warns when --host is beyond loopback",
     )
     parser.add_argument(
         "--proxy-workers",

@@ -1,5 +1,5 @@
 """The one check every secret file passes before it is read: API keys, the admin key, the
-tenant secret and CURVE secret keys alike.
+tenant secret and CURVE secret keys alike; and the one way a secret file is written.
 
 A secret file must be a regular file that only its owner can read (`chmod 600`, or 400):
 one its group or every user on the host can read lets them act as whoever holds it (a
@@ -12,27 +12,30 @@ from __future__ import annotations
 
 import os
 import stat
+from pathlib import Path
 
 from ecshare.config.errors import ConfigError
 
 
-def check_secret_file(path: str, flag: str) -> None:
+def check_secret_file(path: str | os.PathLike[str], flag: str) -> None:
     """Raise `ConfigError` (naming `flag`) unless `path` is a regular file that only its
     owner may read."""
+    shown = os.fspath(path)
     try:
         mode = os.stat(path).st_mode
     except OSError as exc:
-        raise ConfigError(flag, f"cannot read {path!r}: {exc.strerror or exc}") from None
+        raise ConfigError(flag, f"cannot read {shown!r}: {exc.strerror or exc}") from None
     if not stat.S_ISREG(mode):
-        raise ConfigError(flag, f"{path!r} is not a regular file")
+        raise ConfigError(flag, f"{shown!r} is not a regular file")
     if os.name == "nt":
         return
     if mode & 0o077:
-        who = "every user on this host" if mode & 0o007 else "its group"
+        who = "all users" if mode & 0o007 else "its group"
         raise ConfigError(
             flag,
-            f"{path!r} is readable by {who} (mode {oct(stat.S_IMODE(mode))}), who could act "
-            f"with the secret it holds; fix it with: chmod 600 {path}",
+            # `ecshare doctor` splits a refusal at " Fix it with: " into finding and fix.
+            f"{shown!r} is accessible to {who} (mode {oct(stat.S_IMODE(mode))}), who could "
+            f"act with the secret it holds. Fix it with: chmod 600 {shown}",
         )
 
 
@@ -47,3 +50,17 @@ def read_secret_file(path: str | None, flag: str) -> str | None:
             return f.read().strip()
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(flag, f"cannot read {path!r}: {exc}") from None
+
+
+def write_secret_file(path: Path, text: str) -> None:
+    """Write `text` (and a newline) to `path`, readable by its owner only from the first
+    byte on: created with mode 0600 under a temporary name, then moved into place."""
+    staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+        os.replace(staging, path)
+    except BaseException:
+        staging.unlink(missing_ok=True)
+        raise

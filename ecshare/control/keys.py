@@ -13,10 +13,8 @@ later as an opaque handshake failure on another host.
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
-import stat
 import struct
 import tempfile
 from collections.abc import Iterable
@@ -28,9 +26,9 @@ import zmq
 import zmq.auth
 from zmq.utils import z85
 
+from ecshare.config import ConfigError
+from ecshare.config.secret_files import check_secret_file
 from ecshare.control.errors import ControlConfigError
-
-log = logging.getLogger(__name__)
 
 Z85_KEY_LENGTH: Final = 40
 PUBLIC_SUFFIX: Final = ".key"
@@ -210,30 +208,13 @@ def load_authorized_keys(
 
 
 def _check_secret_file_mode(path: Path) -> None:
+    """The shared secret-file check (`ecshare.config.secret_files`): a secret key its group
+    or every user can read is refused, as ssh refuses one, since they could act as this
+    instance; raised as this module's error, which the connector's callers expect."""
     try:
-        mode = path.stat().st_mode
-    except FileNotFoundError:
-        raise ControlConfigError(f"secret key file {path} does not exist") from None
-    except OSError as exc:
-        raise ControlConfigError(f"cannot read secret key file {path}: {exc}") from None
-    if os.name == "nt" or not stat.S_ISREG(mode):
-        return
-    shown = oct(stat.S_IMODE(mode))
-    if mode & 0o007:
-        # Anyone on the host could impersonate this instance: an error, as ssh does.
-        raise ControlConfigError(
-            f"secret key file {path} is accessible to all users (mode {shown}); anyone on "
-            f"this host could impersonate this instance. Fix it with: chmod 600 {path}"
-        )
-    if mode & 0o070:
-        # Group access is a deliberate way to share a key between service accounts
-        # (e.g. a mounted secret with fsGroup), so it only warns.
-        log.warning(
-            "secret key file %s is accessible to its group (mode %s); consider: chmod 600 %s",
-            path,
-            shown,
-            path,
-        )
+        check_secret_file(path, "secret key file")
+    except ConfigError as exc:
+        raise ControlConfigError(f"secret key file {exc.detail}") from None
 
 
 def _read_certificate(path: Path) -> tuple[bytes, bytes | None]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import stat
 from pathlib import Path
@@ -78,12 +77,22 @@ def test_world_readable_secret_is_refused_with_chmod_hint(tmp_path: Path) -> Non
     assert f"chmod 600 {files.secret_path}" in message
 
 
-def test_group_readable_secret_only_warns(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_group_readable_secret_is_refused_with_chmod_hint(tmp_path: Path) -> None:
+    # Its group could act as this instance: refused as the proxy refuses its key files.
     files = generate_keypair(tmp_path, "p")
     files.secret_path.chmod(0o640)
-    with caplog.at_level(logging.WARNING, logger="ecshare.control"):
+    with pytest.raises(ControlConfigError) as info:
         load_keypair(files.secret_path)
-    assert any("chmod 600" in r.getMessage() for r in caplog.records)
+    message = str(info.value)
+    assert "accessible to its group (mode 0o640)" in message
+    assert f"chmod 600 {files.secret_path}" in message
+
+
+def test_an_owner_only_secret_loads(tmp_path: Path) -> None:
+    files = generate_keypair(tmp_path, "p")
+    for mode in (0o600, 0o400):
+        files.secret_path.chmod(mode)
+        assert load_keypair(files.secret_path).public == load_public_key(files.public_path)
 
 
 def test_loading_a_public_certificate_as_key_pair_says_so(tmp_path: Path) -> None:

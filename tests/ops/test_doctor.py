@@ -298,13 +298,14 @@ def test_secret_key_readable_by_everyone_fails_with_chmod(keys: dict[str, Path])
     assert check["fix"] == f"run: chmod 600 {secret}"
 
 
-def test_secret_key_readable_by_its_group_warns(keys: dict[str, Path]) -> None:
+def test_secret_key_readable_by_its_group_fails_with_chmod(keys: dict[str, Path]) -> None:
     secret = keys["consumer_secret"]
     secret.chmod(0o640)
     status, report, _ = doctor(*key_flags(keys))
     check = by_name(report)["keys (consumer)"]
-    assert status == 0  # a warning is not a failure
-    assert check["status"] == "warn", check
+    assert status == 1
+    assert check["status"] == "fail", check
+    assert "accessible to its group (mode 0o640)" in check["finding"]
     assert check["fix"] == f"run: chmod 600 {secret}"
 
 

@@ -292,8 +292,8 @@ def test_every_problem_found_before_start_is_one_line_and_nothing_starts(
         "ecshare launch: --ec-extra-config: region_bytes: got '1GB', expected a size",
         f"ecshare launch: --port: the proxy cannot listen on 127.0.0.1:{taken_port}: "
         "already in use",
-        f"ecshare launch: --api-key-file {key}: readable by every user on this host; "
-        "run: chmod 600",
+        f"ecshare launch: --api-key-file: '{key}' is accessible to all users (mode 0o644), "
+        f"who could act with the secret it holds. Fix it with: chmod 600 {key}",
         "ecshare launch: nothing started",
     ]
     for want in expected:
@@ -309,7 +309,11 @@ def test_every_problem_found_before_start_is_one_line_and_nothing_starts(
         (("--ec-extra-config", "{region_bytes: 1}"), {}, "--ec-extra-config: not JSON"),
         (("--ec-extra-config", '["x"]'), {}, "--ec-extra-config: got '[\"x\"]', expected a JSON"),
         (("--extra-vllm-args", "--x 'y"), {}, "--extra-vllm-args: No closing quotation"),
-        (("--api-key-file", "/no/such/key"), {}, "--api-key-file /no/such/key: No such file"),
+        (
+            ("--api-key-file", "/no/such/key"),
+            {},
+            "--api-key-file: cannot read '/no/such/key': No such file",
+        ),
         (
             (),
             {"ECSHARE_GRANT_LEASE_S": "soon"},
@@ -389,6 +393,22 @@ def test_the_api_key_file_reaches_the_proxy_and_the_curl_example(tmp_path: Path)
     ).stdout.splitlines()
     assert "Authorization: Bearer secret" in args, args
     assert json.loads(curl[curl.index("-d") + 1])["model"] == "m"
+
+
+def test_an_api_key_file_its_group_can_read_is_refused_before_anything_starts(
+    tmp_path: Path,
+) -> None:
+    key = tmp_path / "api.key"
+    key.write_text("secret tenant-a\n")
+    key.chmod(0o640)
+    options = _options("--api-key-file", str(key), "--cpu")
+    encoders, pd = plan_servers(options, tmp_path / "work")
+    problems, config = preflight(options, encoders, pd)
+    assert [p for p in problems if p.startswith("--api-key-file")] == [
+        f"--api-key-file: '{key}' is accessible to its group (mode 0o640), who could act "
+        f"with the secret it holds. Fix it with: chmod 600 {key}"
+    ]
+    assert config is None  # the proxy's own reading refuses it too
 
 
 @pytest.mark.cpu_bound

@@ -33,7 +33,7 @@ from ecshare.apps.proxy.discovery import (
 from ecshare.apps.proxy.feeds import DirectoryFeeds
 from ecshare.apps.proxy.metrics import ProxyMetrics
 from ecshare.config import ConfigError
-from ecshare.control import KeyPair
+from ecshare.control import KeyPair, generate_keypair
 from ecshare.peer.items import ItemSnapshot
 
 ADMIN_KEY = "an-admin-key-of-some-length"
@@ -262,10 +262,12 @@ def test_membership_flags_decode_into_the_config_and_the_admin_key_never_shows(
 ) -> None:
     admin = tmp_path / "admin"
     admin.write_text(ADMIN_KEY + "\n")
+    admin.chmod(0o600)
     instance = KeyPair.generate()
+    proxy_key = generate_keypair(tmp_path, "proxy")
     config = _config(
         "--events-port", "5800",
-        "--events-key", str(tmp_path / "proxy.key_secret"),
+        "--events-key", str(proxy_key.secret_path),
         "--events-encoder-key", instance.public_text,
         "--events-timeout", "3",
         "--directory-max-items", "1000",
@@ -291,9 +293,10 @@ def test_a_z85_key_that_starts_with_a_dash_is_taken_as_the_key_flags_value(
     # Z85 holds "-": one public key in 85 starts with it, and argparse alone would read
     # such a key as the next flag (a CI run met one at random).
     key = "-" + KeyPair.generate().public_text[1:]
+    proxy_key = generate_keypair(tmp_path, "proxy")
     config = _config(
         "--events-port", "5800",
-        "--events-key", str(tmp_path / "proxy.key_secret"),
+        "--events-key", str(proxy_key.secret_path),
         "--events-encoder-key", key,
         "--events-pd-key", key,
         "--pd", "http://pd:1",
@@ -323,5 +326,6 @@ def test_bad_membership_flags_are_one_clear_config_error(flags: list[str], blame
 def test_a_short_admin_key_is_refused(tmp_path: Path) -> None:
     admin = tmp_path / "admin"
     admin.write_text("short\n")
+    admin.chmod(0o600)
     with pytest.raises(ConfigError, match="--admin-key-file"):
         _config("--pd", "http://pd:1", "--admin-key-file", str(admin))

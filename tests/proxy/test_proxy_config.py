@@ -80,6 +80,7 @@ def test_the_body_limit_takes_size_units_as_every_size_setting_does() -> None:
 def test_api_key_comes_from_its_file_or_the_environment_and_never_shows(tmp_path: Path) -> None:
     key_file = tmp_path / "key"
     key_file.write_text("from-file\n")
+    key_file.chmod(0o600)
     from_file = _config("--pd", "http://a:1", "--api-key-file", str(key_file))
     assert from_file.api_key == "from-file"
     from_env = _config("--pd", "http://a:1", environ={API_KEY_ENV: "from-env"})
@@ -91,6 +92,7 @@ def test_api_key_comes_from_its_file_or_the_environment_and_never_shows(tmp_path
 def test_a_key_file_maps_keys_to_tenants_and_never_shows(tmp_path: Path) -> None:
     key_file = tmp_path / "keys"
     key_file.write_text("# key tenant\n\nkey-a team-a\n  key-b   team-b  \nkey-c\n")
+    key_file.chmod(0o600)
     config = _config("--pd", "http://a:1", "--api-key-file", str(key_file))
     assert config.keys() == {"key-a": "team-a", "key-b": "team-b", "key-c": "default"}
     assert "key-a" not in repr(config) and "<3 hidden>" in repr(config)
@@ -109,6 +111,7 @@ def test_a_key_file_maps_keys_to_tenants_and_never_shows(tmp_path: Path) -> None
 def test_a_bad_key_file_is_one_clear_config_error(tmp_path: Path, text: str, says: str) -> None:
     key_file = tmp_path / "keys"
     key_file.write_text(text)
+    key_file.chmod(0o600)
     with pytest.raises(ConfigError) as info:
         _config("--pd", "http://a:1", "--api-key-file", str(key_file))
     assert str(info.value).startswith("--api-key-file") and says in str(info.value)

@@ -121,6 +121,7 @@ def test_a_member_registered_through_one_worker_serves_through_every_worker(
 ) -> None:
     admin = tmp_path / "admin"
     admin.write_text(ADMIN_KEY)
+    admin.chmod(0o600)
     extra, extra_url = _extra_pd(rig)
     with _proxy(rig, "--workers", "2", "--admin-key-file", str(admin)) as (proc, ready):
         url, pids = ready.url, set(ready.pids)
@@ -156,6 +157,7 @@ def test_every_worker_subscribes_to_a_registered_members_feed_and_hears_its_item
 ) -> None:
     admin = tmp_path / "admin"
     admin.write_text(ADMIN_KEY)
+    admin.chmod(0o600)
     instance = generate_keypair(tmp_path, "instance")
     proxy_key = generate_keypair(tmp_path, "proxy")
     feed = Child(

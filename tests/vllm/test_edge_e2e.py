@@ -121,6 +121,7 @@ def edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Edge]:
     wait_all_ready(pair.processes)
     key_file = tmp / "api-keys"
     key_file.write_text("".join(f"{key} {tenant}\n" for tenant, key in KEYS.items()))
+    key_file.chmod(0o600)  # the proxy refuses a key file others may read
     common = ("--api-key-file", str(key_file), "--limit-mm-per-prompt", LIMIT)
     tenant = ("--client-uuids", "tenant")
     isolated = (*tenant, "--tenant-isolation")

@@ -25,7 +25,7 @@ import msgspec
 from ecshare.apps.proxy.tenants import DEFAULT_TENANT, check_tenants, read_key_file
 from ecshare.config import ConfigError
 from ecshare.config.fields import parse_size
-from ecshare.config.secret_files import read_secret_file
+from ecshare.config.secret_files import check_secret_file, read_secret_file
 
 API_KEY_ENV = "ECSHARE_PROXY_API_KEY"
 MiB = 1 << 20
@@ -392,13 +392,10 @@ def _add_membership_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _membership_values(args: argparse.Namespace) -> dict[str, Any]:
-    admin_key = None
-    if args.admin_key_file is not None:
-        try:
-            with open(args.admin_key_file, encoding="utf-8") as f:
-                admin_key = f.read().strip()
-        except OSError as exc:
-            raise ConfigError("--admin-key-file", f"cannot read it: {exc}") from None
+    admin_key = read_secret_file(args.admin_key_file, "--admin-key-file")
+    if args.events_key is not None:
+        # Read by each worker once it serves; refused here, before anything listens.
+        check_secret_file(args.events_key, "--events-key")
     return {
         "events_port": args.events_port,
         "events_key_file": args.events_key,

@@ -11,7 +11,8 @@ tenant it belongs to; blank lines and lines starting with `#` are skipped:
 A key alone (the old one-key file, or `ECSHARE_PROXY_API_KEY`) belongs to the tenant
 `default`. Without any key every request is the tenant `default`'s and no key is asked.
 A key is looked up by its SHA-256 digest, so the time a lookup takes says nothing about
-how close a wrong key came.
+how close a wrong key came. A key file its group or other users can read is refused
+(`ecshare.config.secret_files`).
 
 **Client uuids scoped to a tenant** (`--client-uuids tenant`). vLLM 0.32 takes a media
 part's `uuid` verbatim as the item's mm_hash (vllm/multimodal/processing/inputs.py,
@@ -50,6 +51,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from ecshare.config import ConfigError
+from ecshare.config.secret_files import check_secret_file
 
 DEFAULT_TENANT = "default"
 TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -59,7 +61,9 @@ _SALT_TAG = b"ecshare-tenant-salt\x00"
 
 
 def read_key_file(path: str) -> dict[str, str]:
-    """The keys of an API-key file (see the module docstring), each to its tenant."""
+    """The keys of an API-key file (see the module docstring), each to its tenant; a file
+    others may read is refused (`ecshare.config.secret_files`)."""
+    check_secret_file(path, "--api-key-file")
     try:
         text = Path(path).read_text()
     except OSError as exc:
