@@ -1,4 +1,5 @@
-"""The ``ecshare bench`` subcommands: store, fetch, pipeline, proxy, report, compare, schema.
+"""The ``ecshare bench`` subcommands: store, fetch, pipeline, proxy, report, compare, schema,
+abuse.
 
 Every measuring subcommand prints its table (or, with ``--json``, one JSON object) on
 stdout, shows a progress bar on stderr when that is a terminal and ``--quiet`` is not
@@ -195,6 +196,9 @@ def add_bench_arguments(bench: argparse.ArgumentParser) -> None:
     )
 
     sub.add_parser("schema", help="print the JSON Schema of bench result files")
+    from ecshare.apps.bench.abuse import add_abuse_parser
+
+    add_abuse_parser(sub)
 
 
 def _emit(args: argparse.Namespace, result: Any, text: Callable[[Any], None]) -> int:
@@ -257,6 +261,10 @@ def run_bench(args: argparse.Namespace) -> int:
             threshold_pct=args.threshold,
             fail_on_regression_pct=args.fail_on_regression,
         )
+    if command == "abuse":
+        from ecshare.apps.bench.abuse import run_abuse_bench
+
+        return run_abuse_bench(args)
     if command == "schema":
         import msgspec
 
