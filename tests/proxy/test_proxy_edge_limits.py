@@ -202,3 +202,66 @@ def test_encoder_calls_in_flight_are_bounded_across_requests(rig: Rig) -> None:
     # Six calls, asked for at once by three requests, reached the encoder one at a time.
     assert len(encoder.calls) == 6
     assert encoder.peak == 1
+
+
+def test_a_flooding_tenant_never_delays_another_tenants_encodes(rig: Rig) -> None:
+    """team-a bursts 6 requests of 2 images on one slow encoder with 4 slots: it holds its
+    share, 2, and its other calls wait. team-b's call reaches the encoder next, before
+    any of team-a's waiting ones. With no share (team-a may hold all 4), team-b's call
+    came fifth, after a whole encode of team-a's."""
+    encoder = rig.encoders[0]
+    proxy = rig.start_proxy(
+        api_keys=KEYS,
+        encoders=(rig.encoder_urls[0],),
+        max_encoder_in_flight=4,
+        max_tenant_encoder_in_flight=2,
+        pd_media="keep",
+    )
+    encoder.behaviour.delay_s = 1.0
+    answers: list[int] = []
+
+    def send(tenant: str, i: int) -> None:
+        body = chat(image(100 * i), image(100 * i + 1))
+        answers.append(proxy.post(CHAT, body, headers=AS[tenant]).status_code)
+
+    flood = [threading.Thread(target=send, args=("team-a", i)) for i in range(6)]
+    for thread in flood:
+        thread.start()
+    try:
+        wait_until(lambda: len(encoder.calls) == 2)
+        assert encoder.in_flight == 2  # its share; its other 10 calls wait
+        send("team-b", 99)
+        urls = [body["messages"][0]["content"][0]["image_url"]["url"] for body in encoder.bodies()]
+        assert urls.index("https://example.com/9900.png") == 2
+    finally:
+        for thread in flood:
+            thread.join(60)
+    assert answers == [200] * 7
+    assert encoder.peak <= 4  # the slots of all tenants
+
+
+def test_a_request_that_waits_past_the_slot_bound_is_answered_429_with_retry_after(
+    rig: Rig,
+) -> None:
+    encoder = rig.encoders[0]
+    proxy = rig.start_proxy(
+        encoders=(rig.encoder_urls[0],),
+        max_encoder_in_flight=1,
+        encoder_slot_wait_s=0.3,
+        pd_media="keep",
+    )
+    encoder.behaviour.delay_s = 3.0
+    first: list[httpx.Response] = []
+    holder = threading.Thread(target=lambda: first.append(proxy.post(CHAT, chat(image(1)))))
+    holder.start()
+    try:
+        wait_until(lambda: encoder.in_flight == 1)
+        refused = proxy.post(CHAT, chat(image(2)))
+        assert refused.status_code == 429
+        assert refused.headers["Retry-After"] == "1"
+        assert "--encoder-slot-wait" in refused.json()["error"]["message"]
+        assert proxy.metric("rejected_total", reason="encoder_busy") == 1
+        assert len(encoder.calls) == 1  # the refused request's item never reached it
+    finally:
+        holder.join(30)
+    assert first[0].status_code == 200

@@ -6,7 +6,9 @@ the same model and processor options as the original, the items as one user mess
 `max_tokens: 1`. The calls run concurrently, each to the encoder routing prefers for
 its content (`routing.rendezvous`) while that one is healthy, else to the healthy
 encoder with the fewest calls in flight, at most `max_in_flight` at once over all
-requests (the others wait their turn), and the `ec_transfer_params` they return
+requests and `max_tenant_in_flight` of one tenant, handed out to the tenants in turn
+(`slots`: the others wait their turn, a bounded time, then the request is answered 429
+and its other calls cancelled), and the `ec_transfer_params` they return
 (`ecshare.protocol.TransferParam`) are merged by mm_hash. Each item's
 `item_indices` (its positions among the call's items) tell which part of the request an
 mm_hash is, so that the parts can be sent on as their placeholder metadata only (`media`).
@@ -29,21 +31,26 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import AsyncIterator, Coroutine, Hashable, Mapping, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import msgspec
 
 from ecshare.apps.proxy.backends import Backend, BackendPool, describe
+from ecshare.apps.proxy.errors import ProxyError
 from ecshare.apps.proxy.metrics import ProxyMetrics
 from ecshare.apps.proxy.parts import MEDIA_PART_TYPES
+from ecshare.apps.proxy.slots import FairSlots, SlotTimeout
+from ecshare.apps.proxy.tenants import DEFAULT_TENANT
 from ecshare.protocol import ParamsError, PushRequest, TransferParam, decode_items
 
 log = logging.getLogger(__name__)
 
 JSON = dict[str, Any]
+T = TypeVar("T")
 
 # Fields that steer decoding, structured output or templating of the reply, not how media
 # is processed; some would make a one-token, one-message encode call fail or run long.
@@ -182,13 +189,16 @@ class EncoderStage:
         connect_timeout_s: float,
         max_calls: int = 8,
         max_in_flight: int = 64,
+        max_tenant_in_flight: int | None = None,
+        slot_wait_s: float = 10.0,
     ) -> None:
         self._session = session
         self._pool = pool
         self._metrics = metrics
         self._batch_size = batch_size
         self._max_calls = max_calls
-        self._in_flight = asyncio.Semaphore(max_in_flight)
+        per_tenant = max_in_flight if max_tenant_in_flight is None else max_tenant_in_flight
+        self.slots = FairSlots(max_in_flight, per_tenant, slot_wait_s)
         self._timeout = aiohttp.ClientTimeout(total=timeout_s, connect=connect_timeout_s)
         self._warned_no_encoder_at = -math.inf
 
@@ -199,12 +209,14 @@ class EncoderStage:
         request_id: str,
         push_to: tuple[str, ...] = (),
         prefer: Sequence[Backend | None] = (),
+        tenant: str = DEFAULT_TENANT,
     ) -> Encoded:
         """The merged `ec_transfer_params` for `parts` (empty when every call failed), and
         which mm_hash each part is; the encoders push the items to `push_to`. With
         `prefer` (an encoder or None for each part), each call goes to the encoder its
         first part prefers while that one is in rotation (with one part a call, the
-        default, every part to its own)."""
+        default, every part to its own). Each call takes one of `tenant`'s encoder slots
+        (`slots`); where one does not come free in time, `ProxyError` 429."""
         started = time.perf_counter()
         size = max(self._batch_size, math.ceil(len(parts) / self._max_calls))
         batches = self._batches(len(parts), size, prefer)
@@ -213,12 +225,13 @@ class EncoderStage:
                 encoder_request(body, [parts[i] for i in batch], push_to),
                 len(batch),
                 f"{request_id}-enc{b}",
+                tenant,
                 first,
             )
             for b, (first, batch) in enumerate(batches)
         ]
         encoded = Encoded({}, [None] * len(parts))
-        for (_, batch), params in zip(batches, await asyncio.gather(*calls), strict=True):
+        for (_, batch), params in zip(batches, await _all_or_none(calls), strict=True):
             for mm_hash, where in params.items():
                 encoded.params.setdefault(mm_hash, where)
                 for i in _item_indices(where, len(batch), len(params)):
@@ -240,14 +253,14 @@ class EncoderStage:
         return batches
 
     async def _encode_batch(
-        self, request: JSON, items: int, call_id: str, first: Backend | None = None
+        self, request: JSON, items: int, call_id: str, tenant: str, first: Backend | None = None
     ) -> dict[str, TransferParam]:
         payload = msgspec.json.encode(request)
         tried: list[Backend] = []
         reason = "no_encoder"
         # One retry, and only after a refused connection: the encoder never saw the call.
         while len(tried) < 2:
-            async with self._in_flight:  # picked once a slot is free: the least busy then
+            async with self._slot(tenant):  # picked once a slot is free: the least busy then
                 if first is not None and first.healthy and not tried:
                     backend: Backend | None = first
                 else:
@@ -265,6 +278,21 @@ class EncoderStage:
             self._warn_no_encoder(call_id)
         self._metrics.fallback(reason, items)
         return {}
+
+    @asynccontextmanager
+    async def _slot(self, tenant: str) -> AsyncIterator[None]:
+        try:
+            async with self.slots.slot(tenant):
+                yield
+        except SlotTimeout:
+            raise ProxyError(
+                429,
+                f"this tenant's encoder calls waited {self.slots.wait_s:g} s for a slot "
+                f"(--encoder-slot-wait; a tenant holds at most {self.slots.per_tenant} of "
+                f"{self.slots.total}); retry later",
+                reason="encoder_busy",
+                retry_after=1,
+            ) from None
 
     def _warn_no_encoder(self, call_id: str) -> None:
         # Every request would say the same while no encoder is in rotation: once in a while.
@@ -320,6 +348,17 @@ class EncoderStage:
     def _fell_back(call_id: str, url: object, reason: str, detail: str) -> tuple[None, str]:
         log.warning("%s: encoder %s failed (%s: %s)", call_id, url, reason, detail)
         return None, reason
+
+
+async def _all_or_none(calls: list[Coroutine[Any, Any, T]]) -> list[T]:
+    """The results of `calls`, run at once; where one raises, the others are cancelled (so
+    that they give their slots back) and its error is raised."""
+    tasks = [asyncio.ensure_future(call) for call in calls]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 def _item_indices(where: TransferParam, items: int, hashes: int) -> list[int]:

@@ -71,6 +71,7 @@ from ecshare.apps.proxy.config import ProxyConfig
 from ecshare.apps.proxy.fanout import Encoded, EncoderStage, MediaScan
 from ecshare.apps.proxy.identity import KnownItems, content_key, is_remote
 from ecshare.apps.proxy.metrics import ProxyMetrics
+from ecshare.apps.proxy.tenants import DEFAULT_TENANT
 from ecshare.protocol import TransferParam
 
 log = logging.getLogger(__name__)
@@ -245,22 +246,35 @@ class Router:
         return (name,) if name else ()
 
     async def route(
-        self, stage: EncoderStage, body: Mapping[str, Any], scan: MediaScan, request_id: str
+        self,
+        stage: EncoderStage,
+        body: Mapping[str, Any],
+        scan: MediaScan,
+        request_id: str,
+        tenant: str = DEFAULT_TENANT,
     ) -> Routed:
-        """Encode what must be, and choose prefill/decode, for the media parts of `scan`."""
+        """Encode what must be, and choose prefill/decode, for the media parts of `scan`;
+        the encoder calls take `tenant`'s slots (`slots`)."""
         if self.config.routing == "load":
             route = Route("load", len(scan.parts), encoded=len(scan.parts))
             began = time.perf_counter()
             # With push, the instance is chosen first: the encoders write the items into it.
             chosen = self._prefill_decode.pick() if self._push_names else None
             began = route.timed("lookup", began)
-            encoded = await stage.encode(body, scan.parts, request_id, self._push_to(chosen))
+            encoded = await stage.encode(
+                body, scan.parts, request_id, self._push_to(chosen), tenant=tenant
+            )
             route.timed("encode", began)
             return self._counted(Routed(encoded, chosen, route), request_id)
-        return self._counted(await self._reuse(stage, body, scan, request_id), request_id)
+        return self._counted(await self._reuse(stage, body, scan, request_id, tenant), request_id)
 
     async def _reuse(
-        self, stage: EncoderStage, body: Mapping[str, Any], scan: MediaScan, request_id: str
+        self,
+        stage: EncoderStage,
+        body: Mapping[str, Any],
+        scan: MediaScan,
+        request_id: str,
+        tenant: str,
     ) -> Routed:
         parts = scan.parts
         route = Route("new", len(parts))
@@ -297,7 +311,9 @@ class Router:
         landed: dict[str, tuple[str, TransferParam] | None] = dict.fromkeys(led)
         try:
             if new:
-                await self._encode_new(stage, body, scan, new, keys, encoded, chosen, request_id)
+                await self._encode_new(
+                    stage, body, scan, new, keys, encoded, chosen, request_id, tenant
+                )
                 began = route.timed("encode", began)
                 for i in new:
                     h = encoded.hashes[i]
@@ -349,6 +365,7 @@ class Router:
         encoded: Encoded,
         chosen: Backend | None,
         request_id: str,
+        tenant: str,
     ) -> None:
         """Encode the parts `new`, each on the encoder its content key names, into `encoded`."""
         backends = self._encoders.backends
@@ -356,7 +373,7 @@ class Router:
             rendezvous(k, backends) if k is not None else None for k in (keys[i] for i in new)
         ]
         parts = [scan.parts[i] for i in new]
-        fresh = await stage.encode(body, parts, request_id, self._push_to(chosen), prefer)
+        fresh = await stage.encode(body, parts, request_id, self._push_to(chosen), prefer, tenant)
         for j, i in enumerate(new):
             h = fresh.hashes[j]
             if h is not None:
