@@ -71,7 +71,15 @@ REJECT_REASONS = (
     "client_mm_kwargs",
     "too_many_parts",
     "tenant_busy",
+    "media_too_large",
+    "encoder_busy",
+    # Connections (ecshare.apps.proxy.edge): refused, or closed before they earned a place.
     "connections",
+    "address",
+    "preauth",
+    "evicted",
+    "first_byte_timeout",
+    "header_timeout",
 )
 # How a request with media was routed (ecshare.apps.proxy.routing).
 ROUTE_REASONS = ("held", "mixed", "new", "load")
@@ -191,8 +199,9 @@ class ProxyMetrics:
         )
         self.rejected = Counter(
             PREFIX + "rejected",
-            "Requests refused before any backend saw them (and connections refused past the "
-            "cap: reason connections), by reason.",
+            "Requests refused before any backend saw them, and connections refused or "
+            "closed before they earned a place (connections, address, preauth, evicted, "
+            "first_byte_timeout, header_timeout), by reason.",
             ["reason"],
             registry=r,
         )
