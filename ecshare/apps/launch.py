@@ -19,6 +19,8 @@ public key as each instance's `admin_keys_file` (the keys that may subscribe to 
 feed), and starts the proxy with `--events-port`, `--events-key` and the encoders' and
 prefill/decode instances' public keys (`proxy_argv`; `second_proxy_argv` gives another
 proxy in front of a running launch the same, as `ecshare bench serve` starts one per mode).
+It writes a tenant secret (mode 0600) beside the keys and gives every proxy it starts
+that file (`--tenant-secret-file`), so that all of them salt a tenant's media alike.
 
 It serves the model on the hardware it finds: one GPU per instance, round-robin over
 the NVIDIA GPUs it sees, with vLLM's own defaults; or, with `--cpu` or where it finds
@@ -73,8 +75,10 @@ from ecshare.apps.launch_options import Device, LaunchOptions
 from ecshare.apps.launch_options import add_launch_arguments as add_launch_arguments
 from ecshare.apps.launch_options import options_from_args as options_from_args
 from ecshare.apps.proxy.config import API_KEY_ENV
+from ecshare.apps.proxy.tenants import new_tenant_secret
 from ecshare.apps.ready import LaunchReady, print_ready
 from ecshare.config import Config, ConfigError
+from ecshare.config.secret_files import write_secret_file
 from ecshare.control import generate_keypair
 from ecshare.control.keys import PUBLIC_SUFFIX, SECRET_SUFFIX
 from ecshare.vllm.servers import Keys, ServerSpec, VllmServer, free_port
@@ -111,6 +115,7 @@ def plan_servers(
         gpus = gpus_for(options.device)
     keys = Keys.generate(workdir)
     proxy_key = generate_keypair(workdir, PROXY_KEY_NAME)
+    write_secret_file(workdir / TENANT_SECRET_NAME, new_tenant_secret())
     events: dict[str, Any] = {}
     # Instances made to share an address (--ec-extra-config listen_host) could not share
     # one events port: then no item events, and the proxy routes without a directory.
@@ -176,6 +181,8 @@ def plan_servers(
 
 
 PROXY_KEY_NAME = "proxy"  # the proxy's key pair in the workdir: proxy.key, proxy.key_secret
+# The secret every proxy in front of the instances keys tenant salts under, in the workdir.
+TENANT_SECRET_NAME = "tenant_secret"
 
 
 def instance_host(n: int) -> str:
@@ -251,7 +258,8 @@ def proxy_argv(
     events_port: int | None,
 ) -> list[str]:
     """The `ecshare proxy` flags of launch's proxy, in front of instances at these URLs
-    (`push_names`: () without push), with the keys launch wrote in `workdir`."""
+    (`push_names`: () without push), with the keys and the tenant secret launch wrote in
+    `workdir`."""
     names = tuple(push_names) or ("",) * len(pd)
     argv = [
         "--encoder", *encoders,
@@ -273,6 +281,9 @@ def proxy_argv(
             "--events-encoder-key", str(workdir / f"producer{PUBLIC_SUFFIX}"),
             "--events-pd-key", str(workdir / f"consumer{PUBLIC_SUFFIX}"),
         ]  # fmt: skip
+    # One secret for every proxy in front of these instances, so that a tenant's salt
+    # (under --tenant-isolation) is the same whichever proxy it comes through.
+    argv += ["--tenant-secret-file", str(workdir / TENANT_SECRET_NAME)]
     return argv
 
 

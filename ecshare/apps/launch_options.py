@@ -79,8 +79,9 @@ Hardware (default: --gpu where an NVIDIA GPU is found, by CUDA_VISIBLE_DEVICES o
 
 Before starting anything it checks the model path, each instance's config, the ports
 set in advance (--port, and any the extra config fixes) and --api-key-file, and prints
-one line per problem. Logs and keys are in --workdir: a temporary directory by default,
-removed after a clean stop and kept (its path printed) after a failure."""
+one line per problem. Logs, keys and the proxies' tenant secret are in --workdir: a
+temporary directory by default, removed after a clean stop and kept (its path printed)
+after a failure."""
 
 
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:

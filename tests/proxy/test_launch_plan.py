@@ -12,6 +12,7 @@ import os
 import shlex
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -23,15 +24,19 @@ import pytest
 
 from ecshare.apps.cli import build_parser
 from ecshare.apps.launch import (
+    TENANT_SECRET_NAME,
     LaunchOptions,
     gpus_for,
     options_from_args,
     plan_servers,
     preflight,
     proxy_config,
+    second_proxy_argv,
     send_requests_here,
 )
 from ecshare.apps.launch_checks import check_model, find_gpus
+from ecshare.apps.proxy.config import add_proxy_arguments, config_from_args
+from ecshare.apps.ready import LaunchReady
 from ecshare.control import load_keypair, load_public_key
 from ecshare.vllm.servers import CPU_ARGS, CPU_ENV, CPU_ENV_DEFAULTS, ENV_DEFAULTS, free_port
 
@@ -409,6 +414,36 @@ def test_an_api_key_file_its_group_can_read_is_refused_before_anything_starts(
         f"with the secret it holds. Fix it with: chmod 600 {key}"
     ]
     assert config is None  # the proxy's own reading refuses it too
+
+
+def test_every_proxy_launch_starts_keys_tenant_salts_under_one_secret_only_its_owner_reads(
+    tmp_path: Path,
+) -> None:
+    options = _options("--pd", "2", "--cpu")
+    encoders, pd = plan_servers(options, tmp_path)
+    secret = tmp_path / TENANT_SECRET_NAME
+    assert stat.S_IMODE(secret.stat().st_mode) == 0o600
+    config = proxy_config(options, encoders, pd)
+    assert config.tenant_secret == secret.read_text().strip()
+    assert len(config.tenant_secret) >= 32
+    # A second proxy in front of the same launch (`ecshare bench serve`) reads the same file.
+    ready = LaunchReady(
+        url="http://127.0.0.1:8080",
+        model="m",
+        encoders=config.encoders,
+        prefill_decode=config.prefill_decode,
+        workdir=str(tmp_path),
+        push_names=config.pd_push_names,
+        events_port=config.events_port,
+    )
+    argv = second_proxy_argv(ready, push=True, limit=None)
+    assert argv[argv.index("--tenant-secret-file") + 1] == str(secret)
+    parser = argparse.ArgumentParser()
+    add_proxy_arguments(parser)
+    assert config_from_args(parser.parse_args(argv)).tenant_secret == config.tenant_secret
+    # Another launch makes another secret.
+    plan_servers(options, tmp_path / "other")
+    assert (tmp_path / "other" / TENANT_SECRET_NAME).read_text() != secret.read_text()
 
 
 @pytest.mark.cpu_bound

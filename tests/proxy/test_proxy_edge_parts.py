@@ -17,6 +17,7 @@ from ecshare.apps.proxy.tenants import SALT_FIELD, scoped_uuid, tenant_salt
 
 CHAT = "/v1/chat/completions"
 KEYS = {"key-of-team-a-0123": "team-a", "key-of-team-b-0123": "team-b"}
+SECRET = "a-tenant-secret-of-32-characters-or-more"
 AS = {tenant: {"Authorization": f"Bearer {key}"} for key, tenant in KEYS.items()}
 
 
@@ -170,7 +171,7 @@ def test_the_media_limit_defaults_to_vllms(rig: Rig) -> None:
 
 
 def test_with_tenant_isolation_each_tenant_salts_what_the_encoders_hash(rig: Rig) -> None:
-    proxy = rig.start_proxy(tenant_isolation=True, api_keys=KEYS)
+    proxy = rig.start_proxy(tenant_isolation=True, api_keys=KEYS, tenant_secret=SECRET)
     for tenant in ("team-a", "team-b"):
         response = proxy.post(CHAT, chat(IMAGE_A, AUDIO), headers=AS[tenant])
         assert response.status_code == 200
@@ -180,7 +181,7 @@ def test_with_tenant_isolation_each_tenant_salts_what_the_encoders_hash(rig: Rig
         tuple(body["media_io_kwargs"][modality][SALT_FIELD] for modality in ("image", "audio"))
         for body in encoded
     }
-    salt_a, salt_b = tenant_salt("team-a"), tenant_salt("team-b")
+    salt_a, salt_b = tenant_salt(SECRET, "team-a"), tenant_salt(SECRET, "team-b")
     assert salts == {(salt_a, salt_a), (salt_b, salt_b)}
     # Media-free, prefill/decode takes the encoder's (salted) key as the image's uuid,
     # unsalted; the audio keeps its media (the stub gives it no metadata), salted.
@@ -190,18 +191,20 @@ def test_with_tenant_isolation_each_tenant_salts_what_the_encoders_hash(rig: Rig
 
 
 def test_with_tenant_isolation_kept_media_is_salted_as_the_encoder_was(rig: Rig) -> None:
-    proxy = rig.start_proxy(tenant_isolation=True, api_keys=KEYS, pd_media="keep")
+    proxy = rig.start_proxy(
+        tenant_isolation=True, api_keys=KEYS, pd_media="keep", tenant_secret=SECRET
+    )
     assert proxy.post(CHAT, chat(IMAGE_A), headers=AS["team-b"]).status_code == 200
     (encoded,) = rig.encoders[0].bodies() or rig.encoders[1].bodies()
     (sent,) = rig.prefill_decode[0].bodies()
     assert sent["media_io_kwargs"] == encoded["media_io_kwargs"]
-    assert sent["media_io_kwargs"]["image"][SALT_FIELD] == tenant_salt("team-b")
+    assert sent["media_io_kwargs"]["image"][SALT_FIELD] == tenant_salt(SECRET, "team-b")
 
 
 @pytest.mark.parametrize(
     "fields",
     [
-        {"media_io_kwargs": {"image": {SALT_FIELD: tenant_salt("team-a")}}},
+        {"media_io_kwargs": {"image": {SALT_FIELD: tenant_salt(SECRET, "team-a")}}},
         {"media_io_kwargs": {"image": 3}},
         {"mm_processor_kwargs": {"max_pixels": 1 << 20}},
     ],
@@ -210,7 +213,7 @@ def test_with_tenant_isolation_kept_media_is_salted_as_the_encoder_was(rig: Rig)
 def test_with_tenant_isolation_a_clients_own_mm_kwargs_are_refused(
     rig: Rig, fields: dict[str, Any]
 ) -> None:
-    proxy = rig.start_proxy(tenant_isolation=True, api_keys=KEYS)
+    proxy = rig.start_proxy(tenant_isolation=True, api_keys=KEYS, tenant_secret=SECRET)
     before = proxy.metric("rejected_total", reason="client_mm_kwargs")
     response = proxy.post(CHAT, chat(IMAGE_A, **fields), headers=AS["team-b"])
     assert response.status_code == 400

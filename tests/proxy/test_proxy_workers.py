@@ -8,6 +8,7 @@ supervisor (`ecshare.apps.proxy.shared`).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import socket
@@ -229,6 +230,42 @@ def test_concurrent_requests_with_one_new_image_through_two_workers_make_one_enc
                 both = True
                 break
         assert both, "the kernel never spread six connections over both workers"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+
+
+def test_every_worker_salts_a_tenant_alike_under_the_one_secret_its_supervisor_made(
+    rig: Rig,
+) -> None:
+    # No --tenant-secret-file: the supervisor makes the secret, and every worker, a
+    # replaced one too, keys the tenant's salt under it (else a tenant would miss its own
+    # entries whenever another worker took its request).
+    encoders = [arg for u in rig.encoder_urls for arg in ("--encoder", u)]
+    flags = ["--workers", "2", "--tenant-isolation", "--pd-media", "keep", *encoders]
+    pd = rig.prefill_decode[0]
+    sent = iter(range(1_000_000))
+
+    def send_images(n: int) -> None:
+        for i in (next(sent) for _ in range(n)):  # a new image each time: each is encoded
+            image = {"type": "image_url", "image_url": {"url": f"https://example.com/{i}.jpg"}}
+            answer = httpx.post(url + "/v1/chat/completions", json=chat(image), timeout=10)
+            assert answer.status_code == 200, answer.text
+
+    with _proxy(rig, *flags) as (proc, ready):
+        url = ready.url
+        wait_until(lambda: (send_images(4), len(_workers_of(pd)) == 2)[1], timeout_s=30)
+        first = _workers_of(pd)
+        os.kill(min(ready.pids), signal.SIGKILL)
+        wait_until(lambda: (send_images(4), bool(_workers_of(pd) - first))[1], timeout_s=30)
+        salts = {body["media_io_kwargs"]["image"]["ecshare_tenant"] for body in pd.bodies()}
+        encoded = {
+            body["media_io_kwargs"]["image"]["ecshare_tenant"]
+            for encoder in rig.encoders
+            for body in encoder.bodies()
+        }
+        assert len(_workers_of(pd)) >= 3 and len(salts) == 1 and encoded == salts
+        unkeyed = hashlib.sha256(b"ecshare-tenant-salt\x00default").hexdigest()[:32]
+        assert salts != {unkeyed}
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
 

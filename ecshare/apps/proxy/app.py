@@ -209,8 +209,6 @@ class Proxy:
             connect_timeout_s=c.connect_timeout_s,
             max_calls=c.max_encoder_calls,
             max_in_flight=c.max_encoder_in_flight,
-            max_tenant_in_flight=c.max_tenant_encoder_in_flight,
-            slot_wait_s=c.encoder_slot_wait_s,
         )
         prefill_decode = PrefillDecodeStage(
             session,
@@ -350,7 +348,7 @@ class Proxy:
         self.metrics.client_uuids.labels("scoped").inc(checked.scoped)
         plain = checked.body  # what media_free works from: no salt, which it leaves out
         isolated = self.config.tenant_isolation
-        body = salted(plain, checked.modalities, tenant) if isolated else plain
+        body = salted(plain, checked.modalities, self._rules.salt(tenant)) if isolated else plain
         if body is not checked.body or checked.changed:
             raw = msgspec.json.encode(body)
         request_id = _request_id(request)
@@ -361,7 +359,7 @@ class Proxy:
                 request, CHAT_PATH, raw, request_id=request_id
             )
         parsed = time.perf_counter() - began
-        routed = await self.router.route(self.stages.encode, body, scan, request_id, tenant)
+        routed = await self.router.route(self.stages.encode, body, scan, request_id)
         encoded, chosen = routed.encoded, routed.chosen
         routed.route.steps = {"parse": parsed, **routed.route.steps}
         began = time.perf_counter()
@@ -378,7 +376,7 @@ class Proxy:
             if rendered is not None and rendered.omitted:
                 free = rendered.body
                 if self.config.tenant_isolation:  # salt what still carries media, only
-                    free = salted(free, media_modalities(free), tenant)
+                    free = salted(free, media_modalities(free), self._rules.salt(tenant))
                 free["ec_transfer_params"] = merged
                 payload = msgspec.json.encode(free)
                 with_media = functools.partial(self._with_media, raw, body, merged, routed.reused)

@@ -131,7 +131,7 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_video_frames: int = 18_000
     max_audio_seconds: float = 600.0
     # The secret under which tenant salts are keyed (`tenants.tenant_salt`); with tenant
-    # isolation and none given, each proxy process makes one of its own at start.
+    # isolation and none given, the proxy makes one at start, one for all its workers.
     tenant_secret: str | None = None
     # Membership and the item directory (`discovery`, `directory`, `feeds`).
     events_port: int | None = None  # where every instance publishes its item events

@@ -26,7 +26,8 @@ The rules, each refusal a 4xx that names the field and the option, counted by re
   vLLM refuses them without it.
 * **Media items per request**: at most `--limit-mm-per-prompt` per modality (vLLM's flag
   and default; give the proxy what the instances are given), every occurrence counted as
-  vLLM counts them; refused (`too_many_parts`) before any encoder is called.
+  vLLM counts them, a client's embedding part (`image_embeds`, ...) with its modality's
+  media; refused (`too_many_parts`) before any encoder is called.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from typing import Any
 
 from ecshare.apps.proxy.config import ProxyConfig
 from ecshare.apps.proxy.errors import ProxyError
-from ecshare.apps.proxy.tenants import SALT_FIELD, scoped_uuid, tenant_salt
+from ecshare.apps.proxy.tenants import SALT_FIELD, new_tenant_secret, scoped_uuid, tenant_salt
 
 # vLLM's media part kinds, in the order it looks for their fields when it infers a kind.
 _INFERRED_ORDER = (
@@ -89,18 +90,27 @@ class PartRules:
     max_uuid_chars: int = 256
     allow_client_embeds: bool = False
     limit_mm_per_prompt: Mapping[str, int] = field(default_factory=dict)
+    # What tenant salts are keyed under (`tenants.tenant_salt`): the config's, else one of
+    # this process's own (`ecshare proxy` gives its workers one before they start).
+    tenant_secret: str = field(default_factory=new_tenant_secret, repr=False)
 
     @classmethod
     def of(cls, config: ProxyConfig) -> PartRules:
+        given = {} if config.tenant_secret is None else {"tenant_secret": config.tenant_secret}
         return cls(
             client_uuids=config.client_uuids,
             max_uuid_chars=config.max_uuid_chars,
             allow_client_embeds=config.allow_client_embeds,
             limit_mm_per_prompt=dict(config.limit_mm_per_prompt),
+            **given,
         )
 
     def limit(self, modality: str) -> int:
         return self.limit_mm_per_prompt.get(modality, VLLM_DEFAULT_LIMIT)
+
+    def salt(self, tenant: str) -> str:
+        """`tenant`'s salt under this proxy's tenant secret (see `tenants`)."""
+        return tenant_salt(self.tenant_secret, tenant)
 
 
 @dataclass
@@ -213,12 +223,12 @@ def media_modalities(body: Mapping[str, Any]) -> set[str]:
     return found
 
 
-def salted(body: dict[str, Any], modalities: set[str], tenant: str) -> dict[str, Any]:
-    """`body` with `tenant`'s salt as the media_io_kwargs of each of `modalities` (see
-    `tenants`); `body` itself when there is none. A client's own `media_io_kwargs` or
-    `mm_processor_kwargs` are refused (`client_mm_kwargs`): the instances trust
-    per-request kwargs (`--trust-request-mm-kwargs`) for the salt's sake, and the proxy
-    refuses the client's as vLLM would have."""
+def salted(body: dict[str, Any], modalities: set[str], salt: str) -> dict[str, Any]:
+    """`body` with a tenant's `salt` (`PartRules.salt`) as the media_io_kwargs of each of
+    `modalities` (see `tenants`); `body` itself when there is none. A client's own
+    `media_io_kwargs` or `mm_processor_kwargs` are refused (`client_mm_kwargs`): the
+    instances trust per-request kwargs (`--trust-request-mm-kwargs`) for the salt's sake,
+    and the proxy refuses the client's as vLLM would have."""
     for option in HASHED_WITH_UUID:
         if body.get(option):
             raise ProxyError(
@@ -230,8 +240,8 @@ def salted(body: dict[str, Any], modalities: set[str], tenant: str) -> dict[str,
             )
     if not modalities:
         return body
-    salt = {SALT_FIELD: tenant_salt(tenant)}
-    return {**body, "media_io_kwargs": {modality: salt for modality in sorted(modalities)}}
+    kwargs = {SALT_FIELD: salt}
+    return {**body, "media_io_kwargs": {modality: kwargs for modality in sorted(modalities)}}
 
 
 def _embeds_refused(what: str) -> ProxyError:

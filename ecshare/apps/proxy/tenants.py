@@ -29,7 +29,7 @@ item by `blake3(model id, the decoded media, hash factors)`, where the hash fact
 the request's `mm_processor_kwargs` and the modality's `media_io_kwargs`
 (`MultiModalHasher.hash_kwargs`); vLLM's `cache_salt` enters only the prefix-cache block
 hashes, never the mm_hash. So the proxy salts the hash factors: it sets
-`media_io_kwargs[modality]["ecshare_tenant"] = tenant_salt(tenant)` for every modality
+`media_io_kwargs[modality]["ecshare_tenant"] = tenant_salt(secret, tenant)` for every modality
 whose media a request carries (a client's own `media_io_kwargs` and
 `mm_processor_kwargs` are refused, `parts`). The instances must accept per-request
 kwargs (`vllm serve --trust-request-mm-kwargs`). vLLM's media loaders keep unknown
@@ -40,6 +40,14 @@ sent to prefill/decode as its metadata only carries the encoder's (salted) mm_ha
 its uuid and no salt for its modality, so that vLLM takes that uuid verbatim (push and
 pull alike). The same request always salts the same way, so a tenant still hits its own
 entries; another tenant's hit on them, and the timing that would tell of it, is gone.
+
+**The salt is keyed.** `tenant_salt` is an HMAC-SHA256 of the tenant's name under the
+proxy's tenant secret (`--tenant-secret-file`), not a digest of the name alone: whoever
+can put `media_io_kwargs` on an instance (a client that reaches one directly) could
+otherwise compute a named tenant's salt and address its entries. Without the file the
+proxy makes a secret at start, one for all its workers (`workers.run_proxy`); two
+proxies in front of the same instances need the same file, or each keys a tenant's
+entries apart from the other's.
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import re
+import secrets
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -139,9 +148,17 @@ def scoped_uuid(tenant: str, uuid: str) -> str:
     return digest.hexdigest()
 
 
-def tenant_salt(tenant: str) -> str:
-    """What `media_io_kwargs[...]["ecshare_tenant"]` is set to for `tenant`'s requests."""
-    return hashlib.sha256(_SALT_TAG + tenant.encode()).hexdigest()[:32]
+def tenant_salt(secret: str, tenant: str) -> str:
+    """What `media_io_kwargs[...]["ecshare_tenant"]` is set to for `tenant`'s requests: an
+    HMAC of the tenant's name under the proxy's tenant secret, so that no one without the
+    secret can compute (and send) another tenant's salt."""
+    mac = hmac.new(secret.encode(), _SALT_TAG + tenant.encode(), hashlib.sha256)
+    return mac.hexdigest()[:32]
+
+
+def new_tenant_secret() -> str:
+    """A fresh tenant secret (64 hex characters)."""
+    return secrets.token_hex(32)
 
 
 def _digest(key: str) -> bytes:

@@ -8,6 +8,8 @@ module's `supervise`:
 
 * reserves the port first (bound with SO_REUSEPORT, never listening), so that port 0 names
   one port for all workers and a taken port fails at once with a clear message;
+* makes the tenant secret where tenant isolation needs one and none is given, so that
+  every worker salts a tenant's media alike (`ecshare.apps.proxy.tenants`);
 * gives the workers one Prometheus multiprocess directory, so that `/metrics` on any of
   them reports the totals of all (`ecshare.apps.proxy.metrics`);
 * passes each worker the configuration on its standard input, never on its command line,
@@ -56,6 +58,7 @@ from ecshare.apps.proxy.shared import (
     frame,
     split_frames,
 )
+from ecshare.apps.proxy.tenants import new_tenant_secret
 from ecshare.apps.ready import ProxyReady, parse_ready, print_ready
 
 log = logging.getLogger(__name__)
@@ -114,7 +117,9 @@ def supervise(config: ProxyConfig, announce: Announce | None = None) -> int:
     except OSError as exc:
         return cannot_listen(config, exc)
     shared = tempfile.mkdtemp(prefix="ecshare-proxy-metrics-")
-    worker_config = msgspec.structs.replace(config, port=reserved.getsockname()[1])
+    worker_config = msgspec.structs.replace(
+        config, port=reserved.getsockname()[1], tenant_secret=_tenant_secret(config)
+    )
     hub = _Hub()
     pool = _Pool(worker_config, shared, announce, hub)
     hub.start()
@@ -128,6 +133,16 @@ def supervise(config: ProxyConfig, announce: Announce | None = None) -> int:
         pool.stop_all()
         hub.stop()
         shutil.rmtree(shared, ignore_errors=True)
+
+
+def _tenant_secret(config: ProxyConfig) -> str | None:
+    """The config's tenant secret; with tenant isolation and none given, one made here,
+    before any worker starts, so that every worker (restarted ones too) keys each tenant's
+    salt alike: with one secret each, a tenant's requests would miss its own entries
+    whenever another worker took them."""
+    if config.tenant_secret is None and config.tenant_isolation:
+        return new_tenant_secret()
+    return config.tenant_secret
 
 
 class _Pool:
