@@ -209,6 +209,8 @@ class Proxy:
             connect_timeout_s=c.connect_timeout_s,
             max_calls=c.max_encoder_calls,
             max_in_flight=c.max_encoder_in_flight,
+            max_tenant_in_flight=c.max_tenant_encoder_in_flight,
+            slot_wait_s=c.encoder_slot_wait_s,
         )
         prefill_decode = PrefillDecodeStage(
             session,
@@ -359,7 +361,7 @@ class Proxy:
                 request, CHAT_PATH, raw, request_id=request_id
             )
         parsed = time.perf_counter() - began
-        routed = await self.router.route(self.stages.encode, body, scan, request_id)
+        routed = await self.router.route(self.stages.encode, body, scan, request_id, tenant)
         encoded, chosen = routed.encoded, routed.chosen
         routed.route.steps = {"parse": parsed, **routed.route.steps}
         began = time.perf_counter()
