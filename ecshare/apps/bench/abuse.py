@@ -201,6 +201,7 @@ class _Run:
             if any(spec.attacks().values()):
                 attackers = self._start_attackers(ready.url)
             victim.phase = "attack"
+            sampler.attacked = True
             self.say(f"attack: {spec.attack_s:g} s of {_attacks_line(spec)} ...")
             time.sleep(spec.attack_s)
             victim.stop.set()
@@ -339,12 +340,16 @@ class _Victim:
     async def _run(self) -> None:
         async with self._session() as session:
             start = time.perf_counter()
-            pending: list[asyncio.Future[VictimRecord]] = []
+            pending: list[asyncio.Future[None]] = []
             while not self.stop.is_set():
                 due = start + len(pending) / self.spec.victim_rate
                 await asyncio.sleep(max(0.0, due - time.perf_counter()))
-                pending.append(asyncio.ensure_future(self._one(session, self.phase, start)))
-            self.records += await asyncio.gather(*pending)
+                pending.append(asyncio.ensure_future(self._record(session, self.phase, start)))
+            await asyncio.gather(*pending)
+
+    async def _record(self, session: Any, phase: str, start: float) -> None:
+        # Each as it ends, so that the ones ended are there even if the wait is cut short.
+        self.records.append(await self._one(session, phase, start))
 
     async def _one(self, session: Any, phase: str, start: float) -> VictimRecord:
         import aiohttp
@@ -387,7 +392,8 @@ def _carries(choice: dict[str, Any]) -> bool:
 
 
 class _MemorySampler(threading.Thread):
-    """Samples every process under the launch's pid: peak RSS per process, each named by
+    """Samples every process under the launch's pid: peak RSS per process (over the run,
+    and before the attack), each named by
     its place (the launch, which runs the proxy; an instance, by its port; a process an
     instance started, by its name), and every pid each name had."""
 
@@ -400,7 +406,9 @@ class _MemorySampler(threading.Thread):
             for i, url in enumerate(urls)
         }
         self.stop = threading.Event()
+        self.attacked = False  # set once the attack starts
         self.peak: dict[str, int] = {}
+        self.unattacked: dict[str, int] = {}
         self.pids: dict[str, list[int]] = {}
         self.first: set[str] = set()
         self.last: set[str] = set()
@@ -431,6 +439,8 @@ class _MemorySampler(threading.Thread):
                 continue
             seen[name] = proc.pid
             self.peak[name] = max(self.peak.get(name, 0), rss)
+            if not self.attacked:
+                self.unattacked[name] = max(self.unattacked.get(name, 0), rss)
             pids = self.pids.setdefault(name, [])
             if proc.pid not in pids:
                 pids.append(proc.pid)
@@ -467,6 +477,7 @@ class _MemorySampler(threading.Thread):
                 name=name,
                 pids=tuple(pids),
                 peak_rss_bytes=self.peak[name],
+                unattacked_rss_bytes=self.unattacked.get(name, 0),
                 alive_at_end=name in self.last,
                 restarts=len(pids) - 1 + (name in self.first and name not in self.last),
             )

@@ -252,6 +252,8 @@ class _Http:
                 outcome = "timeout"
             except aiohttp.ClientError as exc:
                 outcome = type(exc).__name__
+                if isinstance(exc, OSError) and exc.errno:
+                    outcome += " " + errno.errorcode.get(exc.errno, str(exc.errno))
             finally:
                 self.tally.open_now -= 1
             self.tally.ended(outcome, time.monotonic() - started)

@@ -40,7 +40,9 @@ __all__ = [
 
 MAX_P99_RATIO = 2.0
 MiB = 1 << 20
-DEFAULT_MAX_RSS = 4 << 30
+# A little over the largest process of an unattacked run on the tiny model (prefill/decode's
+# engine core), so that a process an attack makes grow by a few hundred MiB fails it.
+DEFAULT_MAX_RSS = 2 << 30
 BOMB_SIDE = 8000  # a decompression bomb's width and height, in pixels
 
 
@@ -96,7 +98,8 @@ class ProcessMemory(msgspec.Struct, frozen=True):
 
     name: str
     pids: tuple[int, ...]  # more than one: it restarted
-    peak_rss_bytes: int
+    peak_rss_bytes: int  # over the whole run
+    unattacked_rss_bytes: int  # before the attack; 0: it started during the attack
     alive_at_end: bool
     restarts: int  # pids replaced, plus one where it was gone at the end
 
@@ -329,11 +332,12 @@ def print_result(result: AbuseBenchResult) -> None:
             + (f", Retry-After on {t.retry_after}" if t.retry_after else "")
         )
     print()
-    print(f"{'process':<34} {'pids':>4} {'peak RSS':>10}  restarts")
+    print(f"{'process':<34} {'pids':>4} {'peak RSS':>10} {'unattacked':>10}  restarts")
     for m in result.processes:
         gone = "" if m.alive_at_end else " (gone at the end)"
         print(
-            f"{m.name:<34} {len(m.pids):>4} {m.peak_rss_bytes / MiB:>6.0f} MiB  {m.restarts}{gone}"
+            f"{m.name:<34} {len(m.pids):>4} {m.peak_rss_bytes / MiB:>6.0f} MiB "
+            f"{m.unattacked_rss_bytes / MiB:>6.0f} MiB  {m.restarts}{gone}"
         )
     print()
     print("refusals by reason (ecshare_proxy_rejected_total, at the end)")
