@@ -209,7 +209,10 @@ def test_concurrent_requests_with_one_new_image_through_two_workers_make_one_enc
     with _proxy(rig, "--workers", "2", *encoders) as (proc, _ready):
         url = _ready.url
         for round_ in range(5):  # until both workers took part (the kernel spreads them)
-            image = {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{round_}"}}
+            image = {
+                "type": "image_url",
+                "image_url": {"url": f"data:image/png;base64,{round_:04d}"},
+            }
             calls_before = sum(len(e.calls) for e in rig.encoders)
             pd_before = len(pd.calls)
             answers: list[int] = []

@@ -43,10 +43,13 @@ error the proxy itself answers is OpenAI-shaped (`errors`).
 
 The edge is bounded, each refusal counted by reason (`rejected_total{reason}`) before any
 backend sees the request: a chat request's content parts obey the proxy's rules
-(`parts`: client uuids, client embeddings, media items per request); a tenant has at most
-`max_tenant_in_flight` requests in flight (429); a body must arrive within
-`body_timeout_s` (408) and be at most `max_body_bytes` (413); connections are capped
-(`edge`); encoder calls per request and in flight are bounded (`fanout`). With
+(`parts`: client uuids, client embeddings, media items per request), and its inline media
+is bounded by what it decodes to (`bounds`); a tenant has at most
+`max_tenant_in_flight` requests in flight (429), counted once its body has arrived; a
+body must arrive within `body_timeout_s` (408) and be at most `max_body_bytes` (413);
+connections are bounded before they have shown a key and sent a body (`edge`, told by
+the guard where each request begins, is trusted and ends); encoder calls per request,
+in flight and per tenant are bounded (`fanout`, `slots`). With
 `tenant_isolation`, each tenant's media are keyed apart (`tenants`).
 """
 
@@ -68,6 +71,7 @@ from aiohttp import web
 
 from ecshare.apps.proxy import edge
 from ecshare.apps.proxy.backends import ENCODER, PREFILL_DECODE, Backend, BackendPool, watch_health
+from ecshare.apps.proxy.bounds import MediaBounds, carries_video, check_media
 from ecshare.apps.proxy.config import ProxyConfig
 from ecshare.apps.proxy.discovery import (
     Membership,
@@ -162,6 +166,7 @@ class Proxy:
         }
         self._keyring = Keyring(config.keys())
         self._rules = PartRules.of(config)
+        self._bounds = MediaBounds.of(config)
         self._tenant_in_flight: dict[str, int] = {}
         self._stages: _Stages | None = None
         self.membership: Membership | None = None
@@ -346,6 +351,10 @@ class Proxy:
         raw, body = self._own_params_only(*await self._read_object(request))
         tenant: str = request[TENANT_KEY]
         checked = check_parts(body, self._rules, tenant)
+        if carries_video(checked.body):  # FFmpeg's probe: off the event loop
+            await asyncio.to_thread(check_media, checked.body, self._bounds)
+        else:
+            check_media(checked.body, self._bounds)
         self.metrics.client_uuids.labels("stripped").inc(checked.stripped)
         self.metrics.client_uuids.labels("scoped").inc(checked.scoped)
         plain = checked.body  # what media_free works from: no salt, which it leaves out

@@ -23,7 +23,8 @@ request, so a 4 MB image costs about what a small one does (but a WebP: Pillow's
 takes the whole file at open, so its check costs in proportion to its size, with no pixel
 decoded); a video is decoded whole, as a container's index may be at its end. Opening a
 video runs FFmpeg's stream probe, which for some codecs decodes the first frame (MPEG-4
-part 2 does; MJPEG in AVI does not), in the thread that calls `check_media`.
+part 2 does; MJPEG in AVI does not): the proxy checks a request with a video in a
+thread of its own (`carries_video`).
 
 What the proxy cannot read, it leaves to the instances, which check the same items
 themselves (`VLLM_MAX_IMAGE_PIXELS`, `VLLM_MAX_AUDIO_DECODE_DURATION_S`) and refuse what
@@ -49,13 +50,13 @@ and bounds what they decode with `VLLM_MAX_IMAGE_PIXELS` (images and video frame
 
 from __future__ import annotations
 
+import functools
 import io
 import wave
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import cv2
 import pybase64
 from PIL import Image
 
@@ -74,15 +75,20 @@ _VLLM_IMAGE_FORMATS = (
 )
 Image.init()
 IMAGE_FORMATS = tuple(f for f in _VLLM_IMAGE_FORMATS if f in Image.OPEN)
-# The first of OpenCV's backends that reads a stream from memory, as vLLM picks it.
-_VIDEO_BACKEND = next(
-    (
-        backend
-        for backend in cv2.videoio_registry.getStreamBufferedBackends()
-        if cv2.videoio_registry.hasBackend(backend)
-    ),
-    None,
-)
+
+
+@functools.cache
+def _video_backend() -> tuple[Any, int | None]:
+    """OpenCV, and the first of its backends that reads a stream from memory, as vLLM
+    picks it. Imported at the first video: it costs a proxy process about 150 ms and
+    30 MiB, which one that never sees a video need not pay."""
+    import cv2
+
+    backends = cv2.videoio_registry.getStreamBufferedBackends()
+    usable = (b for b in backends if cv2.videoio_registry.hasBackend(b))
+    return cv2, next(usable, None)
+
+
 # The field that holds a part's media, where it is not named after the part's kind.
 _FIELD = {"input_image": "image_url"}  # the Responses API's image part
 # The flag that sets each bound, for the messages.
@@ -131,6 +137,12 @@ def check_media(body: Mapping[str, Any], bounds: MediaBounds) -> int:
         else:
             _check_audio(item, bounds)
     return count
+
+
+def carries_video(body: Mapping[str, Any]) -> bool:
+    """Whether the chat request `body` has an inline video, whose check (FFmpeg's probe
+    of the whole container) is worth a thread of its own off the proxy's event loop."""
+    return any(item.modality == "video" for item in inline_items(body))
 
 
 def inline_items(body: Mapping[str, Any]) -> Iterator[InlineItem]:
@@ -190,14 +202,15 @@ def _check_video(item: InlineItem, bounds: MediaBounds) -> None:
             where = f"{item.where} (frame {i})"
             _check_image(where, _open(where, jpeg), bounds)
         return
-    if _VIDEO_BACKEND is None:
+    cv2, backend = _video_backend()
+    if backend is None:
         return
     data = io.BytesIO(
         _open(item.where, item.text, item.start).read()
     )  # whole: a container's index may be at its end
     try:
         # OpenCV's stubs name its own reader; it reads any io.BufferedIOBase, as in vLLM.
-        capture = cv2.VideoCapture(data, _VIDEO_BACKEND, [])  # type: ignore[call-overload]
+        capture = cv2.VideoCapture(data, backend, [])
     except cv2.error:
         return
     try:
