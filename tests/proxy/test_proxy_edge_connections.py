@@ -20,9 +20,15 @@ import httpx
 from proxy_testing import ProxyUnderTest, Rig, chat
 from waiting import wait_until
 
+from ecshare.apps.proxy.edge import EVICT_AFTER_S
+
 CHAT = "/v1/chat/completions"
-KEYS = {"key-of-the-victim-0123": "victim"}
+KEYS = {"key-of-the-victim-0123": "victim", "key-of-the-flood-0123": "flood"}
 VICTIM = {"Authorization": "Bearer key-of-the-victim-0123"}
+SLOW_HEAD = (
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\n"
+    b"Content-Type: application/json\r\nContent-Length: 100000\r\n"
+)
 HALF_HEADER = b"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\nContent-Ty"
 # Bounds a test does not exercise, out of its way.
 LOOSE: dict[str, Any] = {
@@ -102,29 +108,30 @@ def test_anonymous_sockets_of_many_addresses_never_take_a_key_holders_connection
     rig: Rig,
 ) -> None:
     """Sockets from 15 addresses, each under its per-address cap, fill the pre-auth pool
-    (5 of 20). A tenant's connection that has shown its key keeps being served, and new
-    connections take the place of the oldest idle anonymous ones, which are closed. Without
-    a pool of their own (pre-auth = 20), the anonymous sockets take all 20 and every new
+    (5 of 20) and the rest are refused. A tenant's connection that has shown its key keeps
+    being served, and a new connection, once the anonymous ones have idled
+    `EVICT_AFTER_S`, takes the place of the oldest, which is closed. Without a pool of
+    their own (pre-auth = 20), the anonymous sockets take all 20 and every new
     connection is refused."""
     proxy = rig.start_proxy(api_keys=KEYS, max_connections=20, max_preauth_connections=5, **LOOSE)
     with httpx.Client(timeout=15) as tenant:
         assert tenant.post(proxy.url + CHAT, json=chat(), headers=VICTIM).status_code == 200
         with sockets(proxy.url, 30, addresses=15) as anonymous:
-            # Each newcomer past the pool's 5 closed the oldest idle one.
             wait_until(
-                lambda: proxy.metric("rejected_total", reason="evicted") == 25,
+                lambda: proxy.metric("rejected_total", reason="preauth") == 25,
                 detail=lambda: refusals(proxy),
             )
-            for _ in range(5):  # the trusted keep-alive connection
+            for _ in range(3):  # the trusted keep-alive connection
                 answer = tenant.post(proxy.url + CHAT, json=chat(), headers=VICTIM)
                 assert answer.status_code == 200
-            # New connections: the first takes an idle anonymous one's place; once served,
-            # it has left the pool, and the next finds a place free.
+            time.sleep(EVICT_AFTER_S)
+            # New connections: the first takes the oldest idle anonymous one's place; once
+            # served, it has left the pool, and the next finds a place free.
             for _ in range(5):
                 assert served(proxy.url, VICTIM) == 200
             still_open = [sock for sock in anonymous if closed(sock, 0.2) is None]
             assert len(still_open) == 4
-    assert proxy.metric("rejected_total", reason="evicted") == 26
+    assert proxy.metric("rejected_total", reason="evicted") == 1
     assert proxy.metric("rejected_total", reason="connections") == 0
 
 
@@ -140,6 +147,7 @@ def test_a_pre_auth_connection_inside_a_request_is_never_evicted_and_a_full_pool
     )
     with sockets(proxy.url, 2, addresses=2, send=body_coming) as slow:
         wait_until(lambda: proxy.proxy.metrics.in_flight == 2)  # both inside the guard
+        time.sleep(EVICT_AFTER_S)  # old enough to be evicted, were they not in a request
         with attacker(proxy.url, 9) as newcomer:
             answer = closed(newcomer, 15)
             assert answer is not None and answer.startswith(b"HTTP/1.1 503")
@@ -224,3 +232,33 @@ def test_slow_bodies_on_a_keyless_proxy_never_take_another_clients_requests(rig:
             stop.set()
             dripping.join(15)
     assert proxy.metric("rejected_total", reason="tenant_busy") == 0
+
+
+def test_a_tenants_slow_bodies_hold_its_own_requests_never_the_pool_without_a_key(
+    rig: Rig,
+) -> None:
+    """With keys, a tenant's bodies on their way count against its own requests in flight
+    (4 here) from its key on, and its connections leave the pre-auth pool (2 places): its
+    fifth slow body is refused 429 at once, and another tenant's new connections are
+    served. Were they held in the pool until their bodies arrived, the pool would be full
+    of connections inside a request, and every newcomer refused 503."""
+    proxy = rig.start_proxy(
+        api_keys=KEYS, max_preauth_connections=2, max_tenant_in_flight=4, **LOOSE
+    )
+    head = SLOW_HEAD + b"Authorization: Bearer key-of-the-flood-0123\r\n\r\n{"
+    with ExitStack() as stack:
+        slow = []
+        for n in range(4):  # one at a time: never two young ones in the pool at once
+            sock = stack.enter_context(attacker(proxy.url, 2 + n))
+            sock.sendall(head)
+            slow.append(sock)
+            wait_until(lambda: proxy.proxy.metrics.in_flight == len(slow))
+        with attacker(proxy.url, 9) as fifth:
+            fifth.sendall(head)
+            answer = closed(fifth, 15)
+        assert answer is not None and answer.startswith(b"HTTP/1.1 429")
+        for _ in range(3):
+            assert served(proxy.url, VICTIM) == 200
+        assert all(closed(sock, 0.05) is None for sock in slow)  # still sending
+    assert proxy.metric("rejected_total", reason="tenant_busy") == 1
+    assert proxy.metric("rejected_total", reason="preauth") == 0

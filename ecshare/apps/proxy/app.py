@@ -45,7 +45,8 @@ The edge is bounded, each refusal counted by reason (`rejected_total{reason}`) b
 backend sees the request: a chat request's content parts obey the proxy's rules
 (`parts`: client uuids, client embeddings, media items per request), and its inline media
 is bounded by what it decodes to (`bounds`); a tenant has at most
-`max_tenant_in_flight` requests in flight (429), counted once its body has arrived; a
+`max_tenant_in_flight` requests in flight (429), counted at its key, or without keys
+once its body has arrived (`_admit`); a
 body must arrive within `body_timeout_s` (408) and be at most `max_body_bytes` (413);
 connections are bounded before they have shown a key and sent a body (`edge`, told by
 the guard where each request begins, is trusted and ends); encoder calls per request,
@@ -279,8 +280,10 @@ class Proxy:
         try:
             if endpoint in _AUTHENTICATED:
                 request[TENANT_KEY] = self._authenticate(request)
-                if endpoint not in _GENERATING and not request.body_exists:
-                    edge.trust(request)  # a key shown, no body to wait for
+                if self._keyring:  # a key shown: its tenant answers for what it holds
+                    self._admit(request, endpoint in _GENERATING)
+                elif endpoint not in _GENERATING and not request.body_exists:
+                    edge.trust(request)  # no body to wait for
             elif self._operator(request):
                 edge.trust(request)
             response = await handler(request)
@@ -327,10 +330,17 @@ class Proxy:
         given = request.headers.get("Authorization", "")
         return self._keyring.tenant(given) is not None or bool(admin and holds_key(given, admin))
 
-    def _admit(self, request: web.Request) -> None:
-        """`request`'s body has arrived: its connection is trusted, and it counts against
-        its tenant's requests in flight (the guard ends it); 429 past the cap."""
+    def _admit(self, request: web.Request, generating: bool = True) -> None:
+        """Trust `request`'s connection, and count a generating request against its
+        tenant's requests in flight (the guard ends it); 429 past the cap.
+
+        With API keys, at the key: a tenant's slow bodies then hold its own requests in
+        flight, and leave the pool of connections without a key to anonymous clients.
+        Without keys, once the body has arrived (`_read_object`): every client is the
+        tenant `default`, whose requests in flight a slow body would take from all."""
         edge.trust(request)
+        if not generating or IN_FLIGHT_KEY in request:
+            return
         tenant: str = request[TENANT_KEY]
         busy = self._tenant_in_flight.get(tenant, 0)
         limit = self.config.max_tenant_in_flight
@@ -464,8 +474,8 @@ class Proxy:
         return msgspec.json.encode(kept), kept
 
     async def _read_object(self, request: web.Request) -> tuple[bytes, dict[str, Any]]:
-        """The body, raw and as a JSON object, admitted (`_admit`); 413 past the size limit,
-        408 past the time limit, 400 if not an object."""
+        """The body, raw and as a JSON object, admitted where no key did it (`_admit`);
+        413 past the size limit, 408 past the time limit, 400 if not an object."""
         limit = self.config.max_body_bytes
         too_large = ProxyError(
             413, f"the request body is larger than {limit} bytes", reason="body_too_large"
@@ -492,7 +502,8 @@ class Proxy:
             ) from None
         if not isinstance(body, dict):
             raise ProxyError(400, "the request body must be a JSON object", reason="bad_request")
-        self._admit(request)
+        if not self._keyring:
+            self._admit(request)
         return raw, body
 
 

@@ -1,8 +1,10 @@
 """The proxy's listening socket: what a client connection may hold before it has earned it.
 
-A connection is *trusted* once a request on it has shown a key (any request, where the
-proxy asks none) and its whole body has arrived; until then it is *pre-auth*. Every
-refusal and every close below is counted (`rejected_total{reason}`):
+A connection is *trusted* once a request on it has shown a valid API key, or, where the
+proxy asks none, once a request on it has arrived whole (body included); until then it
+is *pre-auth*. A key holder's connection leaves the pool at its key because its tenant
+answers for it: its bodies on their way count against the tenant's own requests in
+flight (`app`). Every refusal and every close below is counted (`rejected_total{reason}`):
 
 * **All connections** (per proxy process) are capped at `max_connections`; one past it is
   answered 503 and closed before a byte of it is read (`connections`). Each check below
@@ -15,8 +17,8 @@ refusal and every close below is counted (`rejected_total{reason}`):
   the cap: however many anonymous sockets a client opens, the trusted connections keep
   the rest. When the pool is full, a new connection takes the place of the oldest
   pre-auth one with no request on it (still waiting for a whole header, or idle after an
-  answer): that one is closed (`evicted`). Where every pre-auth connection is inside a
-  request, the new one is refused (`preauth`).
+  answer) for at least `EVICT_AFTER_S`: that one is closed (`evicted`). Where there is
+  none, the new one is refused (`preauth`).
 * **Deadlines.** A new connection's first byte must arrive within `first_byte_timeout_s`
   (`first_byte_timeout`), and its whole first request header within `header_timeout_s`
   (`header_timeout`, answered 408): aiohttp alone would wait for either as long as its
@@ -33,6 +35,7 @@ deadlines and the pool's bookkeeping; `Edge` is the factory and the counts.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -71,6 +74,9 @@ _PREAUTH_REFUSAL = _answer(
     error_body(503, "the proxy has as many connections without a key as it takes"),
     retry_after=True,
 )
+# A pre-auth connection idle this long may be closed for a newcomer; a younger one may
+# still be about to send its header (a burst of connects is accepted before any is read).
+EVICT_AFTER_S = 1.0
 _HEADER_TIMEOUT = _answer(
     "408 Request Timeout",
     error_body(408, "the request header did not arrive in time (--header-timeout)"),
@@ -105,6 +111,7 @@ class EdgeHandler(RequestHandler):
         self.counted = False  # in the edge's counts (`Edge.forget`)
         self._first_byte = False
         self._header = False
+        self._idle_since = time.monotonic()
         self._busy = 0  # requests inside the proxy's handlers
         self._answered = 0  # requests they have ended
         self._timers: list[asyncio.TimerHandle] = []
@@ -146,10 +153,12 @@ class EdgeHandler(RequestHandler):
         self._edge.forget(self)
         super().connection_lost(exc)
 
-    @property
-    def evictable(self) -> bool:
-        """Pre-auth, and no request on it read or being answered: closing it loses nothing."""
-        return not self.trusted and self._busy == 0 and self._answered == self._request_count
+    def evictable(self, now: float) -> bool:
+        """Pre-auth, no request on it read or being answered, and idle for `EVICT_AFTER_S`
+        (the time a client that means to send a request needs to send its header):
+        closing it loses nothing."""
+        idle = self._busy == 0 and self._answered == self._request_count
+        return not self.trusted and idle and now - self._idle_since >= EVICT_AFTER_S
 
     def began(self) -> None:
         self._busy += 1
@@ -157,6 +166,7 @@ class EdgeHandler(RequestHandler):
     def ended(self) -> None:
         self._busy -= 1
         self._answered += 1
+        self._idle_since = time.monotonic()
 
     def trust(self) -> None:
         if not self.trusted and self._admitted:
@@ -219,7 +229,8 @@ class Edge:
         if self._by_address.get(address, 0) >= self.limits.max_connections_per_address:
             return self._refuse("address", _ADDRESS_REFUSAL)
         if len(self._preauth) >= self.limits.max_preauth_connections:
-            oldest = next((h for h in self._preauth if h.evictable), None)
+            now = time.monotonic()
+            oldest = next((h for h in self._preauth if h.evictable(now)), None)
             if oldest is None:
                 return self._refuse("preauth", _PREAUTH_REFUSAL)
             self.refused("evicted")
