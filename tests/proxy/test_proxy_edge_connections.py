@@ -135,6 +135,21 @@ def test_anonymous_sockets_of_many_addresses_never_take_a_key_holders_connection
     assert proxy.metric("rejected_total", reason="connections") == 0
 
 
+def test_an_address_that_fills_the_pool_yields_a_place_to_another_at_once(rig: Rig) -> None:
+    """One address holds all 5 places of the pool with sockets just opened: a client from
+    another address takes the place of one of them at once, without waiting for them to
+    idle `EVICT_AFTER_S` (by age alone, it was refused 503 while they stayed young)."""
+    proxy = rig.start_proxy(max_connections_per_address=10, max_preauth_connections=5, **LOOSE)
+    with sockets(proxy.url, 5) as held:
+        # Accepted in the order they connected: the 5 are in the pool before the client.
+        for _ in range(3):
+            assert served(proxy.url) == 200
+        still_open = [sock for sock in held if closed(sock, 0.2) is None]
+    assert len(still_open) == 4  # once the first client was served, the pool had room
+    assert proxy.metric("rejected_total", reason="evicted") == 1
+    assert proxy.metric("rejected_total", reason="preauth") == 0
+
+
 def test_a_pre_auth_connection_inside_a_request_is_never_evicted_and_a_full_pool_refuses(
     rig: Rig,
 ) -> None:

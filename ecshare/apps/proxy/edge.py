@@ -15,9 +15,11 @@ flight (`app`). Every refusal and every close below is counted (`rejected_total{
   (`address`), trusted or not.
 * **Pre-auth connections** are a pool of their own, `max_preauth_connections`, inside
   the cap: however many anonymous sockets a client opens, the trusted connections keep
-  the rest. When the pool is full, a new connection takes the place of the oldest
-  pre-auth one with no request on it (still waiting for a whole header, or idle after an
-  answer) for at least `EVICT_AFTER_S`: that one is closed (`evicted`). Where there is
+  the rest. When the pool is full, a new connection takes the place of a pre-auth one
+  with no request on it (still waiting for a whole header, or idle after an answer),
+  which is closed (`evicted`): the oldest of the address that holds the most places,
+  where that address holds more than the newcomer's, so that an attacker's addresses
+  yield to a client's; else the oldest idle for at least `EVICT_AFTER_S`. Where there is
   none, the new one is refused (`preauth`).
 * **Deadlines.** A new connection's first byte must arrive within `first_byte_timeout_s`
   (`first_byte_timeout`), and its whole first request header within `header_timeout_s`
@@ -153,12 +155,15 @@ class EdgeHandler(RequestHandler):
         self._edge.forget(self)
         super().connection_lost(exc)
 
+    @property
+    def idle(self) -> bool:
+        """No request on it read or being answered: closing it loses no request."""
+        return self._busy == 0 and self._answered == self._request_count
+
     def evictable(self, now: float) -> bool:
-        """Pre-auth, no request on it read or being answered, and idle for `EVICT_AFTER_S`
-        (the time a client that means to send a request needs to send its header):
-        closing it loses nothing."""
-        idle = self._busy == 0 and self._answered == self._request_count
-        return not self.trusted and idle and now - self._idle_since >= EVICT_AFTER_S
+        """Idle for `EVICT_AFTER_S`, the time a client that means to send a request needs
+        to send its header."""
+        return self.idle and now - self._idle_since >= EVICT_AFTER_S
 
     def began(self) -> None:
         self._busy += 1
@@ -208,8 +213,9 @@ class Edge:
         self.refused = refused
         self._open = 0
         self._by_address: dict[str, int] = {}
-        # Pre-auth connections, oldest first.
+        # Pre-auth connections, oldest first; and the same by client address.
         self._preauth: OrderedDict[EdgeHandler, None] = OrderedDict()
+        self._pool_of: dict[str, OrderedDict[EdgeHandler, None]] = {}
 
     def open(self) -> int:
         return self._open
@@ -229,25 +235,49 @@ class Edge:
         if self._by_address.get(address, 0) >= self.limits.max_connections_per_address:
             return self._refuse("address", _ADDRESS_REFUSAL)
         if len(self._preauth) >= self.limits.max_preauth_connections:
-            now = time.monotonic()
-            oldest = next((h for h in self._preauth if h.evictable(now)), None)
-            if oldest is None:
+            evicted = self._place_for(address)
+            if evicted is None:
                 return self._refuse("preauth", _PREAUTH_REFUSAL)
             self.refused("evicted")
-            self.forget(oldest)  # at once: its connection_lost comes a loop turn later
-            oldest.evict()
+            self.forget(evicted)  # at once: its connection_lost comes a loop turn later
+            evicted.evict()
         handler.counted = True
         self._open += 1
         self._by_address[address] = self._by_address.get(address, 0) + 1
         self._preauth[handler] = None
+        self._pool_of.setdefault(address, OrderedDict())[handler] = None
         return None
+
+    def _place_for(self, address: str) -> EdgeHandler | None:
+        """The pre-auth connection a newcomer from `address` takes the place of: the oldest
+        idle one of the address that holds the most places, where that is more than
+        `address` holds (an address that fills the pool yields to one that holds little
+        of it, however young its connections); else the oldest one idle for
+        `EVICT_AFTER_S`; None where there is none."""
+        mine = len(self._pool_of.get(address, ()))
+        for held in sorted(self._pool_of.values(), key=len, reverse=True):
+            if len(held) <= mine + 1:
+                break
+            victim = next((h for h in held if h.idle), None)
+            if victim is not None:
+                return victim
+        now = time.monotonic()
+        return next((h for h in self._preauth if h.evictable(now)), None)
 
     def _refuse(self, reason: str, answer: bytes) -> bytes:
         self.refused(reason)
         return answer
 
     def trusted(self, handler: EdgeHandler) -> None:
-        self._preauth.pop(handler, None)
+        self._leave_pool(handler)
+
+    def _leave_pool(self, handler: EdgeHandler) -> None:
+        if handler in self._preauth:
+            del self._preauth[handler]
+            held = self._pool_of[handler.address]
+            del held[handler]
+            if not held:
+                del self._pool_of[handler.address]
 
     def forget(self, handler: EdgeHandler) -> None:
         """Count `handler`'s connection out (once, however often it is called)."""
@@ -255,7 +285,7 @@ class Edge:
             return
         handler.counted = False
         self._open -= 1
-        self._preauth.pop(handler, None)
+        self._leave_pool(handler)
         left = self._by_address.get(handler.address, 0) - 1
         if left > 0:
             self._by_address[handler.address] = left
