@@ -11,10 +11,12 @@ about three and a half minutes.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import struct
 import subprocess
 import sys
+import time
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +26,7 @@ import psutil
 import pytest
 from waiting import wait_until
 
+from ecshare.apps.bench.abuse import _MemorySampler
 from ecshare.apps.bench.abuse_attacks import (
     ATTACKING,
     AttackPlan,
@@ -265,3 +268,23 @@ def test_an_attacker_from_127_0_0_2_reaches_the_proxy_from_that_address(
     tallies = msgspec.json.decode(out, type=list[AttackTally])
     (idle,) = [t for t in tallies if t.clients]
     assert (idle.attack, idle.addresses, idle.peak_open) == ("idle", ("127.0.0.2",), 3)
+
+
+def test_the_sampler_splits_each_processs_cpu_at_the_attack() -> None:
+    """This process, sampled as the launch: CPU burnt before `mark_attack` is the
+    baseline's, after it the attack's, each in cores over its own span."""
+    sampler = _MemorySampler(os.getpid(), (), ())
+
+    def burn(seconds: float) -> None:
+        end = time.process_time() + seconds
+        while time.process_time() < end:
+            pass
+
+    sampler.sample()
+    burn(0.2)
+    sampler.mark_attack()
+    time.sleep(0.3)  # idle: the attack's share is smaller
+    sampler.sample()
+    (me,) = sampler.processes()
+    assert me.baseline_cores > 0.3
+    assert me.attack_cores < me.baseline_cores

@@ -200,8 +200,9 @@ class _Run:
             time.sleep(spec.baseline_s)
             if any(spec.attacks().values()):
                 attackers = self._start_attackers(ready.url)
+                sampler.watch("attackers (niced)", attackers.pid)
             victim.phase = "attack"
-            sampler.attacked = True
+            sampler.mark_attack()
             self.say(f"attack: {spec.attack_s:g} s of {_attacks_line(spec)} ...")
             time.sleep(spec.attack_s)
             victim.stop.set()
@@ -412,11 +413,30 @@ class _MemorySampler(threading.Thread):
         self.pids: dict[str, list[int]] = {}
         self.first: set[str] = set()
         self.last: set[str] = set()
+        # CPU-seconds of each process, and when they were read: at its first sample, at
+        # the attack's start and at its last sample.
+        self.cpu: dict[str, list[tuple[float, float]]] = {}
+        self.also: dict[str, int] = {}  # processes outside the launch, by name
+        self._lock = threading.Lock()
+
+    def watch(self, name: str, pid: int) -> None:
+        """Sample `pid`, outside the launch, as `name` too."""
+        with self._lock:
+            self.also[name] = pid
+
+    def mark_attack(self) -> None:
+        """The attack starts: memory from now on is the attack's, CPU too."""
+        with self._lock:
+            self.sample()
+            self.attacked = True
+            for readings in self.cpu.values():
+                readings[1:] = [readings[-1]] * 2  # the split, and the last so far
 
     def run(self) -> None:
         first = True
         while True:
-            seen = self.sample()
+            with self._lock:
+                seen = self.sample()
             if first:
                 self.first, first = set(seen), False
             self.last = set(seen)
@@ -432,11 +452,21 @@ class _MemorySampler(threading.Thread):
             tree = [(root, "launch (proxy)"), *self._named(root.children(), "")]
         except psutil.Error:
             return seen
+        for name, pid in self.also.items():
+            try:
+                tree.append((psutil.Process(pid), name))
+            except psutil.Error:
+                continue
         for proc, name in tree:
             try:
                 rss = proc.memory_info().rss
+                times = proc.cpu_times()
             except psutil.Error:
                 continue
+            reading = (time.monotonic(), times.user + times.system)
+            # [first, last] before the attack; [first, split, last] from its start.
+            readings = self.cpu.setdefault(name, [reading] * (3 if self.attacked else 2))
+            readings[-1] = reading
             seen[name] = proc.pid
             self.peak[name] = max(self.peak.get(name, 0), rss)
             if not self.attacked:
@@ -480,6 +510,14 @@ class _MemorySampler(threading.Thread):
                 unattacked_rss_bytes=self.unattacked.get(name, 0),
                 alive_at_end=name in self.last,
                 restarts=len(pids) - 1 + (name in self.first and name not in self.last),
+                baseline_cores=_cores(self.cpu[name][0], self.cpu[name][1]),
+                attack_cores=_cores(*self.cpu[name][1:]) if len(self.cpu[name]) == 3 else 0.0,
             )
             for name, pids in self.pids.items()
         ]
+
+
+def _cores(since: tuple[float, float], until: tuple[float, float]) -> float:
+    """CPU-seconds a second between two (time, CPU-seconds) readings of one process."""
+    elapsed = until[0] - since[0]
+    return (until[1] - since[1]) / elapsed if elapsed > 0 else 0.0

@@ -102,6 +102,9 @@ class ProcessMemory(msgspec.Struct, frozen=True):
     unattacked_rss_bytes: int  # before the attack; 0: it started during the attack
     alive_at_end: bool
     restarts: int  # pids replaced, plus one where it was gone at the end
+    # CPU it used, in cores (CPU-seconds a second), before the attack and during it.
+    baseline_cores: float = 0.0
+    attack_cores: float = 0.0
 
 
 class Target(msgspec.Struct, frozen=True):
@@ -332,12 +335,16 @@ def print_result(result: AbuseBenchResult) -> None:
             + (f", Retry-After on {t.retry_after}" if t.retry_after else "")
         )
     print()
-    print(f"{'process':<34} {'pids':>4} {'peak RSS':>10} {'unattacked':>10}  restarts")
+    print(
+        f"{'process':<34} {'pids':>4} {'peak RSS':>10} {'unattacked':>10}  "
+        "CPU cores (baseline, attack)  restarts"
+    )
     for m in result.processes:
         gone = "" if m.alive_at_end else " (gone at the end)"
         print(
             f"{m.name:<34} {len(m.pids):>4} {m.peak_rss_bytes / MiB:>6.0f} MiB "
-            f"{m.unattacked_rss_bytes / MiB:>6.0f} MiB  {m.restarts}{gone}"
+            f"{m.unattacked_rss_bytes / MiB:>6.0f} MiB  "
+            f"{m.baseline_cores:>12.2f} {m.attack_cores:>8.2f}      {m.restarts}{gone}"
         )
     print()
     print("refusals by reason (ecshare_proxy_rejected_total, at the end)")
