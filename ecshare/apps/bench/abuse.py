@@ -355,6 +355,7 @@ class _Victim:
     async def _one(self, session: Any, phase: str, start: float) -> VictimRecord:
         import aiohttp
 
+        from ecshare.apps.bench.serve_client import sse_events
         from ecshare.vllm.servers import chat_request, random_image_url
 
         self._seed += 1
@@ -366,15 +367,10 @@ class _Victim:
             async with session.post(self.url, json=body) as resp:
                 if resp.status != 200:
                     return VictimRecord(phase, sent - start, None, f"HTTP {resp.status}")
-                async for raw in resp.content:
-                    line = raw.strip()
-                    if not line.startswith(b"data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == b"[DONE]":
+                async for event in sse_events(resp):
+                    if event is None:
                         error = None if ttft is not None else "no content"
                         return VictimRecord(phase, sent - start, ttft, error)
-                    event = json.loads(data)
                     if "error" in event:
                         return VictimRecord(phase, sent - start, ttft, "stream error")
                     if ttft is None and any(_carries(c) for c in event.get("choices") or ()):

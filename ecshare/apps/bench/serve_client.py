@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,14 +79,9 @@ async def _stream(
             return
         record.steps = server_timing(resp.headers.get(TIMING_HEADER, ""))
         record.route = resp.headers.get(ROUTE_HEADER, "")
-        async for raw in resp.content:
-            line = raw.strip()
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
+        async for event in sse_events(resp):
+            if event is None:
                 break
-            event = json.loads(data)
             if "error" in event:
                 record.error = f"stream error: {str(event['error'])[:200]}"
                 return
@@ -96,6 +92,21 @@ async def _stream(
                 record.tokens += ids
     if not record.tokens:
         record.error = "the stream carried no token"
+
+
+async def sse_events(resp: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any] | None]:
+    """The JSON events of an OpenAI-style streamed answer, in order, then None for its
+    `[DONE]`: an answer cut short ends without the None. ValueError for an event that
+    is not JSON."""
+    async for raw in resp.content:
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            yield None
+            return
+        yield json.loads(data)
 
 
 def server_timing(value: str) -> dict[str, float]:
