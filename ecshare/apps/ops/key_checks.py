@@ -2,33 +2,13 @@
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 from ecshare.apps.ops.check import Check
 from ecshare.config import Config
 from ecshare.control.errors import ControlConfigError
 
 _KEY_FIX = "create a pair with `ecshare keys generate DIR --name NAME`, or correct the path"
-
-
-@contextmanager
-def _key_warnings() -> Iterator[list[str]]:
-    """Collect what keys.py warns about (group-readable secrets) while loading."""
-    caught: list[str] = []
-
-    class _Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            caught.append(record.getMessage())
-
-    logger = logging.getLogger("ecshare.control.keys")
-    handler = _Collect(logging.WARNING)
-    logger.addHandler(handler)
-    try:
-        yield caught
-    finally:
-        logger.removeHandler(handler)
 
 
 def check_keys(config: Config) -> list[Check]:
@@ -81,19 +61,15 @@ def _consumer(config: Config) -> str:
 
 
 def _load_keys(name: str, load: Callable[[], str]) -> Check:
-    with _key_warnings() as warnings:
-        try:
-            finding = load()
-        except ControlConfigError as exc:
-            text = str(exc)
-            finding, _, fix = text.partition(" Fix it with: ")
-            return Check(
-                name=name,
-                status="fail",
-                finding=finding,
-                fix=f"run: {fix}" if fix else _KEY_FIX,
-            )
-    if warnings:
-        finding, _, fix = warnings[0].partition("; consider: ")
-        return Check(name=name, status="warn", finding=finding, fix=f"run: {fix}" if fix else "")
+    try:
+        finding = load()
+    except ControlConfigError as exc:
+        text = str(exc)
+        finding, _, fix = text.partition(" Fix it with: ")
+        return Check(
+            name=name,
+            status="fail",
+            finding=finding,
+            fix=f"run: {fix}" if fix else _KEY_FIX,
+        )
     return Check(name=name, status="ok", finding=finding)
