@@ -44,13 +44,12 @@ error the proxy itself answers is OpenAI-shaped (`errors`).
 The edge is bounded, each refusal counted by reason (`rejected_total{reason}`) before any
 backend sees the request: a chat request's content parts obey the proxy's rules
 (`parts`: client uuids, client embeddings, media items per request), and its inline media
-is bounded by what it decodes to (`bounds`); a tenant has at most
-`max_tenant_in_flight` requests in flight (429), counted at its key, or without keys
-once its body has arrived (`_admit`); a
-body must arrive within `body_timeout_s` (408) and be at most `max_body_bytes` (413);
-connections are bounded before they have shown a key and sent a body (`edge`, told by
-the guard where each request begins, is trusted and ends); encoder calls per request,
-in flight and per tenant are bounded (`fanout`, `slots`). With
+is bounded by what it decodes to (`bounds`); a tenant has at most `max_tenant_in_flight`
+requests in flight (429), counted at its key, or without keys once its body has arrived
+(`_admit`); a body must arrive within `body_timeout_s` (408) and be at most
+`max_body_bytes` (413); connections are bounded before they have shown a key and sent a
+body (`edge`, told by the guard where each request begins, is trusted and ends); encoder
+calls per request, in flight and per tenant are bounded (`fanout`, `slots`). With
 `tenant_isolation`, each tenant's media are keyed apart (`tenants`).
 """
 
@@ -339,7 +338,7 @@ class Proxy:
         Without keys, once the body has arrived (`_read_object`): every client is the
         tenant `default`, whose requests in flight a slow body would take from all."""
         edge.trust(request)
-        if not generating or IN_FLIGHT_KEY in request:
+        if not generating:
             return
         tenant: str = request[TENANT_KEY]
         busy = self._tenant_in_flight.get(tenant, 0)

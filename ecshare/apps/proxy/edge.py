@@ -217,12 +217,6 @@ class Edge:
         self._preauth: OrderedDict[EdgeHandler, None] = OrderedDict()
         self._pool_of: dict[str, OrderedDict[EdgeHandler, None]] = {}
 
-    def open(self) -> int:
-        return self._open
-
-    def preauth(self) -> int:
-        return len(self._preauth)
-
     def __call__(self) -> asyncio.BaseProtocol:
         # `web.Server.__call__` makes its handlers with these same arguments.
         return EdgeHandler(self, self._server, loop=self._server._loop, **self._server._kwargs)
@@ -335,15 +329,13 @@ class EdgeSite(web.TCPSite):
         super().__init__(runner, host, port, backlog=backlog, reuse_port=reuse_port)
         self._limits = limits
         self._refused = refused
-        self.edge: Edge | None = None
 
     async def start(self) -> None:
         self._runner._reg_site(self)  # what BaseSite.start does
         server = self._runner.server
         assert server is not None
-        self.edge = Edge(server, self._limits, self._refused)
         self._server = await asyncio.get_running_loop().create_server(
-            self.edge,
+            Edge(server, self._limits, self._refused),
             self._host,
             self._port,
             backlog=self._backlog,
