@@ -9,7 +9,7 @@ from proxy_testing import AUDIO, IMAGE_A, IMAGE_B, chat
 
 from ecshare.apps.proxy.identity import KnownItems, content_key
 from ecshare.apps.proxy.parts import salted
-from ecshare.apps.proxy.tenants import scoped_uuid
+from ecshare.apps.proxy.tenants import scoped_uuid, tenant_salt
 from ecshare.protocol import TransferParam
 
 IMAGE_A2 = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAB"}}
@@ -36,10 +36,12 @@ def test_same_inline_bytes_give_one_key_other_bytes_another() -> None:
 
 def test_same_bytes_of_two_tenants_key_apart_under_isolation() -> None:
     plain = chat(IMAGE_A)
-    one = salted(plain, {"image"}, "team-a")
-    two = salted(plain, {"image"}, "team-b")
+    secret = "s" * 32
+    one = salted(plain, {"image"}, tenant_salt(secret, "team-a"))
+    two = salted(plain, {"image"}, tenant_salt(secret, "team-b"))
     assert content_key(IMAGE_A, one) != content_key(IMAGE_A, two)
-    assert content_key(IMAGE_A, one) == content_key(IMAGE_A, salted(plain, {"image"}, "team-a"))
+    again = salted(plain, {"image"}, tenant_salt(secret, "team-a"))
+    assert content_key(IMAGE_A, one) == content_key(IMAGE_A, again)
     # Without isolation there is no salt: one key for everyone, as one mm_hash.
     assert content_key(IMAGE_A, plain) not in (content_key(IMAGE_A, one), None)
 
