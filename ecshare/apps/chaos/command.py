@@ -73,6 +73,8 @@ def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
 
 
 def add_chaos_arguments(parser: argparse.ArgumentParser) -> None:
+    from ecshare.apps.chaos.options import SOAK_STRETCH
+
     parser.add_argument(
         "--fetches", type=_positive(int), default=2000, help="fetches to attempt (default 2000)"
     )
@@ -82,6 +84,14 @@ def add_chaos_arguments(parser: argparse.ArgumentParser) -> None:
         default=0.0,
         metavar="SECONDS",
         help="instead: sustained fetches without faults for SECONDS, sampling RSS and region usage",
+    )
+    parser.add_argument(
+        "--soak-fetches",
+        type=_positive(int),
+        default=None,
+        metavar="N",
+        help=f"a soak runs on past SECONDS (to at most {SOAK_STRETCH:g} times it) until N "
+        "fetches were attempted after its warm-up: a leak per fetch needs enough to be seen",
     )
     parser.add_argument("--producers", type=_positive(int), default=2)
     parser.add_argument("--consumers", type=_positive(int), default=3)
@@ -203,6 +213,7 @@ def run_chaos_command(args: argparse.Namespace) -> int:
         options = ChaosOptions(
             fetches=args.fetches,
             soak_s=soak,
+            soak_fetches=args.soak_fetches or 0,
             producers=args.producers,
             consumers=args.consumers,
             seed=args.seed,
@@ -255,6 +266,8 @@ def _as_argv(args: argparse.Namespace) -> list[str]:
     ]  # fmt: skip
     if args.soak:
         out += ["--soak", str(args.soak)]
+    if args.soak_fetches:
+        out += ["--soak-fetches", str(args.soak_fetches)]
     if args.seed is not None:
         out += ["--seed", str(args.seed)]
     if args.faults is not None:

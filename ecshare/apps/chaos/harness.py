@@ -40,8 +40,8 @@ from ecshare.apps.chaos.faultproxy import FaultProxy, Faults
 from ecshare.apps.chaos.fleet import _due
 from ecshare.apps.chaos.hosts import HUB_IP, Hosts
 from ecshare.apps.chaos.options import FAULT_KINDS as FAULT_KINDS
+from ecshare.apps.chaos.options import SOAK_STRETCH, ChaosOptions
 from ecshare.apps.chaos.options import TIMING as TIMING
-from ecshare.apps.chaos.options import ChaosOptions
 from ecshare.apps.chaos.report import ChaosReport
 from ecshare.apps.chaos.verdict import Verdict
 from ecshare.apps.chaos.verdict import _region_check as _region_check
@@ -93,8 +93,16 @@ class ChaosRun(Verdict):
         delivered_at_last_kind: int | None = None
         while True:
             now = time.monotonic()
-            if o.soak_s and now - started >= o.soak_s:
-                break
+            if o.soak_s:
+                elapsed = now - started
+                if self.warm_attempted is None and elapsed >= o.soak_s * o.warmup_fraction:
+                    self.warm_attempted = self.tally.attempted
+                after_warmup = self.tally.attempted - (self.warm_attempted or 0)
+                if elapsed >= o.soak_s * SOAK_STRETCH or (
+                    elapsed >= o.soak_s and after_warmup >= o.soak_fetches
+                ):
+                    self.soak_elapsed = elapsed
+                    break
             if not o.soak_s and self.tally.attempted >= self.budget:
                 missing = [k for k in o.faults if not self.faults[k]]
                 if (

@@ -78,12 +78,17 @@ SHRUNK_LEASE: dict[str, Any] = {
 }
 _START_TIMEOUT_S = 60.0
 _STATS_TIMEOUT_S = 10.0
+SOAK_STRETCH = 4.0
 
 
 @dataclass
 class ChaosOptions:
     fetches: int = 2000
     soak_s: float = 0.0  # > 0: a soak of this many seconds instead of `fetches`
+    # A soak runs on past soak_s (to at most SOAK_STRETCH times it) until this many
+    # fetches were attempted after the warm-up: a leak per fetch is only seen over
+    # enough fetches, and a slow host makes fewer in the same time.
+    soak_fetches: int = 0
     producers: int = 2
     consumers: int = 3
     seed: int | None = None

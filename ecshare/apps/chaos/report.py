@@ -61,6 +61,7 @@ class Soak(msgspec.Struct, frozen=True):
     delivered_mib: float
     memory: list[ProcessMemory]
     regions: list[RegionUsage]
+    fetches_after_warmup: int = 0  # attempted, every consumer's together
 
 
 class ChaosReport(msgspec.Struct, frozen=True):
@@ -210,7 +211,8 @@ def print_report(report: ChaosReport, out: TextIO = sys.stdout) -> None:
         s = report.soak
         w(
             f"  soak                  {s.seconds:.0f} s, {s.fetch_rate_per_s:.0f} fetches/s, "
-            f"{s.delivered_mib:.0f} MiB delivered, warm-up {s.warmup_s:.0f} s\n"
+            f"{s.delivered_mib:.0f} MiB delivered, warm-up {s.warmup_s:.0f} s, "
+            f"{s.fetches_after_warmup} fetches after it\n"
         )
         for m in s.memory:
             w(

@@ -72,11 +72,13 @@ class SoakSampling(Fleet):
                     end_pins=0,
                 )
             )
+        seconds = self.soak_elapsed or self.o.soak_s
         return Soak(
-            seconds=self.o.soak_s,
+            seconds=round(seconds, 1),
             warmup_s=warmup_s,
             sample_interval_s=self.o.sample_interval_s,
-            fetch_rate_per_s=round(t.attempted / self.o.soak_s, 1),
+            fetch_rate_per_s=round(t.attempted / seconds, 1),
+            fetches_after_warmup=t.attempted - (self.warm_attempted or 0),
             delivered_mib=round(t.delivered_bytes / MiB, 1),
             memory=memory,
             regions=regions,

@@ -138,6 +138,9 @@ class RunState:
         self.probes: dict[int, Outcome | None] = {}  # fetch id -> outcome, after the faults
         self.recovery_pairs = 0
         self.load_started = 0.0
+        # A soak's: fetches attempted when the warm-up ended, and the seconds it ran.
+        self.warm_attempted: int | None = None
+        self.soak_elapsed = 0.0
         self.producer_counters: dict[int, dict[str, int]] = {}  # pid -> last seen
         self.canary_violations: dict[int, int] = {}  # pid -> last seen, killed ones included
         self._consumer_ids = 0
