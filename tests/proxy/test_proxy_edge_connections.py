@@ -131,6 +131,7 @@ def test_anonymous_sockets_of_many_addresses_never_take_a_key_holders_connection
                 assert served(proxy.url, VICTIM) == 200
             still_open = [sock for sock in anonymous if closed(sock, 0.2) is None]
             assert len(still_open) == 4
+            assert anonymous[0] not in still_open  # the longest idle: the first accepted
     assert proxy.metric("rejected_total", reason="evicted") == 1
     assert proxy.metric("rejected_total", reason="connections") == 0
 

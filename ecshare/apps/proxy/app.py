@@ -288,7 +288,7 @@ class Proxy:
             response = await handler(request)
         except ProxyError as exc:
             if exc.reason is not None:
-                self.metrics.rejected.labels(exc.reason).inc()
+                self.metrics.refused(exc.reason)
             response = error_response(exc.status, exc.message, exc.retry_after)
         except web.HTTPException as exc:  # aiohttp's own: unknown route, wrong method
             response = error_response(exc.status, f"{exc.reason}: {request.method} {request.path}")

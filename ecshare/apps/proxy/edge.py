@@ -138,14 +138,13 @@ class EdgeHandler(RequestHandler):
 
     def data_received(self, data: bytes) -> None:
         self._first_byte = True
-        if self._header:
-            super().data_received(data)
-            return
         before = self._request_count
         super().data_received(data)
         if self._request_count != before:
-            self._header = True
-            self._cancel_timers()
+            self._edge.busy(self)  # a request is read: no longer idle
+            if not self._header:
+                self._header = True
+                self._cancel_timers()
 
     def connection_lost(self, exc: BaseException | None) -> None:
         if not self._admitted:
@@ -160,18 +159,20 @@ class EdgeHandler(RequestHandler):
         """No request on it read or being answered: closing it loses no request."""
         return self._busy == 0 and self._answered == self._request_count
 
-    def evictable(self, now: float) -> bool:
-        """Idle for `EVICT_AFTER_S`, the time a client that means to send a request needs
-        to send its header."""
-        return self.idle and now - self._idle_since >= EVICT_AFTER_S
+    @property
+    def idle_since(self) -> float:
+        return self._idle_since
 
     def began(self) -> None:
         self._busy += 1
+        self._edge.busy(self)
 
     def ended(self) -> None:
         self._busy -= 1
         self._answered += 1
-        self._idle_since = time.monotonic()
+        if self.idle:
+            self._idle_since = time.monotonic()
+            self._edge.idle_again(self)
 
     def trust(self) -> None:
         if not self.trusted and self._admitted:
@@ -213,9 +214,14 @@ class Edge:
         self.refused = refused
         self._open = 0
         self._by_address: dict[str, int] = {}
-        # Pre-auth connections, oldest first; and the same by client address.
-        self._preauth: OrderedDict[EdgeHandler, None] = OrderedDict()
-        self._pool_of: dict[str, OrderedDict[EdgeHandler, None]] = {}
+        # Pre-auth connections, and how many of them each client address holds.
+        self._preauth: set[EdgeHandler] = set()
+        self._pool_count: dict[str, int] = {}
+        # The idle ones among them, longest idle first; and the same by client address.
+        # Kept in order as they go busy and idle again, so that finding the connection a
+        # newcomer takes the place of costs the same however full the pool is.
+        self._idle: OrderedDict[EdgeHandler, None] = OrderedDict()
+        self._idle_of: dict[str, OrderedDict[EdgeHandler, None]] = {}
 
     def __call__(self) -> asyncio.BaseProtocol:
         # `web.Server.__call__` makes its handlers with these same arguments.
@@ -238,25 +244,51 @@ class Edge:
         handler.counted = True
         self._open += 1
         self._by_address[address] = self._by_address.get(address, 0) + 1
-        self._preauth[handler] = None
-        self._pool_of.setdefault(address, OrderedDict())[handler] = None
+        self._preauth.add(handler)
+        self._pool_count[address] = self._pool_count.get(address, 0) + 1
+        self._mark_idle(handler)
         return None
 
     def _place_for(self, address: str) -> EdgeHandler | None:
-        """The pre-auth connection a newcomer from `address` takes the place of: the oldest
+        """The pre-auth connection a newcomer from `address` takes the place of: the longest
         idle one of the address that holds the most places, where that is more than
         `address` holds (an address that fills the pool yields to one that holds little
-        of it, however young its connections); else the oldest one idle for
-        `EVICT_AFTER_S`; None where there is none."""
-        mine = len(self._pool_of.get(address, ()))
-        for held in sorted(self._pool_of.values(), key=len, reverse=True):
-            if len(held) <= mine + 1:
+        of it, however young its connections); else the longest idle one, where it has
+        been idle for `EVICT_AFTER_S`; None where there is none."""
+        mine = self._pool_count.get(address, 0)
+        for other, held in sorted(self._pool_count.items(), key=_second, reverse=True):
+            if held <= mine + 1:
                 break
-            victim = next((h for h in held if h.idle), None)
-            if victim is not None:
-                return victim
-        now = time.monotonic()
-        return next((h for h in self._preauth if h.evictable(now)), None)
+            idle = self._idle_of.get(other)
+            if idle:
+                return next(iter(idle))
+        oldest = next(iter(self._idle), None)
+        if oldest is not None and time.monotonic() - oldest.idle_since >= EVICT_AFTER_S:
+            return oldest
+        return None
+
+    def busy(self, handler: EdgeHandler) -> None:
+        """`handler` has a request read or inside the proxy: it is no one's to evict."""
+        if handler in self._idle:
+            del self._idle[handler]
+            self._unmark(self._idle_of, handler)
+
+    def idle_again(self, handler: EdgeHandler) -> None:
+        """`handler` has answered every request read on it: the longest idle is now another."""
+        if handler in self._preauth:
+            self.busy(handler)
+            self._mark_idle(handler)
+
+    def _mark_idle(self, handler: EdgeHandler) -> None:
+        self._idle[handler] = None
+        self._idle_of.setdefault(handler.address, OrderedDict())[handler] = None
+
+    @staticmethod
+    def _unmark(of: dict[str, OrderedDict[EdgeHandler, None]], handler: EdgeHandler) -> None:
+        held = of[handler.address]
+        del held[handler]
+        if not held:
+            del of[handler.address]
 
     def _refuse(self, reason: str, answer: bytes) -> bytes:
         self.refused(reason)
@@ -267,11 +299,13 @@ class Edge:
 
     def _leave_pool(self, handler: EdgeHandler) -> None:
         if handler in self._preauth:
-            del self._preauth[handler]
-            held = self._pool_of[handler.address]
-            del held[handler]
-            if not held:
-                del self._pool_of[handler.address]
+            self._preauth.discard(handler)
+            self.busy(handler)
+            left = self._pool_count[handler.address] - 1
+            if left:
+                self._pool_count[handler.address] = left
+            else:
+                del self._pool_count[handler.address]
 
     def forget(self, handler: EdgeHandler) -> None:
         """Count `handler`'s connection out (once, however often it is called)."""
@@ -285,6 +319,10 @@ class Edge:
             self._by_address[handler.address] = left
         else:
             self._by_address.pop(handler.address, None)
+
+
+def _second(pair: tuple[str, int]) -> int:
+    return pair[1]
 
 
 def began(request: web.BaseRequest) -> None:

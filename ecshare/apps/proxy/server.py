@@ -72,13 +72,12 @@ async def start_proxy(
     )
     await runner.setup()
     proxy = app[PROXY_KEY]
-    rejected = proxy.metrics.rejected
     site = EdgeSite(
         runner,
         config.host,
         config.port,
         limits=EdgeLimits.of(config),
-        refused=lambda reason: rejected.labels(reason).inc(),
+        refused=proxy.metrics.refused,
         backlog=1024,
         reuse_port=reuse_port,
     )
