@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from typing import Any
 
 import httpx
@@ -238,6 +239,50 @@ def test_a_flooding_tenant_never_delays_another_tenants_encodes(rig: Rig) -> Non
             thread.join(60)
     assert answers == [200] * 7
     assert encoder.peak <= 4  # the slots of all tenants
+
+
+def test_encoder_slots_are_sized_to_the_encoders_in_rotation_and_shared_by_default(
+    rig: Rig,
+) -> None:
+    """Two slow encoders, 2 calls each (`max_in_flight_per_encoder`), under a global 64:
+    team-a's 8 requests at once keep 2 calls on each encoder at most, its share being half
+    of the 4 slots (2) unless set; team-b's call reaches an encoder before the rest of
+    team-a's. With the global bound alone, all 8 went to the encoders at once, to queue
+    inside them first come first served."""
+    proxy = rig.start_proxy(
+        api_keys=KEYS,
+        encoders=tuple(rig.encoder_urls[:2]),
+        max_in_flight_per_encoder=2,
+        pd_media="keep",
+    )
+    for encoder in rig.encoders[:2]:
+        encoder.behaviour.delay_s = 1.0
+    answers: list[int] = []
+
+    def send(tenant: str, i: int) -> None:
+        answers.append(proxy.post(CHAT, chat(image(i)), headers=AS[tenant]).status_code)
+
+    def started() -> list[str]:
+        bodies = [b for e in rig.encoders[:2] for b in e.bodies()]
+        return [b["messages"][0]["content"][0]["image_url"]["url"] for b in bodies]
+
+    flood = [threading.Thread(target=send, args=("team-a", i)) for i in range(8)]
+    for thread in flood:
+        thread.start()
+    try:
+        wait_until(lambda: len(started()) == 2)
+        time.sleep(0.3)
+        assert len(started()) == 2  # team-a's share; its 6 other calls wait in the proxy
+        flood.append(threading.Thread(target=send, args=("team-b", 99)))
+        flood[-1].start()
+        wait_until(lambda: len(started()) == 3)  # team-a's next can start only in ~1 s
+        assert "https://example.com/99.png" in started()
+    finally:
+        for thread in flood:
+            thread.join(60)
+    assert answers == [200] * 9
+    assert all(e.peak <= 2 for e in rig.encoders[:2]), [e.peak for e in rig.encoders[:2]]
+    assert sum(len(e.calls) for e in rig.encoders[:2]) == 9
 
 
 def test_a_request_that_waits_past_the_slot_bound_is_answered_429_with_retry_after(

@@ -102,3 +102,24 @@ def test_a_slot_handed_to_a_waiter_in_the_turn_it_is_cancelled_is_given_back() -
         assert (slots.in_use, slots.waiting()) == (0, 0)
 
     asyncio.run(run())
+
+
+def test_resized_slots_hand_out_what_grew_and_none_past_what_shrank() -> None:
+    async def run() -> None:
+        slots = FairSlots(total=2, per_tenant=2, wait_s=10)
+        order: list[str] = []
+        release = asyncio.Event()
+        calls = [asyncio.create_task(hold(slots, "a", order, release)) for _ in range(5)]
+        await asyncio.sleep(0)
+        assert (slots.in_use, slots.waiting()) == (2, 3)
+        slots.resize(4, 3)  # an encoder joined: waiting calls start at once, up to the share
+        await asyncio.sleep(0)
+        assert (slots.in_use, slots.waiting()) == (3, 2)
+        slots.resize(1, 1)  # it left: the three keep their slots, no new one is handed out
+        await asyncio.sleep(0)
+        assert (slots.in_use, slots.waiting()) == (3, 2)
+        release.set()
+        await asyncio.gather(*calls)
+        assert slots.in_use == 0 and slots.waiting() == 0 and len(order) == 5
+
+    asyncio.run(run())

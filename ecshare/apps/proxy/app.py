@@ -214,7 +214,8 @@ class Proxy:
             connect_timeout_s=c.connect_timeout_s,
             max_calls=c.max_encoder_calls,
             max_in_flight=c.max_encoder_in_flight,
-            max_tenant_in_flight=c.max_tenant_encoder_in_flight,
+            per_encoder=c.max_in_flight_per_encoder,
+            max_tenant_in_flight=c.max_tenant_encoder_in_flight or None,
             slot_wait_s=c.encoder_slot_wait_s,
         )
         prefill_decode = PrefillDecodeStage(

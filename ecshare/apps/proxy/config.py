@@ -101,6 +101,9 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     # once over all requests (more wait their turn).
     max_encoder_calls: int = 8
     max_encoder_in_flight: int = 64
+    # Of those, at most this many per encoder in rotation: what an encoder cannot start at
+    # once queues inside it, first come first served, where a tenant's turn means nothing.
+    max_in_flight_per_encoder: int = 8
     # Requests one tenant may have in flight; more are refused (429).
     max_tenant_in_flight: int = 256
     # Open client connections (per proxy process); more are answered 503 and closed.
@@ -119,9 +122,10 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     keepalive_timeout_s: float = 30.0
     # Longest time a request body may take to arrive.
     body_timeout_s: float = 30.0
-    # Encoder calls in flight for one tenant, of max_encoder_in_flight, and the longest a
+    # Encoder calls in flight for one tenant, of the encoder slots (the smaller of
+    # max_encoder_in_flight and max_in_flight_per_encoder per encoder), and the longest a
     # request waits for an encoder slot before it is refused (429, `fanout`); 0: half of
-    # max_encoder_in_flight.
+    # the slots.
     max_tenant_encoder_in_flight: int = 0
     encoder_slot_wait_s: float = 10.0
     # Inline media bounded by what it decodes to, read from its header before any encoder
@@ -162,7 +166,6 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
         for name, whole, share in (
             ("max_connections_per_address", self.max_connections, 8),
             ("max_preauth_connections", self.max_connections, 4),
-            ("max_tenant_encoder_in_flight", self.max_encoder_in_flight, 2),
         ):
             if not getattr(self, name):
                 msgspec.structs.force_setattr(self, name, max(1, whole // share))
@@ -209,16 +212,21 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
         for flag, count in (
             ("--max-encoder-calls", self.max_encoder_calls),
             ("--max-encoder-in-flight", self.max_encoder_in_flight),
+            ("--max-in-flight-per-encoder", self.max_in_flight_per_encoder),
             ("--max-tenant-in-flight", self.max_tenant_in_flight),
             ("--max-connections", self.max_connections),
             ("--max-connections-per-address", self.max_connections_per_address),
             ("--max-preauth-connections", self.max_preauth_connections),
-            ("--max-tenant-encoder-in-flight", self.max_tenant_encoder_in_flight),
             ("--max-image-pixels", self.max_image_pixels),
             ("--max-video-frames", self.max_video_frames),
         ):
             if count < 1:
                 raise ConfigError(flag, f"got {count}, expected >= 1")
+        if self.max_tenant_encoder_in_flight < 0:
+            raise ConfigError(
+                "--max-tenant-encoder-in-flight",
+                f"got {self.max_tenant_encoder_in_flight}, expected >= 1 (or 0: half the slots)",
+            )
         for flag, part, whole, whole_flag in (
             (
                 "--max-connections-per-address",
@@ -479,6 +487,11 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
     counts = (
         ("--max-encoder-calls", d.max_encoder_calls, "encoder calls per request"),
         ("--max-encoder-in-flight", d.max_encoder_in_flight, "encoder calls in flight"),
+        (
+            "--max-in-flight-per-encoder",
+            d.max_in_flight_per_encoder,
+            "of those, per encoder in rotation (more wait in the proxy, fair between tenants)",
+        ),
         ("--max-tenant-in-flight", d.max_tenant_in_flight, "requests in flight per tenant"),
         ("--max-connections", d.max_connections, "open client connections per process"),
         (
@@ -504,7 +517,7 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
         (
             "--max-tenant-encoder-in-flight",
             "encoder calls in flight for one tenant",
-            "half of --max-encoder-in-flight",
+            "half of the encoder slots",
         ),
     )
     for flag, text, derived in shares:
@@ -676,6 +689,7 @@ def config_from_args(
         "limit_mm_per_prompt": args.limit_mm_per_prompt,
         "max_encoder_calls": args.max_encoder_calls,
         "max_encoder_in_flight": args.max_encoder_in_flight,
+        "max_in_flight_per_encoder": args.max_in_flight_per_encoder,
         "max_tenant_in_flight": args.max_tenant_in_flight,
         "max_connections": args.max_connections,
         "max_connections_per_address": args.max_connections_per_address,

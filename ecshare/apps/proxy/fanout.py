@@ -5,10 +5,13 @@ Each media content part goes to an encoder in a request of its own (or with up t
 the same model and processor options as the original, the items as one user message,
 `max_tokens: 1`. The calls run concurrently, each to the encoder routing prefers for
 its content (`routing.rendezvous`) while that one is healthy, else to the healthy
-encoder with the fewest calls in flight, at most `max_in_flight` at once over all
-requests and `max_tenant_in_flight` of one tenant, handed out to the tenants in turn
-(`slots`: the others wait their turn, a bounded time, then the request is answered 429
-and its other calls cancelled), and the `ec_transfer_params` they return
+encoder with the fewest calls in flight. At most `max_in_flight` calls are at once over
+all requests, and at most `per_encoder` for each encoder in rotation: what an encoder
+cannot start at once would queue inside it first come first served, where one tenant's
+burst delays everyone's calls; held back here, they are handed out to the tenants in
+turn. One tenant has at most `max_tenant_in_flight` of them (half, unless set; `slots`:
+the others wait their turn, a bounded time, then the request is answered 429 and its
+other calls cancelled). The `ec_transfer_params` they return
 (`ecshare.protocol.TransferParam`) are merged by mm_hash. Each item's
 `item_indices` (its positions among the call's items) tell which part of the request an
 mm_hash is, so that the parts can be sent on as their placeholder metadata only (`media`).
@@ -189,6 +192,7 @@ class EncoderStage:
         connect_timeout_s: float,
         max_calls: int = 8,
         max_in_flight: int = 64,
+        per_encoder: int = 0,
         max_tenant_in_flight: int | None = None,
         slot_wait_s: float = 10.0,
     ) -> None:
@@ -197,8 +201,11 @@ class EncoderStage:
         self._metrics = metrics
         self._batch_size = batch_size
         self._max_calls = max_calls
-        per_tenant = max_in_flight if max_tenant_in_flight is None else max_tenant_in_flight
-        self.slots = FairSlots(max_in_flight, per_tenant, slot_wait_s)
+        self._max_in_flight = max_in_flight
+        self._per_encoder = per_encoder  # 0: no bound per encoder
+        self._tenant_share = max_tenant_in_flight  # None: half of the slots
+        self.slots = FairSlots(max_in_flight, max_in_flight, slot_wait_s)
+        self._fit_slots()
         self._timeout = aiohttp.ClientTimeout(total=timeout_s, connect=connect_timeout_s)
         self._warned_no_encoder_at = -math.inf
 
@@ -279,8 +286,19 @@ class EncoderStage:
         self._metrics.fallback(reason, items)
         return {}
 
+    def _fit_slots(self) -> None:
+        """Size the slots to the encoders in rotation now (one's worth while there is none,
+        so that a call finds out at once, and falls back to prefill/decode)."""
+        total = self._max_in_flight
+        if self._per_encoder:
+            encoders = max(1, sum(1 for b in self._pool.backends if b.healthy))
+            total = min(total, self._per_encoder * encoders)
+        share = self._tenant_share if self._tenant_share is not None else (total + 1) // 2
+        self.slots.resize(total, max(1, min(share, total)))
+
     @asynccontextmanager
     async def _slot(self, tenant: str) -> AsyncIterator[None]:
+        self._fit_slots()
         try:
             async with self.slots.slot(tenant):
                 yield

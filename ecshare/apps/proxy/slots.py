@@ -37,6 +37,15 @@ class FairSlots:
         # Tenants with calls waiting, in turn order; each with its waiters, oldest first.
         self._waiting: OrderedDict[str, deque[asyncio.Future[None]]] = OrderedDict()
 
+    def resize(self, total: int, per_tenant: int) -> None:
+        """Hold `total` slots from now, at most `per_tenant` to one tenant. Calls holding
+        more than that keep their slots; no new one is handed out until they are back
+        under it."""
+        grew = total > self.total or per_tenant > self.per_tenant
+        self.total, self.per_tenant = total, per_tenant
+        if grew:
+            self._hand_out()
+
     def held(self, tenant: str) -> int:
         return self._held.get(tenant, 0)
 
