@@ -23,6 +23,13 @@ This module sits above `peer/`: it reads the peers' own snapshots, and `peer/`
 does not import it. It serves a started peer on `metrics_port` through the hook
 `ecshare.peer.thread.add_exporter`, which it fills when it is imported (the
 package root imports it).
+
+Importing it also turns off prometheus_client's `<name>_created` series in the whole
+process, for every ecshare exporter (this one, the proxy's, the connector's in vLLM)
+and for whatever else the process exports: each counter, histogram and summary would
+otherwise add a second series holding its creation time, nearly doubling the series
+Prometheus stores, and nothing of ours reads them. prometheus_client has no switch per
+registry, only this one per process.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Final, TypeAlias, TypeVar
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, disable_created_metrics, start_http_server
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -56,6 +63,8 @@ Part: TypeAlias = Store | NetworkThread
 
 log = logging.getLogger(__name__)
 _P = TypeVar("_P")
+
+disable_created_metrics()
 
 PREFIX: Final = "ecshare_"
 __all__ = [

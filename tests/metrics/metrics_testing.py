@@ -22,16 +22,26 @@ def metrics_url(port: int) -> str:
     return f"http://127.0.0.1:{port}/metrics"
 
 
-def scrape(url: str) -> Scrape:
-    """Every sample of the endpoint, by (sample name, labels)."""
+def exposition(url: str) -> str:
+    """The endpoint's page as Prometheus reads it: the text exposition format."""
     with urllib.request.urlopen(url, timeout=10) as resp:
         assert resp.status == 200
-        text = resp.read().decode("utf-8")
+        text: str = resp.read().decode("utf-8")
+        return text
+
+
+def parse(text: str) -> Scrape:
+    """Every sample of an exposition, by (sample name, labels)."""
     out: Scrape = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             out[(sample.name, frozenset(sample.labels.items()))] = sample.value
     return out
+
+
+def scrape(url: str) -> Scrape:
+    """Every sample of the endpoint, by (sample name, labels)."""
+    return parse(exposition(url))
 
 
 def value(samples: Scrape, name: str, **labels: str) -> float:

@@ -1,10 +1,22 @@
 """`ecshare.vllm.servers.read_metrics` reads a live /metrics page with prometheus_client's
-own parser: labelled samples summed, histogram buckets and *_created left out."""
+own parser: labelled samples summed, histogram buckets and *_created left out.
+
+ecshare's own exporters send no *_created series (`ecshare.metrics` turns them off), but a
+vLLM instance that never loaded the connector does; this test turns them back on for its
+page, as such an instance's would be.
+"""
 
 from __future__ import annotations
 
-from metrics_testing import free_port
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from metrics_testing import exposition, free_port
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    enable_created_metrics,
+    start_http_server,
+)
 
 from ecshare.vllm.servers import read_by_label, read_metrics
 
@@ -19,11 +31,14 @@ def test_read_metrics_sums_labels_and_skips_buckets_and_created() -> None:
     latency.labels(mode="pushed").observe(0.25)
     port = free_port()
     server, thread = start_http_server(port, addr="127.0.0.1", registry=registry)
+    enable_created_metrics()
     try:
         url = f"http://127.0.0.1:{port}"
+        assert "vllm:ecshare_fetched_created" in exposition(url + "/metrics")
         metrics = read_metrics(url)
         by_mode = read_by_label(url, "fetched_total", "mode")
     finally:
+        disable_created_metrics()
         server.shutdown()
         thread.join()
 
