@@ -217,9 +217,15 @@ SPECS: Final[tuple[Spec, ...]] = (
     Spec(
         "pushes_fenced",
         _C,
-        "Push reservations given up while a write may still land (held until it ends).",
+        "Push reservations given up while a write may still land, each held until it ends "
+        "(those held now: pushes_fenced_in_flight).",
     ),
-    Spec("fenced_pushes", _G, "Push reservations given up whose write has not yet ended."),
+    Spec(
+        "pushes_fenced_in_flight",
+        _G,
+        "Push reservations given up whose write has not yet ended, held now (every one "
+        "counts once in pushes_fenced).",
+    ),
     Spec(
         "push_credit_refusals",
         _C,
@@ -603,7 +609,7 @@ def _read_consumer(consumer: Consumer, out: Samples) -> None:
     _add(out, "fenced_read_oldest_age_seconds", oldest_s)
     for kind, n in consumer.fences().items():
         _add(out, "fenced_reads_by_kind", n, (kind,))
-    _add(out, "fenced_pushes", consumer.fenced_pushes())
+    _add(out, "pushes_fenced_in_flight", consumer.pushes_fenced_in_flight())
     for peer in consumer.peer_liveness():
         _add(out, "peer_up", float(peer.up), (peer.endpoint,))
         _add(out, "peer_quarantined", float(peer.quarantined), (peer.endpoint,))

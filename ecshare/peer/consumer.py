@@ -440,7 +440,7 @@ class Consumer(NetworkThread, Phased):
                 for mode in EXPOSED_MODES
             }
 
-    def fenced_pushes(self) -> int:
+    def pushes_fenced_in_flight(self) -> int:
         """Push reservations given up while a write may still land: held until it ends."""
         return self._inbox.fenced
 

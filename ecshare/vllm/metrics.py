@@ -106,7 +106,7 @@ CORE_METRICS = (
     "push_refusals",
     "push_fallbacks",
     "pushes_fenced",
-    "fenced_pushes",
+    "pushes_fenced_in_flight",
     # push: the producer side
     "pushes_written",
     "pushed_out_bytes",

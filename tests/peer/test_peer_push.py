@@ -121,7 +121,7 @@ def test_pushed_item_is_local_before_the_fetch_and_counts_as_pushed(
     samples = read_samples([], [producer], [consumer])
     assert samples["pushed_items"][()] == 1 and samples["pushed_in_bytes"][()] == n
     assert samples["pushes_written"][()] == 1 and samples["pushed_out_bytes"][()] == n
-    assert samples["fenced_pushes"][()] == 0 and samples["pushes_in_flight"][()] == 0
+    assert samples["pushes_fenced_in_flight"][()] == 0 and samples["pushes_in_flight"][()] == 0
 
 
 def test_fetch_waits_for_a_push_in_flight_and_is_served_by_it(
@@ -463,7 +463,7 @@ def test_push_reservations_of_a_replaced_session_are_probed_and_none_leaks(
     assert not any(k.startswith("peer_failures") for k in counters), counters
     assert counters["push_probes_failed"] >= 1 and counters["push_fenced_ended"] == 1
     assert counters.get("push_fences_leaked", 0) == 0
-    assert consumer.fenced_pushes() == 0 and not ready(cnode.store, h)
+    assert consumer.pushes_fenced_in_flight() == 0 and not ready(cnode.store, h)
     time.sleep(0.3)
     fill_region(cnode.store)
     assert cnode.store.stats().canary_violations == 0

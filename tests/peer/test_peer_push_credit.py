@@ -226,7 +226,7 @@ def test_unused_credit_of_a_cut_session_is_held_until_the_producer_returns_it(
         wait_until(lambda: consumer.counter_snapshot().get("push_sessions_lost") == 2, timeout_s=10)
         wait_until(lambda: producer.session_count() == 0, timeout_s=10)
         # The write's credit and the unused one: both fenced, out of reach of the store.
-        assert cnode.store.stats().quarantined == 2 and consumer.fenced_pushes() == 2
+        assert cnode.store.stats().quarantined == 2 and consumer.pushes_fenced_in_flight() == 2
         assert not push.done() and pnode.store.stats().pins == 1  # the write runs on
         held[0] = False
 
@@ -280,7 +280,7 @@ def test_producer_sigkill_mid_credited_write_gives_the_blocks_back_only_once_pro
     # fenced, and only the data plane's word that the producer is gone frees them.
     wait_until(lambda: consumer.counter_snapshot().get("push_probes_failed", 0) >= 2, timeout_s=15)
     wait_until(lambda: cnode.store.stats().quarantined == 0, timeout_s=5)
-    assert not ready(cnode.store, h) and consumer.fenced_pushes() == 0
+    assert not ready(cnode.store, h) and consumer.pushes_fenced_in_flight() == 0
     time.sleep(0.3)
     fill_region(cnode.store)
     assert cnode.store.stats().canary_violations == 0
@@ -314,13 +314,16 @@ def test_credit_whose_grant_may_be_lost_is_voided_on_the_next_session_and_only_t
     )
     fake_producer.recv(p.PushCredit)  # the new session's own
     time.sleep(0.2)
-    assert consumer.fenced_pushes() == 1  # nothing but the producer's word frees it
+    assert consumer.pushes_fenced_in_flight() == 1  # nothing but the producer's word frees it
     fake_producer.server.send(
         fake_producer.route,
         p.PushDone(session_id=old_session, push_id=credit.credit_id, written=False),
     )
     wait_until(lambda: cnode.store.stats().quarantined == 0, timeout_s=5)
-    assert consumer.fenced_pushes() == 0 and consumer.counter_snapshot()["push_fenced_ended"] == 1
+    assert (
+        consumer.pushes_fenced_in_flight() == 0
+        and consumer.counter_snapshot()["push_fenced_ended"] == 1
+    )
     stats = cnode.store.stats()
     assert stats.reserved == 1 and stats.canary_violations == 0
     cnode.store.check_invariants()

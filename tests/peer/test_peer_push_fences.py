@@ -28,7 +28,8 @@ from peer_testing import Keyring
 from waiting import wait_until
 
 from ecshare.apps.chaos.faultproxy import FaultProxy, Faults
-from ecshare.peer import FailureReason, FetchFailed, FetchItem, Producer
+from ecshare.metrics import read_samples
+from ecshare.peer import Consumer, FailureReason, FetchFailed, FetchItem, Producer
 from ecshare.store import Store
 from ecshare.transport import FailureKind
 from ecshare.transport.loopback import Completion
@@ -54,6 +55,12 @@ def _fill_region(store: Store) -> None:
     free = store.stats().free_blocks
     if free:
         store.abort(store.allocate("fill", free * store.block_size))
+
+
+def _fenced_metrics(consumer: Consumer) -> tuple[float, float]:
+    """The exported counter of pushes ever fenced, and the gauge of those held now."""
+    samples = read_samples([], [], [consumer])
+    return samples["pushes_fenced"][()], samples["pushes_fenced_in_flight"][()]
 
 
 @pytest.fixture
@@ -122,11 +129,12 @@ def test_a_probe_failing_for_another_reason_leaves_the_push_fenced_and_counted(
     def probed_or_over() -> bool:
         c = consumer.counter_snapshot()
         tries = c.get("push_probes", 0) + c.get("push_probes_inconclusive", 0)
-        return tries >= 3 or consumer.fenced_pushes() == 0
+        return tries >= 3 or consumer.pushes_fenced_in_flight() == 0
 
     wait_until(probed_or_over, timeout_s=10)
     assert cnode.store.stats().quarantined == 1, consumer.counter_snapshot()  # never freed
-    assert consumer.fenced_pushes() == 1
+    assert consumer.pushes_fenced_in_flight() == 1
+    assert _fenced_metrics(consumer) == (1, 1)  # fenced once, held now
     counters = consumer.counter_snapshot()
     assert counters.get("push_probes_failed", 0) == 0
     assert counters.get("push_fenced_ended", 0) == 0
@@ -139,6 +147,7 @@ def test_a_probe_failing_for_another_reason_leaves_the_push_fenced_and_counted(
     assert push.result(timeout=15).pushed
     wait_until(lambda: cnode.store.stats().quarantined == 0, timeout_s=15)
     assert consumer.counter_snapshot()["push_fences_ended_by_notice"] == 1
+    assert _fenced_metrics(consumer) == (1, 0)  # still counted, no longer held
     assert cnode.store.get(h) is None  # a fenced push never commits
     _fill_region(cnode.store)
     assert cnode.store.stats().canary_violations == 0
