@@ -285,6 +285,64 @@ def test_encoder_slots_are_sized_to_the_encoders_in_rotation_and_shared_by_defau
     assert sum(len(e.calls) for e in rig.encoders[:2]) == 9
 
 
+def test_prefill_decode_slots_keep_a_flooding_tenant_to_its_share_of_an_instance(
+    rig: Rig,
+) -> None:
+    """`--max-in-flight-per-pd 2` on one slow instance: team-a's 5 requests at once reach
+    it one at a time (its share, half of 2), and team-b's request reaches it next, not
+    after team-a's other 4. Without the bound, all 5 reached the instance at once, to be
+    queued inside it first come first served."""
+    pd = rig.prefill_decode[0]
+    proxy = rig.start_proxy(api_keys=KEYS, max_in_flight_per_pd=2)
+    pd.behaviour.delay_s = 0.6
+    answers: list[int] = []
+
+    def send(tenant: str, text: str) -> None:
+        body = {"model": "m", "messages": [{"role": "user", "content": text}]}
+        answers.append(proxy.post(CHAT, body, headers=AS[tenant]).status_code)
+
+    def reached() -> list[str]:
+        return [b["messages"][0]["content"] for b in pd.bodies()]
+
+    threads = [threading.Thread(target=send, args=("team-a", f"a{i}")) for i in range(5)]
+    for thread in threads:
+        thread.start()
+    try:
+        wait_until(lambda: len(reached()) == 1)
+        time.sleep(0.2)
+        assert len(reached()) == 1  # team-a's share; its other 4 wait in the proxy
+        threads.append(threading.Thread(target=send, args=("team-b", "b")))
+        threads[-1].start()
+        wait_until(lambda: len(reached()) == 2)
+        assert reached()[1] == "b"
+    finally:
+        for thread in threads:
+            thread.join(60)
+    assert answers == [200] * 6
+    assert pd.peak == 2
+
+
+def test_a_request_past_the_prefill_decode_slot_wait_is_answered_429(rig: Rig) -> None:
+    pd = rig.prefill_decode[0]
+    proxy = rig.start_proxy(max_in_flight_per_pd=1, pd_slot_wait_s=0.3)
+    pd.behaviour.delay_s = 3.0
+    first: list[httpx.Response] = []
+    text = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    holder = threading.Thread(target=lambda: first.append(proxy.post(CHAT, text)))
+    holder.start()
+    try:
+        wait_until(lambda: pd.in_flight == 1)
+        refused = proxy.post(CHAT, text)
+        assert refused.status_code == 429
+        assert refused.headers["Retry-After"] == "1"
+        assert "--pd-slot-wait" in refused.json()["error"]["message"]
+        assert proxy.metric("rejected_total", reason="pd_busy") == 1
+        assert len(pd.calls) == 1  # the refused request never reached it
+    finally:
+        holder.join(30)
+    assert first[0].status_code == 200
+
+
 def test_a_request_that_waits_past_the_slot_bound_is_answered_429_with_retry_after(
     rig: Rig,
 ) -> None:

@@ -87,6 +87,7 @@ from ecshare.apps.proxy.media import media_free
 from ecshare.apps.proxy.metrics import ProxyMetrics
 from ecshare.apps.proxy.parts import PartRules, check_parts, media_modalities, salted
 from ecshare.apps.proxy.routing import Directory, Router
+from ecshare.apps.proxy.slots import StageSlots
 from ecshare.apps.proxy.tenants import DEFAULT_TENANT, Keyring, holds_key
 
 log = logging.getLogger(__name__)
@@ -168,6 +169,16 @@ class Proxy:
         self._rules = PartRules.of(config)
         self._bounds = MediaBounds.of(config)
         self._tenant_in_flight: dict[str, int] = {}
+        self.pd_slots = StageSlots(
+            self.prefill_decode,
+            per_backend=config.max_in_flight_per_pd,
+            max_total=None,
+            tenant_share=None,
+            wait_s=config.pd_slot_wait_s,
+            calls="requests",
+            wait_flag="--pd-slot-wait",
+            reason="pd_busy",
+        )
         self._stages: _Stages | None = None
         self.membership: Membership | None = None
         if wants_membership(config):
@@ -376,9 +387,10 @@ class Proxy:
         # Without encoders configured, media is prefill/decode's by design, not a fallback.
         scan = scan_media(body) if self.encoders.backends else None
         if scan is None or not scan.parts:
-            return await self.stages.prefill_decode.relay(
-                request, CHAT_PATH, raw, request_id=request_id
-            )
+            async with self.pd_slots.slot(tenant):
+                return await self.stages.prefill_decode.relay(
+                    request, CHAT_PATH, raw, request_id=request_id
+                )
         parsed = time.perf_counter() - began
         routed = await self.router.route(self.stages.encode, body, scan, request_id, tenant)
         encoded, chosen = routed.encoded, routed.chosen
@@ -406,15 +418,16 @@ class Proxy:
                 payload = with_params(raw, body, merged)
         self.metrics.pd_media[media].inc()
         routed.route.timed("render", began)
-        return await self.stages.prefill_decode.relay(
-            request,
-            CHAT_PATH,
-            payload,
-            request_id=request_id,
-            with_media=with_media,
-            first=chosen,
-            route=routed.route,
-        )
+        async with self.pd_slots.slot(tenant):
+            return await self.stages.prefill_decode.relay(
+                request,
+                CHAT_PATH,
+                payload,
+                request_id=request_id,
+                with_media=with_media,
+                first=chosen,
+                route=routed.route,
+            )
 
     def _with_media(
         self,
@@ -431,9 +444,10 @@ class Proxy:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         raw, body = self._own_params_only(*await self._read_object(request))
         check_parts(body, self._rules, request[TENANT_KEY])  # its prompt_embeds
-        return await self.stages.prefill_decode.relay(
-            request, COMPLETIONS_PATH, raw, request_id=_request_id(request)
-        )
+        async with self.pd_slots.slot(request[TENANT_KEY]):
+            return await self.stages.prefill_decode.relay(
+                request, COMPLETIONS_PATH, raw, request_id=_request_id(request)
+            )
 
     async def models(self, request: web.Request) -> web.StreamResponse:
         return await self.stages.prefill_decode.relay(

@@ -128,6 +128,13 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     # the slots.
     max_tenant_encoder_in_flight: int = 0
     encoder_slot_wait_s: float = 10.0
+    # Requests in flight to each prefill/decode instance in rotation; more wait in the
+    # proxy, a tenant holding at most half of them, and are refused (429) past the wait.
+    # 0: no bound (an instance batches what it is sent, and queues the rest inside it,
+    # first come first served). Bounded to what an instance runs at the latency it is
+    # meant to keep, no tenant's burst can add more than that to another's wait.
+    max_in_flight_per_pd: int = 0
+    pd_slot_wait_s: float = 30.0
     # Inline media bounded by what it decodes to, read from its header before any encoder
     # call (`bounds`): pixels of an image or of one video frame, frames of a video,
     # seconds of audio.
@@ -222,6 +229,11 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
         ):
             if count < 1:
                 raise ConfigError(flag, f"got {count}, expected >= 1")
+        if self.max_in_flight_per_pd < 0:
+            raise ConfigError(
+                "--max-in-flight-per-pd",
+                f"got {self.max_in_flight_per_pd}, expected >= 1 (or 0: no bound)",
+            )
         if self.max_tenant_encoder_in_flight < 0:
             raise ConfigError(
                 "--max-tenant-encoder-in-flight",
@@ -286,6 +298,7 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
             ("--header-timeout", self.header_timeout_s),
             ("--keepalive-timeout", self.keepalive_timeout_s),
             ("--encoder-slot-wait", self.encoder_slot_wait_s),
+            ("--pd-slot-wait", self.pd_slot_wait_s),
             ("--max-audio-seconds", self.max_audio_seconds),
         ):
             if not (math.isfinite(value) and value > 0):
@@ -523,6 +536,14 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
     for flag, text, derived in shares:
         parser.add_argument(flag, type=int, default=0, help=f"{text} ({derived})")
     parser.add_argument(
+        "--max-in-flight-per-pd",
+        type=int,
+        default=0,
+        metavar="N",
+        help="requests in flight to each prefill/decode instance in rotation; more wait in "
+        "the proxy, fair between tenants, each holding at most half (0: no bound)",
+    )
+    parser.add_argument(
         "--max-body",
         metavar="SIZE",
         help=f"largest request body accepted: 64MiB, 512KiB ({d.max_body_bytes // MiB}MiB)",
@@ -561,6 +582,11 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
             "--encoder-slot-wait",
             d.encoder_slot_wait_s,
             "longest wait for an encoder slot before 429, seconds",
+        ),
+        (
+            "--pd-slot-wait",
+            d.pd_slot_wait_s,
+            "longest wait for a prefill/decode slot (--max-in-flight-per-pd) before 429, seconds",
         ),
         ("--max-audio-seconds", d.max_audio_seconds, "seconds of inline audio"),
     )
@@ -700,6 +726,8 @@ def config_from_args(
         "body_timeout_s": args.body_timeout,
         "max_tenant_encoder_in_flight": args.max_tenant_encoder_in_flight,
         "encoder_slot_wait_s": args.encoder_slot_wait,
+        "max_in_flight_per_pd": args.max_in_flight_per_pd,
+        "pd_slot_wait_s": args.pd_slot_wait,
         "max_image_pixels": args.max_image_pixels,
         "max_video_frames": args.max_video_frames,
         "max_audio_seconds": args.max_audio_seconds,

@@ -34,8 +34,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Coroutine, Hashable, Mapping, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Coroutine, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -43,10 +42,9 @@ import aiohttp
 import msgspec
 
 from ecshare.apps.proxy.backends import Backend, BackendPool, describe
-from ecshare.apps.proxy.errors import ProxyError
 from ecshare.apps.proxy.metrics import ProxyMetrics
 from ecshare.apps.proxy.parts import MEDIA_PART_TYPES
-from ecshare.apps.proxy.slots import FairSlots, SlotTimeout
+from ecshare.apps.proxy.slots import StageSlots
 from ecshare.apps.proxy.tenants import DEFAULT_TENANT
 from ecshare.protocol import ParamsError, PushRequest, TransferParam, decode_items
 
@@ -201,11 +199,17 @@ class EncoderStage:
         self._metrics = metrics
         self._batch_size = batch_size
         self._max_calls = max_calls
-        self._max_in_flight = max_in_flight
-        self._per_encoder = per_encoder  # 0: no bound per encoder
-        self._tenant_share = max_tenant_in_flight  # None: half of the slots
-        self.slots = FairSlots(max_in_flight, max_in_flight, slot_wait_s)
-        self._fit_slots()
+        self.stage_slots = StageSlots(
+            pool,
+            per_backend=per_encoder,
+            max_total=max_in_flight,
+            tenant_share=max_tenant_in_flight,
+            wait_s=slot_wait_s,
+            calls="encoder calls",
+            wait_flag="--encoder-slot-wait",
+            reason="encoder_busy",
+        )
+        self.slots = self.stage_slots.slots
         self._timeout = aiohttp.ClientTimeout(total=timeout_s, connect=connect_timeout_s)
         self._warned_no_encoder_at = -math.inf
 
@@ -267,7 +271,8 @@ class EncoderStage:
         reason = "no_encoder"
         # One retry, and only after a refused connection: the encoder never saw the call.
         while len(tried) < 2:
-            async with self._slot(tenant):  # picked once a slot is free: the least busy then
+            # Picked once a slot is free: the least busy then.
+            async with self.stage_slots.slot(tenant):
                 if first is not None and first.healthy and not tried:
                     backend: Backend | None = first
                 else:
@@ -285,32 +290,6 @@ class EncoderStage:
             self._warn_no_encoder(call_id)
         self._metrics.fallback(reason, items)
         return {}
-
-    def _fit_slots(self) -> None:
-        """Size the slots to the encoders in rotation now (one's worth while there is none,
-        so that a call finds out at once, and falls back to prefill/decode)."""
-        total = self._max_in_flight
-        if self._per_encoder:
-            encoders = max(1, sum(1 for b in self._pool.backends if b.healthy))
-            total = min(total, self._per_encoder * encoders)
-        share = self._tenant_share if self._tenant_share is not None else (total + 1) // 2
-        self.slots.resize(total, max(1, min(share, total)))
-
-    @asynccontextmanager
-    async def _slot(self, tenant: str) -> AsyncIterator[None]:
-        self._fit_slots()
-        try:
-            async with self.slots.slot(tenant):
-                yield
-        except SlotTimeout:
-            raise ProxyError(
-                429,
-                f"this tenant's encoder calls waited {self.slots.wait_s:g} s for a slot "
-                f"(--encoder-slot-wait; a tenant holds at most {self.slots.per_tenant} of "
-                f"{self.slots.total}); retry later",
-                reason="encoder_busy",
-                retry_after=1,
-            ) from None
 
     def _warn_no_encoder(self, call_id: str) -> None:
         # Every request would say the same while no encoder is in rotation: once in a while.

@@ -73,6 +73,7 @@ REJECT_REASONS = (
     "tenant_busy",
     "media_too_large",
     "encoder_busy",
+    "pd_busy",
     # Connections (ecshare.apps.proxy.edge): refused, or closed before they earned a place.
     "connections",
     "address",

@@ -1,4 +1,4 @@
-"""Encoder slots shared fairly between tenants.
+"""Backend slots shared fairly between tenants: encoder calls, prefill/decode requests.
 
 A proxy process has `total` encoder calls in flight at most. One tenant holds at most
 `per_tenant` of them, so however hard it bursts, the rest stay for the others. A call
@@ -19,6 +19,9 @@ import asyncio
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
+
+from ecshare.apps.proxy.backends import BackendPool
+from ecshare.apps.proxy.errors import ProxyError
 
 
 class SlotTimeout(Exception):
@@ -116,3 +119,66 @@ class FairSlots:
                 self._waiting[tenant] = queue  # to the back of the turn
             self._take(tenant)
             waiter.set_result(None)
+
+
+class StageSlots:
+    """A stage's `FairSlots`, sized to its backends in rotation: `per_backend` each (0: no
+    bound per backend), at most `max_total` in all (None: none), a tenant's share
+    `tenant_share` (None: half). A call past the wait is answered 429 (`reason`)."""
+
+    def __init__(
+        self,
+        pool: BackendPool,
+        *,
+        per_backend: int,
+        max_total: int | None,
+        tenant_share: int | None,
+        wait_s: float,
+        calls: str,
+        wait_flag: str,
+        reason: str,
+    ) -> None:
+        self._pool = pool
+        self._per_backend = per_backend
+        self._max_total = max_total
+        self._tenant_share = tenant_share
+        self._calls, self._wait_flag, self._reason = calls, wait_flag, reason
+        self.slots = FairSlots(1, 1, wait_s)
+        self.fit()
+
+    @property
+    def bounded(self) -> bool:
+        return bool(self._per_backend) or self._max_total is not None
+
+    def fit(self) -> None:
+        """Size the slots to the backends in rotation now (one's worth while there is none,
+        so that a call finds out at once that none is there)."""
+        totals = []
+        if self._max_total is not None:
+            totals.append(self._max_total)
+        if self._per_backend:
+            in_rotation = max(1, sum(1 for b in self._pool.backends if b.healthy))
+            totals.append(self._per_backend * in_rotation)
+        total = min(totals) if totals else 1 << 30
+        share = self._tenant_share if self._tenant_share is not None else (total + 1) // 2
+        self.slots.resize(total, max(1, min(share, total)))
+
+    @asynccontextmanager
+    async def slot(self, tenant: str) -> AsyncIterator[None]:
+        """Hold one of `tenant`'s slots for the block; `ProxyError` 429 past the wait."""
+        if not self.bounded:
+            yield
+            return
+        self.fit()
+        try:
+            async with self.slots.slot(tenant):
+                yield
+        except SlotTimeout:
+            raise ProxyError(
+                429,
+                f"this tenant's {self._calls} waited {self.slots.wait_s:g} s for a slot "
+                f"({self._wait_flag}; a tenant holds at most {self.slots.per_tenant} of "
+                f"{self.slots.total}); retry later",
+                reason=self._reason,
+                retry_after=1,
+            ) from None
