@@ -60,7 +60,7 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 from ecshare.apps.launch_checks import (
     check_api_key_file,
@@ -238,9 +238,23 @@ def proxy_config(options: LaunchOptions, encoders: list[VllmServer], pd: list[Vl
         workdir=pd[0].log_path.parent,  # where plan_servers wrote the keys
         events_port=events_port_of([*encoders, *pd]),
     )
-    parser = argparse.ArgumentParser(prog="ecshare launch", add_help=False)
+    parser = _ProxyFlags(prog="ecshare launch", add_help=False)
     add_proxy_arguments(parser)
-    return config_from_args(parser.parse_args(argv))
+    args, unknown = parser.parse_known_args([*argv, *options.extra_proxy_args])
+    if unknown:
+        raise ConfigError(
+            "--extra-proxy-args",
+            f"not a flag of ecshare proxy: {shlex.join(unknown)} (see ecshare proxy --help)",
+        )
+    return config_from_args(args)
+
+
+class _ProxyFlags(argparse.ArgumentParser):
+    """`ecshare proxy`'s flags, read for launch: a bad value is a ConfigError naming
+    --extra-proxy-args (launch's own flags give none), not an exit."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError("--extra-proxy-args", message)
 
 
 def proxy_argv(

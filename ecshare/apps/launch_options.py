@@ -37,6 +37,7 @@ class LaunchOptions:
     push: bool = True
     device: Device = "auto"
     api_key_file: str | None = None
+    extra_proxy_args: tuple[str, ...] = ()
 
 
 def _epilog() -> str:
@@ -159,6 +160,14 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         "they come last and override the defaults",
     )
     parser.add_argument(
+        "--extra-proxy-args",
+        default="",
+        metavar="ARGS",
+        help="more `ecshare proxy` flags for launch's proxy, as one shell-quoted string, e.g. "
+        "'--max-in-flight-per-pd 4'; they come after launch's own, and a flag given twice "
+        "takes the later",
+    )
+    parser.add_argument(
         "--ec-extra-config",
         default="{}",
         metavar="JSON",
@@ -194,6 +203,10 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         extra_args = tuple(shlex.split(args.extra_vllm_args))
     except ValueError as exc:
         raise ValueError(f"--extra-vllm-args: {exc}") from None
+    try:
+        proxy_args = tuple(shlex.split(args.extra_proxy_args))
+    except ValueError as exc:
+        raise ValueError(f"--extra-proxy-args: {exc}") from None
     return LaunchOptions(
         model=args.model,
         encoders=args.encoders,
@@ -210,4 +223,5 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         push=args.push,
         device=args.device,
         api_key_file=args.api_key_file,
+        extra_proxy_args=proxy_args,
     )

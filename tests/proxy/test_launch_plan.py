@@ -487,3 +487,23 @@ def test_every_instance_feeds_the_proxys_directory_under_keys_launch_made(tmp_pa
     for public, secret in publishes.items():
         assert public is not None
         assert load_public_key(public) == load_keypair(secret).public
+
+
+def test_extra_proxy_args_reach_launchs_proxy_and_a_wrong_one_is_named_before_any_start(
+    tmp_path: Path,
+) -> None:
+    options = _options("--extra-proxy-args", "--max-in-flight-per-pd 4 --pd-slot-wait 5")
+    encoders, pd = plan_servers(options, tmp_path / "ok")
+    config = proxy_config(options, encoders, pd)
+    assert (config.max_in_flight_per_pd, config.pd_slot_wait_s) == (4, 5.0)
+    assert config.prefill_decode == tuple(s.url for s in pd)  # launch's own flags kept
+    for extra, says in (
+        ("--no-such-proxy-flag 1", "not a flag of ecshare proxy: --no-such-proxy-flag 1"),
+        ("--max-in-flight-per-pd many", "invalid int value: 'many'"),
+        ("--max-in-flight-per-pd -1", "expected >= 1 (or 0: no bound)"),
+    ):
+        options = _options("--extra-proxy-args", extra)
+        encoders, pd = plan_servers(options, tmp_path / str(abs(hash(extra))))
+        problems, config = preflight(options, encoders, pd)
+        assert config is None
+        assert any(p.startswith("--") and says in p for p in problems), problems
