@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +52,9 @@ class Behaviour:
     # Fail requests carrying a metadata-only item, as vLLM does when its fetch fails: 500,
     # or a role chunk and then an error event when streamed.
     fail_media_free: bool = False
+    # Close a kept-alive connection when a second request arrives on it, unanswered: what a
+    # server closing an idle connection does to a request sent as it closes.
+    drop_reused: bool = False
     # An encoder answers items with these URLs without their params (as vLLM's encoder
     # does when its worker's report of the save comes too late).
     unannounced: frozenset[str] = frozenset()
@@ -75,6 +79,8 @@ class StubBackend:
     aborted: threading.Event = field(default_factory=threading.Event)
     in_flight: int = 0
     peak: int = 0  # the most /v1 requests it answered at once
+    dropped: int = 0  # requests closed unanswered (`Behaviour.drop_reused`)
+    _served_on: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=1 << 30)
@@ -109,6 +115,14 @@ class StubBackend:
 
     async def _answer(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
         b = self.behaviour
+        if b.drop_reused:
+            transport = request.transport
+            assert transport is not None
+            if transport in self._served_on:
+                self.dropped += 1
+                transport.close()
+                return web.Response()  # never written: the connection is closed
+            self._served_on.add(transport)
         if b.delay_s:
             await asyncio.sleep(b.delay_s)
         if b.status != 200:

@@ -147,3 +147,19 @@ def test_repeated_failures_never_eject_the_last_backend_in_rotation(rig: Rig) ->
     assert proxy.proxy.prefill_decode.backends[0].healthy
     rig.prefill_decode[0].behaviour.status = 200
     assert proxy.post(CHAT, chat()).status_code == 200  # no 503 while waiting for a check
+
+
+def test_a_request_on_a_connection_its_instance_closed_is_sent_again(rig: Rig) -> None:
+    """The instance closes a kept-alive connection as the next request arrives on it (as
+    vLLM's server does past its keep-alive): that request never reached it, and is sent
+    once more on a new connection, not answered 502."""
+    pd = rig.prefill_decode[0]
+    pd.behaviour.drop_reused = True
+    proxy = rig.start_proxy(encoders=())
+    text = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    for _ in range(3):
+        answer = proxy.post(CHAT, text)
+        assert answer.status_code == 200, answer.text
+    assert pd.dropped >= 1
+    assert proxy.metric("upstream_errors_total", reason="resent") == pd.dropped
+    assert len(pd.calls) == 3 + pd.dropped

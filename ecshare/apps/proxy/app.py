@@ -140,6 +140,12 @@ class _Stages:
     membership_sync: asyncio.Task[None] | None = None
 
 
+# An idle connection to a backend is dropped sooner than vLLM's server closes its end
+# (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s): a request sent on one the server is closing fails
+# before it arrives ("Can not write request body").
+BACKEND_KEEPALIVE_S = 4.0
+
+
 class Proxy:
     """One proxy: its backends, metrics and stages, and the handlers that use them."""
 
@@ -210,7 +216,9 @@ class Proxy:
         # Backends get no cookies and are not asked to compress (so answers pass through as
         # they come): less work per request than a browser-like client.
         session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
+            connector=aiohttp.TCPConnector(
+                limit=0, ttl_dns_cache=300, keepalive_timeout=BACKEND_KEEPALIVE_S
+            ),
             timeout=aiohttp.ClientTimeout(total=None, connect=c.connect_timeout_s),
             cookie_jar=aiohttp.DummyCookieJar(),
             skip_auto_headers=("Accept-Encoding", "User-Agent"),

@@ -5,6 +5,9 @@ the instance writes it. The stage's outcomes, each honest about whose fault it i
 
 * a refused connection ejects the instance and the request is tried on another (it never
   reached the first); none left healthy: 503;
+* a kept-alive connection the instance closes as the request goes out on it (the server's
+  keep-alive ran out; the request was never read) is not the instance's fault: the request
+  is sent once more, on a new connection, and counted (`upstream_errors{reason="resent"}`);
 * the instance's 4xx answers (a bad request) are the client's, passed back untouched;
 * a 5xx answer, a broken connection: 502 naming the instance and its answer;
 * no headers, or no chunk, within `timeout_s`: 504;
@@ -206,16 +209,25 @@ class PrefillDecodeStage:
     ) -> aiohttp.ClientResponse | None:
         url = backend.url_for(path)
         method = "GET" if payload is None else "POST"
-        try:
-            return await self._session.request(
-                method, url, data=payload, headers=headers, timeout=self._timeout
-            )
-        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
-            self._pool.failed(backend, f"unreachable: {describe(exc)}", eject=True)
-            log.warning("prefill/decode %s unreachable: %s", url, describe(exc))
-            return None
-        except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
-            raise self._failed(backend, exc, reading=False) from None
+        for resend in (True, False):
+            try:
+                return await self._session.request(
+                    method, url, data=payload, headers=headers, timeout=self._timeout
+                )
+            except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+                self._pool.failed(backend, f"unreachable: {describe(exc)}", eject=True)
+                log.warning("prefill/decode %s unreachable: %s", url, describe(exc))
+                return None
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                # A kept-alive connection the server closed as the request went out: it
+                # could not have been answered. Once more, on a connection of its own.
+                if not resend:
+                    raise self._failed(backend, exc, reading=False) from None
+                log.info("prefill/decode %s: %s; sending it again", url, describe(exc))
+                self._metrics.upstream_errors.labels("resent").inc()
+            except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
+                raise self._failed(backend, exc, reading=False) from None
+        raise AssertionError("unreachable: the second try returns or raises")
 
     def _no_backend(self, tried: list[Backend]) -> ProxyError:
         if tried:

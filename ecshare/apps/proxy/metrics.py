@@ -57,8 +57,17 @@ FALLBACK_REASONS = (
     "params",
     "no_encoder",
 )
-# Why a request's prefill/decode stage failed.
-UPSTREAM_REASONS = ("unreachable", "timeout", "error", "status", "no_backend", "broken_stream")
+# Why a request's prefill/decode stage failed; `resent`: a request sent on a kept-alive
+# connection its instance was closing, sent once more (`forward`), not a failure itself.
+UPSTREAM_REASONS = (
+    "unreachable",
+    "timeout",
+    "error",
+    "status",
+    "no_backend",
+    "broken_stream",
+    "resent",
+)
 # Why a request (or a connection) was refused before any backend saw it.
 REJECT_REASONS = (
     "auth",
