@@ -92,6 +92,8 @@ def _metavar(field: Any) -> str:
         return "SIZE"
     if field.name.endswith("_s"):
         return "SECONDS"
+    if field.name.endswith("_args"):
+        return "ARGS"
     return {int: "N", float: "X", str: "ADDRESS"}.get(field.constraints.kind, "VALUE")
 
 
@@ -246,6 +248,8 @@ class _Run:
             "--ready-timeout", str(START_TIMEOUT_S),
             "--api-key-file", str(key_file),
         ]  # fmt: skip
+        if self.spec.proxy_args:
+            command += ["--extra-proxy-args", self.spec.proxy_args]
         return _popen(command, self.workdir / "launch.err")
 
     def _start_attackers(self, url: str) -> subprocess.Popen[str]:

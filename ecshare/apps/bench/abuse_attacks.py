@@ -4,8 +4,9 @@ Run as a child process (`python -m ecshare.apps.bench.abuse_attacks PLAN`), so t
 victim's timings in the parent never wait on an attacker's turn of the event loop: it
 reads one `AttackPlan` (JSON) from the file PLAN, starts every attack, prints `ATTACKING`
 once all are under way, and on SIGTERM stops them and prints their `AttackTally`s (one
-JSON list) on stdout. It lowers its own priority (`ATTACKER_NICENESS`): on a small host
-the attackers stand for clients on other machines, whose CPU is not the instances'.
+JSON list) on stdout. It runs at the lowest priority (`ATTACKER_NICENESS`, 19), its
+session too: on a small host the attackers stand for clients on other machines, whose
+CPU is not the instances', so they take only what the launch leaves idle.
 
 Every socket binds its source address before it connects (all of 127/8 is loopback on
 Linux), so the proxy sees each attack come from addresses of its own
@@ -62,7 +63,7 @@ __all__ = [
 ]
 
 ATTACKING = "ATTACKING"
-ATTACKER_NICENESS = 10
+ATTACKER_NICENESS = 19
 SLOW_BODY_BYTES = 100_000
 CONNECT_TIMEOUT_S = 10.0
 HTTP_TIMEOUT_S = 300.0

@@ -179,6 +179,14 @@ class AbuseSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             gt=0, le=60, description="seconds between the bytes (or header lines) of slow attackers"
         ),
     ] = 1.0
+    proxy_args: Annotated[
+        str,
+        Meta(
+            max_length=1000,
+            description="more ecshare proxy flags for the launch's proxy "
+            "(ecshare launch --extra-proxy-args)",
+        ),
+    ] = ""
     retry_delay_s: Annotated[
         float,
         Meta(ge=0, le=60, description="pause before an attacker tries again once refused or cut"),
