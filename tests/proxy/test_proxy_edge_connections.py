@@ -17,10 +17,12 @@ from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import httpx
+import pytest
 from proxy_testing import ProxyUnderTest, Rig, chat
 from waiting import wait_until
 
-from ecshare.apps.proxy.edge import EVICT_AFTER_S
+from ecshare.apps.proxy import edge
+from ecshare.apps.proxy.edge import EVICT_AFTER_S, EVICT_YOUNG_S
 
 CHAT = "/v1/chat/completions"
 KEYS = {"key-of-the-victim-0123": "victim", "key-of-the-flood-0123": "flood"}
@@ -137,18 +139,39 @@ def test_anonymous_sockets_of_many_addresses_never_take_a_key_holders_connection
 
 
 def test_an_address_that_fills_the_pool_yields_a_place_to_another_at_once(rig: Rig) -> None:
-    """One address holds all 5 places of the pool with sockets just opened: a client from
-    another address takes the place of one of them at once, without waiting for them to
-    idle `EVICT_AFTER_S` (by age alone, it was refused 503 while they stayed young)."""
+    """One address holds all 5 places of the pool with sockets a quarter second old: a
+    client from another address takes the place of one of them at once, without waiting
+    for them to idle `EVICT_AFTER_S` (by age alone, it was refused 503 while they stayed
+    young)."""
     proxy = rig.start_proxy(max_connections_per_address=10, max_preauth_connections=5, **LOOSE)
     with sockets(proxy.url, 5) as held:
-        # Accepted in the order they connected: the 5 are in the pool before the client.
+        time.sleep(EVICT_YOUNG_S)
         for _ in range(3):
             assert served(proxy.url) == 200
         still_open = [sock for sock in held if closed(sock, 0.2) is None]
     assert len(still_open) == 4  # once the first client was served, the pool had room
     assert proxy.metric("rejected_total", reason="evicted") == 1
     assert proxy.metric("rejected_total", reason="preauth") == 0
+
+
+def test_a_connection_still_arriving_is_never_taken_for_another_addresss_newcomer(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A connection younger than `EVICT_YOUNG_S` may have its request on the way, read a
+    turn of the loop after its accept: a newcomer from another address does not take its
+    place, and is refused 503 (`preauth`) instead. Without the age, the evicted client saw
+    its request cut ("Can not write request body"). Both ages are set to a minute here, so
+    that the sockets stay young however slow the host."""
+    monkeypatch.setattr(edge, "EVICT_YOUNG_S", 60.0)
+    monkeypatch.setattr(edge, "EVICT_AFTER_S", 60.0)  # nor does the oldest idle rule
+    proxy = rig.start_proxy(max_connections_per_address=10, max_preauth_connections=5, **LOOSE)
+    with sockets(proxy.url, 5) as held:
+        with attacker(proxy.url, 9) as newcomer:
+            answer = closed(newcomer, 15)
+            assert answer is not None and answer.startswith(b"HTTP/1.1 503")
+        assert all(closed(sock, 0.05) is None for sock in held)
+    assert proxy.metric("rejected_total", reason="preauth") == 1
+    assert proxy.metric("rejected_total", reason="evicted") == 0
 
 
 def test_a_pre_auth_connection_inside_a_request_is_never_evicted_and_a_full_pool_refuses(

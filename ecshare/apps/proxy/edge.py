@@ -17,10 +17,11 @@ flight (`app`). Every refusal and every close below is counted (`rejected_total{
   the cap: however many anonymous sockets a client opens, the trusted connections keep
   the rest. When the pool is full, a new connection takes the place of a pre-auth one
   with no request on it (still waiting for a whole header, or idle after an answer),
-  which is closed (`evicted`): the oldest of the address that holds the most places,
-  where that address holds more than the newcomer's, so that an attacker's addresses
-  yield to a client's; else the oldest idle for at least `EVICT_AFTER_S`. Where there is
-  none, the new one is refused (`preauth`).
+  which is closed (`evicted`): the longest idle of the address that holds the most
+  places, where that address holds more than the newcomer's, so that an attacker's
+  addresses yield to a client's (once it has idled `EVICT_YOUNG_S`: a younger one may
+  have its request on the way); else the longest idle for at least `EVICT_AFTER_S`.
+  Where there is none, the new one is refused (`preauth`).
 * **Deadlines.** A new connection's first byte must arrive within `first_byte_timeout_s`
   (`first_byte_timeout`), and its whole first request header within `header_timeout_s`
   (`header_timeout`, answered 408): aiohttp alone would wait for either as long as its
@@ -79,6 +80,9 @@ _PREAUTH_REFUSAL = _answer(
 # A pre-auth connection idle this long may be closed for a newcomer; a younger one may
 # still be about to send its header (a burst of connects is accepted before any is read).
 EVICT_AFTER_S = 1.0
+# Younger than this, a connection is still arriving: its request may be on its way, read
+# in a later turn of the loop than its accept. No newcomer takes its place, whoever's it is.
+EVICT_YOUNG_S = 0.25
 _HEADER_TIMEOUT = _answer(
     "408 Request Timeout",
     error_body(408, "the request header did not arrive in time (--header-timeout)"),
@@ -253,17 +257,21 @@ class Edge:
         """The pre-auth connection a newcomer from `address` takes the place of: the longest
         idle one of the address that holds the most places, where that is more than
         `address` holds (an address that fills the pool yields to one that holds little
-        of it, however young its connections); else the longest idle one, where it has
-        been idle for `EVICT_AFTER_S`; None where there is none."""
+        of it, once its connection has idled `EVICT_YOUNG_S`, not the second the other
+        rule waits); else the longest idle one, where it has been idle for
+        `EVICT_AFTER_S`; None where there is none. No connection younger than
+        `EVICT_YOUNG_S` is taken: its request may not have been read yet."""
         mine = self._pool_count.get(address, 0)
+        now = time.monotonic()
         for other, held in sorted(self._pool_count.items(), key=_second, reverse=True):
             if held <= mine + 1:
                 break
             idle = self._idle_of.get(other)
-            if idle:
-                return next(iter(idle))
+            longest = next(iter(idle)) if idle else None
+            if longest is not None and now - longest.idle_since >= EVICT_YOUNG_S:
+                return longest
         oldest = next(iter(self._idle), None)
-        if oldest is not None and time.monotonic() - oldest.idle_since >= EVICT_AFTER_S:
+        if oldest is not None and now - oldest.idle_since >= EVICT_AFTER_S:
             return oldest
         return None
 
