@@ -1,6 +1,8 @@
 """Backend slots shared fairly between tenants: encoder calls, prefill/decode requests.
 
-A proxy process has `total` encoder calls in flight at most. One tenant holds at most
+A stage of a proxy process has `total` calls in flight at most (`StageSlots` sizes it to
+the stage's backends in rotation, so that what a backend cannot start at once waits here,
+in turn, not inside the backend first come first served). One tenant holds at most
 `per_tenant` of them, so however hard it bursts, the rest stay for the others. A call
 that finds no slot waits in its tenant's queue; when a slot frees, it goes to the next
 tenant in turn (round robin over the tenants with a call waiting and under their share),
