@@ -79,3 +79,24 @@ def test_stream_broken_upstream_ends_with_an_error_event(rig: Rig) -> None:
     last = msgspec.json.decode(events[-1].removeprefix("data: "))
     assert last["error"]["code"] == 502 and "broke off" in last["error"]["message"]
     assert proxy.metric("upstream_errors_total", reason="broken_stream") == 1
+
+
+def test_a_streamed_answers_first_bytes_are_timed_once_and_a_whole_answer_not_at_all(
+    rig: Rig,
+) -> None:
+    """`ttft_seconds` times the first bytes of a streamed answer from the request's
+    arrival: once per answer, before its last chunk; an answer sent whole is not a stream,
+    and `request_seconds` alone times it."""
+    pd = rig.prefill_decode[0]
+    pd.behaviour.stream_chunks = 4
+    pd.behaviour.chunk_interval_s = 0.2
+    proxy = rig.start_proxy()
+    stream = proxy.openai().chat.completions.create(**chat(IMAGE_A), stream=True)
+    assert len([chunk for chunk in stream]) == 4
+    assert proxy.metric("ttft_seconds_count", endpoint="chat") == 1
+    ttft = proxy.metric("ttft_seconds_sum", endpoint="chat")
+    whole = proxy.metric("request_seconds_sum", endpoint="chat")
+    assert ttft > 0 and ttft + 0.5 < whole  # the 3 chunks after the first took 0.6 s
+    proxy.openai().chat.completions.create(**chat(IMAGE_A))
+    assert proxy.metric("ttft_seconds_count", endpoint="chat") == 1
+    assert proxy.metric("request_seconds_count", endpoint="chat") == 2

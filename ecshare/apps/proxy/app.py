@@ -81,7 +81,7 @@ from ecshare.apps.proxy.discovery import (
 )
 from ecshare.apps.proxy.errors import ProxyError, error_response
 from ecshare.apps.proxy.fanout import EncoderStage, scan_media
-from ecshare.apps.proxy.forward import PrefillDecodeStage
+from ecshare.apps.proxy.forward import ARRIVED_KEY, PrefillDecodeStage
 from ecshare.apps.proxy.link import SupervisorLink
 from ecshare.apps.proxy.media import media_free
 from ecshare.apps.proxy.metrics import ProxyMetrics
@@ -292,6 +292,7 @@ class Proxy:
     async def guard(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         started = time.perf_counter()
         endpoint = _ENDPOINTS.get(request.path, "other")
+        request[ARRIVED_KEY] = (started, endpoint)
         status = 500
         response: web.StreamResponse | None = None
         self.metrics.started()

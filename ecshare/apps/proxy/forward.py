@@ -48,6 +48,9 @@ _SSE = "text/event-stream"
 # A media-free stream's head held back to see whether the request failed: at most this much.
 _MAX_HEAD_BYTES = 1 << 20
 _NOTHING: Mapping[str, str] = MappingProxyType({})
+# When a request reached the proxy, and its endpoint's name (the proxy's guard sets it): a
+# streamed answer's first bytes to the client are timed from there (`ttft_seconds`).
+ARRIVED_KEY = web.RequestKey("ecshare_arrived", tuple)
 
 
 class _Choice(msgspec.Struct):
@@ -302,12 +305,14 @@ class PrefillDecodeStage:
         await out.prepare(request)
         if chunks is None:
             chunks = resp.content.iter_any()
+        timed = False
         if head:
             try:
                 await out.write(head)
             except ConnectionResetError:
                 self._metrics.client_disconnects.inc()
                 return out
+            timed = self._first_bytes(request)
         if broken is not None:
             await self._broken(out, backend, broken)
             return out
@@ -325,8 +330,18 @@ class PrefillDecodeStage:
                 self._metrics.client_disconnects.inc()
                 log.info("%s: client went away mid-stream; upstream closed", request_id)
                 return out  # the caller closes `resp`, which aborts the upstream request
+            if not timed:
+                timed = self._first_bytes(request)
         await out.write_eof()
         return out
+
+    def _first_bytes(self, request: web.Request) -> bool:
+        """A streamed answer's first bytes are written: time them from the request's arrival."""
+        arrived = request.get(ARRIVED_KEY)
+        if arrived is not None:
+            started, endpoint = arrived
+            self._metrics.ttft_seconds.labels(endpoint).observe(time.perf_counter() - started)
+        return True
 
     async def _broken(self, out: web.StreamResponse, backend: Backend, exc: BaseException) -> None:
         """End a stream whose upstream broke after the headers were sent."""

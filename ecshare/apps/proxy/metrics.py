@@ -183,6 +183,14 @@ class ProxyMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.ttft_seconds = Histogram(
+            PREFIX + "ttft_seconds",
+            "Time from a streamed request's arrival to the first bytes of its answer sent to "
+            "the client (vLLM's first event comes with the first token), by endpoint.",
+            ["endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.encode_seconds = Histogram(
             PREFIX + "encode_seconds",
             "Time a request with media spent in the encoder stage.",
