@@ -66,6 +66,7 @@ from ecshare.apps.launch_checks import (
     check_api_key_file,
     check_configs,
     check_model,
+    check_multimodal,
     check_ports,
     find_gpus,
     is_loopback,
@@ -347,7 +348,7 @@ def preflight(
     """(every problem found before anything starts, one line each; the proxy's config)."""
     servers = [*encoders, *pd]
     offline = servers[0].spec.env().get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
-    problems = check_model(options.model, offline)
+    problems = check_model(options.model, offline) or check_multimodal(options.model)
     problems += check_configs({instance_name(s): s.spec.extra_config for s in servers})
     fixed = [("the proxy", options.host, options.port, "--port")]
     for s in servers:

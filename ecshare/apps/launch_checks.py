@@ -2,14 +2,19 @@
 
 Each check returns the problems it found, one line each, naming the flag to change, so that
 launch can print them all and exit before any instance starts: a model path that does not
-exist (or a hub name it cannot fetch while offline), an instance config that does not
+exist (or a hub name it cannot fetch while offline), a model vLLM serves as text only, an
+instance config that does not
 decode, a port that is taken or that two instances would share, an API-key file that
 cannot be read or that its group or other users can read. Imports neither vllm nor torch.
 """
 
 from __future__ import annotations
 
+import ast
 import errno
+import functools
+import importlib.util
+import json
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -60,6 +65,73 @@ def check_model(model: str, offline: bool) -> list[str]:
             "(huggingface-cli download), or pass its directory"
         ]
     return []
+
+
+def check_multimodal(model: str) -> list[str]:
+    """The model must be one vLLM serves as multimodal: ecshare shares the outputs of its
+    encoders, and a text-only model has none (both instances would start, and the first
+    request fail a minute later). Its `architectures` are read from its config.json and
+    looked up in vLLM's model registry, read from its source without importing vllm.
+    Where either cannot be read, or vLLM's registry names none of them (a model of its
+    own code), nothing is said: vLLM will."""
+    config = _config_json(model)
+    if config is None:
+        return []
+    try:
+        architectures = json.loads(config.read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return []
+    multimodal, text_only = _vllm_registry()
+    if any(a in multimodal for a in architectures):
+        return []
+    named = next((a for a in architectures if a in text_only), None)
+    if named is None:
+        return []
+    return [
+        f"--model {model}: vLLM serves {named} as a text-only model, and ecshare shares "
+        "the outputs of a multimodal model's encoders (images, video, audio): pick a model "
+        "that takes media, e.g. Qwen/Qwen2-VL-2B-Instruct"
+    ]
+
+
+def _config_json(model: str) -> Path | None:
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path / "config.json" if (path / "config.json").is_file() else None
+    if path.exists() or not _HUB_ID.fullmatch(model):
+        return None  # a .gguf file, or nothing: check_model says
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    cached = try_to_load_from_cache(model, "config.json")
+    return Path(cached) if isinstance(cached, str) else None
+
+
+@functools.cache
+def _vllm_registry() -> tuple[frozenset[str], frozenset[str]]:
+    """The architectures vLLM's registry serves as multimodal, and as text generation
+    only: the keys of its `_MULTIMODAL_MODELS` and `_TEXT_GENERATION_MODELS` (both empty
+    where vllm or its registry cannot be read)."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin is None:
+        return frozenset(), frozenset()
+    registry = Path(spec.origin).parent / "model_executor" / "models" / "registry.py"
+    try:
+        tree = ast.parse(registry.read_text())
+    except (OSError, SyntaxError, ValueError):
+        return frozenset(), frozenset()
+    tables: dict[str, frozenset[str]] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict):
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    keys = (k.value for k in node.value.keys if isinstance(k, ast.Constant))
+                    tables[target.id] = frozenset(k for k in keys if isinstance(k, str))
+    multimodal = tables.get("_MULTIMODAL_MODELS", frozenset())
+    if not multimodal:
+        return frozenset(), frozenset()  # a registry of another shape: say nothing
+    return multimodal, tables.get("_TEXT_GENERATION_MODELS", frozenset())
 
 
 def _in_hub_cache(model: str) -> bool:

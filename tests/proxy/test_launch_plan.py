@@ -34,7 +34,7 @@ from ecshare.apps.launch import (
     second_proxy_argv,
     send_requests_here,
 )
-from ecshare.apps.launch_checks import check_model, find_gpus
+from ecshare.apps.launch_checks import check_model, check_multimodal, find_gpus
 from ecshare.apps.proxy.config import add_proxy_arguments, config_from_args
 from ecshare.apps.ready import LaunchReady
 from ecshare.control import load_keypair, load_public_key
@@ -353,6 +353,33 @@ def test_a_directory_without_a_model_is_refused(tmp_path: Path) -> None:
     ]
     assert check_model("Qwen/Qwen2-VL-2B-Instruct", offline=False) == []  # vLLM fetches it
     assert "not in the Hugging Face cache" in check_model("ecshare-test/absent", offline=True)[0]
+
+
+def test_a_text_only_model_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    """vLLM serves Qwen2ForCausalLM as text only: it has no encoder whose outputs to share,
+    and launch says so before any instance starts (it started both, and the first request
+    failed about a minute later)."""
+
+    def model(name: str, architectures: list[str]) -> Path:
+        path = tmp_path / name
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps({"architectures": architectures}))
+        return path
+
+    text = model("text", ["Qwen2ForCausalLM"])
+    assert check_multimodal(str(text)) == [
+        f"--model {text}: vLLM serves Qwen2ForCausalLM as a text-only model, and ecshare "
+        "shares the outputs of a multimodal model's encoders (images, video, audio): pick a "
+        "model that takes media, e.g. Qwen/Qwen2-VL-2B-Instruct"
+    ]
+    assert check_multimodal(str(model("vl", ["Qwen2VLForConditionalGeneration"]))) == []
+    assert check_multimodal(str(model("llava", ["LlavaForConditionalGeneration"]))) == []
+    assert check_multimodal(str(model("own", ["MyOwnForCausalLM"]))) == []  # vLLM will say
+    assert check_multimodal(str(model("none", []))) == []
+    proc = _launch("--model", str(text), "--port", "0", "--workdir", str(tmp_path / "work"))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"ecshare launch: --model {text}: vLLM serves Qwen2ForCausalLM" in proc.stderr
+    assert not list((tmp_path / "work").glob("*.log"))  # no instance started
 
 
 def test_a_proxy_beyond_loopback_without_an_api_key_is_warned(tmp_path: Path) -> None:
