@@ -57,7 +57,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any, Literal, NoReturn
@@ -77,12 +77,12 @@ from ecshare.apps.launch_options import add_launch_arguments as add_launch_argum
 from ecshare.apps.launch_options import options_from_args as options_from_args
 from ecshare.apps.proxy.config import API_KEY_ENV
 from ecshare.apps.proxy.tenants import new_tenant_secret
-from ecshare.apps.ready import LaunchReady, print_ready
+from ecshare.apps.ready import InstancePorts, LaunchReady, print_ready
 from ecshare.config import Config, ConfigError
 from ecshare.config.secret_files import write_secret_file
 from ecshare.control import generate_keypair
 from ecshare.control.keys import PUBLIC_SUFFIX, SECRET_SUFFIX
-from ecshare.vllm.servers import Keys, ServerSpec, VllmServer, free_port
+from ecshare.vllm.servers import Keys, NoFreePort, ServerSpec, VllmServer, free_port
 from ecshare.vllm.settings import PUSH_TARGETS, TRUSTED_PRODUCERS
 
 
@@ -121,7 +121,10 @@ def plan_servers(
     # Instances made to share an address (--ec-extra-config listen_host) could not share
     # one events port: then no item events, and the proxy routes without a directory.
     if "listen_host" not in options.ec_extra_config:
-        events = {"events_port": free_port(), "admin_keys_file": str(proxy_key.public_path)}
+        events = {
+            "events_port": free_port(options.port_range),
+            "admin_keys_file": str(proxy_key.public_path),
+        }
     cores = _cores()
     name = options.served_model_name or options.model
     model = Path(options.model)
@@ -134,7 +137,7 @@ def plan_servers(
         host = instance_host(n)
         spec = ServerSpec(
             model,
-            free_port(),
+            free_port(options.port_range),
             host=host,
             core=cores[n % len(cores)],
             ec_role=role,
@@ -155,7 +158,7 @@ def plan_servers(
     if names:
         producer[PUSH_TARGETS] = names
     encoders = [
-        server("ec_producer", i, i, {**producer, "listen_port": free_port()})
+        server("ec_producer", i, i, {**producer, "listen_port": free_port(options.port_range)})
         for i in range(options.encoders)
     ]
     consumer = keys.consumer_config()
@@ -184,6 +187,9 @@ def plan_servers(
 PROXY_KEY_NAME = "proxy"  # the proxy's key pair in the workdir: proxy.key, proxy.key_secret
 # The secret every proxy in front of the instances keys tenant salts under, in the workdir.
 TENANT_SECRET_NAME = "tenant_secret"
+# While an instance loads, launch says how long it has waited, and the last line of its log,
+# this often.
+PROGRESS_EVERY_S = 15.0
 
 
 def instance_host(n: int) -> str:
@@ -369,6 +375,63 @@ def preflight(
     return problems, config
 
 
+def _wait_ready(server: VllmServer, t0: float, deadline: float) -> None:
+    """Wait for `server` to answer /health, saying every `PROGRESS_EVERY_S` how long it has
+    taken and the last line of its log (vLLM prints nothing of ours while it loads)."""
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            server.wait_ready(max(1.0, min(left, PROGRESS_EVERY_S)))
+            return
+        except TimeoutError:
+            if left <= PROGRESS_EVERY_S:
+                raise
+        _say(
+            f"waiting for {instance_name(server)} ({time.monotonic() - t0:.0f} s of "
+            f"--ready-timeout {deadline - t0:.0f}): {last_log_line(server)}"
+        )
+
+
+def last_log_line(server: VllmServer, width: int = 160) -> str:
+    """The last line `server` logged, cut to `width`; what is there where it logged none."""
+    lines = [line.strip() for line in server.log_tail(4000).splitlines() if line.strip()]
+    if not lines:
+        return "nothing in its log yet"
+    last = lines[-1]
+    return last if len(last) <= width else last[: width - 3] + "..."
+
+
+def instance_ports(servers: Sequence[VllmServer]) -> dict[str, InstancePorts]:
+    """Where each instance listens, by name: vLLM's API and /metrics, an encoder's control
+    plane and every instance's item events, as its config sets them."""
+    out = {}
+    for server in servers:
+        extra = server.spec.extra_config
+        host = str(extra.get("listen_host") or "127.0.0.1")
+        control = extra.get("listen_port") if server.spec.ec_role == "ec_producer" else None
+        events = extra.get("events_port")
+        out[instance_name(server)] = InstancePorts(
+            url=server.url,
+            metrics=server.url + "/metrics",
+            control=f"tcp://{host}:{control}" if control else None,
+            events=f"tcp://{host}:{events}" if events else None,
+        )
+    return out
+
+
+def where_each_listens(url: str, instances: Mapping[str, InstancePorts]) -> list[str]:
+    """The lines that say where the proxy and each instance listen, and their /metrics."""
+    lines = [f"proxy {url}, metrics {url}/metrics"]
+    for name, ports in instances.items():
+        line = f"{name} {ports.url}, metrics {ports.metrics}"
+        if ports.control:
+            line += f", control {ports.control}"
+        if ports.events:
+            line += f", item events {ports.events}"
+        lines.append(line)
+    return lines
+
+
 def _int(value: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
@@ -441,7 +504,12 @@ def _run(options: LaunchOptions, workdir: Path, servers: list[VllmServer]) -> in
     from ecshare.apps.proxy.server import serve_until_signalled
     from ecshare.apps.proxy.workers import supervise
 
-    encoders, pd = plan_servers(options, workdir)
+    try:
+        encoders, pd = plan_servers(options, workdir)
+    except NoFreePort as exc:
+        _say(f"--port-range: {exc}", err=True)
+        _say("nothing started", err=True)
+        return 2
     if not is_loopback(options.host) and not (options.api_key_file or os.environ.get(API_KEY_ENV)):
         _say(
             f"warning: the proxy listens on {options.host}, beyond loopback, and requires no "
@@ -474,9 +542,10 @@ def _run(options: LaunchOptions, workdir: Path, servers: list[VllmServer]) -> in
         )
     deadline = t0 + options.ready_timeout_s
     for server in servers:
-        server.wait_ready(max(1.0, deadline - time.monotonic()))
+        _wait_ready(server, t0, deadline)
         _say(f"{instance_name(server)} ready after {time.monotonic() - t0:.0f} s")
     model = options.served_model_name or options.model
+    instances = instance_ports(servers)
 
     def ready(url: str, *_: object) -> None:
         print_ready(
@@ -488,8 +557,12 @@ def _run(options: LaunchOptions, workdir: Path, servers: list[VllmServer]) -> in
                 workdir=str(workdir),
                 push_names=config.pd_push_names,
                 events_port=config.events_port,
+                metrics=url + "/metrics",
+                instances=instances,
             )
         )
+        for line in where_each_listens(url, instances):
+            _say(line)
         print(send_requests_here(url, model, options.api_key_file), flush=True)
 
     status = 0

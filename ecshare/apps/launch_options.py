@@ -38,6 +38,7 @@ class LaunchOptions:
     device: Device = "auto"
     api_key_file: str | None = None
     extra_proxy_args: tuple[str, ...] = ()
+    port_range: tuple[int, int] | None = None  # the instances' ports: LOW, HIGH
 
 
 def _epilog() -> str:
@@ -160,6 +161,14 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         "they come last and override the defaults",
     )
     parser.add_argument(
+        "--port-range",
+        default=None,
+        metavar="LOW-HIGH",
+        help="the ports the instances take (vLLM's API, encoders' control planes, item "
+        "events), e.g. 30000-30099, for a firewall that opens only those (default: free "
+        "ports from 20000 up, outside the kernel's ephemeral range)",
+    )
+    parser.add_argument(
         "--extra-proxy-args",
         default="",
         metavar="ARGS",
@@ -207,6 +216,7 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         proxy_args = tuple(shlex.split(args.extra_proxy_args))
     except ValueError as exc:
         raise ValueError(f"--extra-proxy-args: {exc}") from None
+    port_range = _port_range(args.port_range) if args.port_range else None
     return LaunchOptions(
         model=args.model,
         encoders=args.encoders,
@@ -224,4 +234,18 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         device=args.device,
         api_key_file=args.api_key_file,
         extra_proxy_args=proxy_args,
+        port_range=port_range,
     )
+
+
+def _port_range(text: str) -> tuple[int, int]:
+    low, sep, high = text.partition("-")
+    try:
+        first, last = int(low), int(high)
+    except ValueError:
+        first = last = -1
+    if not sep or not 1024 <= first <= last <= 65535:
+        raise ValueError(
+            f"--port-range: got {text!r}, expected LOW-HIGH within 1024-65535, e.g. 30000-30099"
+        )
+    return first, last

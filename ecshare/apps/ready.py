@@ -47,6 +47,15 @@ class ProxyReady(Ready, frozen=True, tag="proxy"):
     pids: tuple[int, ...]  # the processes that serve requests: one per worker
 
 
+class InstancePorts(msgspec.Struct, frozen=True):
+    """Where one instance of a launch listens."""
+
+    url: str  # vLLM's API
+    metrics: str  # vLLM's /metrics, the connector's vllm:ecshare_* series among them
+    control: str | None = None  # an encoder's control plane (ZMQ, CURVE)
+    events: str | None = None  # its item events (ZMQ, CURVE), for the proxy's directory
+
+
 class LaunchReady(Ready, frozen=True, tag="launch"):
     url: str  # the proxy's
     model: str
@@ -58,6 +67,8 @@ class LaunchReady(Ready, frozen=True, tag="launch"):
     push_names: tuple[str, ...] = ()
     # The port every instance publishes its item events on (the proxy's --events-port).
     events_port: int | None = None
+    metrics: str = ""  # the proxy's /metrics
+    instances: dict[str, InstancePorts] = {}  # by name: encoder0, prefill_decode0, ...
 
 
 class StubsReady(Ready, frozen=True, tag="stubs"):

@@ -336,12 +336,24 @@ _HANDED_OUT: set[int] = set()
 LOWEST_FREE_PORT = 20000
 
 
-def free_port() -> int:
+class NoFreePort(RuntimeError):
+    """No port of the range asked for is free."""
+
+
+def free_port(within: tuple[int, int] | None = None) -> int:
     """A TCP port free now on 127.0.0.1, for a process that binds it later, outside the
     kernel's ephemeral range: a `vllm serve` binds its port after seconds of imports, and
     any connection made meanwhile on this host takes its local port from that range (a
     start-up once failed so, "Address already in use"). Never one this process handed
-    out before. Where no such port is free, one the kernel picks."""
+    out before. Where no such port is free, one the kernel picks. `within` (LOW, HIGH):
+    one of those ports, whatever the ephemeral range, or `NoFreePort`."""
+    if within is not None:
+        first, last = within
+        for port in random.sample(range(first, last + 1), last - first + 1):
+            if port not in _HANDED_OUT and _bindable(port):
+                _HANDED_OUT.add(port)
+                return port
+        raise NoFreePort(f"no port of {first}-{last} is free (or not already given out)")
     low, high = _ephemeral_range()
     ports = [p for p in range(LOWEST_FREE_PORT, 65536) if not low <= p <= high]
     for port in random.sample(ports, min(len(ports), 200)):

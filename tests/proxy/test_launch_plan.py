@@ -22,17 +22,21 @@ from pathlib import Path
 import psutil
 import pytest
 
+from ecshare.apps import launch
 from ecshare.apps.cli import build_parser
 from ecshare.apps.launch import (
     TENANT_SECRET_NAME,
     LaunchOptions,
     gpus_for,
+    instance_name,
+    instance_ports,
     options_from_args,
     plan_servers,
     preflight,
     proxy_config,
     second_proxy_argv,
     send_requests_here,
+    where_each_listens,
 )
 from ecshare.apps.launch_checks import check_model, check_multimodal, find_gpus
 from ecshare.apps.proxy.config import add_proxy_arguments, config_from_args
@@ -329,6 +333,10 @@ def test_every_problem_found_before_start_is_one_line_and_nothing_starts(
             {},
             "--ec-extra-config: port 5701 is both encoder0's and encoder1's",
         ),
+        (("--port-range", "30099-30000"), {}, "--port-range: got '30099-30000', expected"),
+        (("--port-range", "80-90"), {}, "--port-range: got '80-90', expected LOW-HIGH within"),
+        # Two instances, an encoder's control plane and the item events: 4 ports, not 2.
+        (("--port-range", "30000-30001"), {}, "--port-range: no port of 30000-30001 is free"),
     ],
 )
 def test_a_bad_flag_is_named_and_nothing_starts(
@@ -534,3 +542,55 @@ def test_extra_proxy_args_reach_launchs_proxy_and_a_wrong_one_is_named_before_an
         problems, config = preflight(options, encoders, pd)
         assert config is None
         assert any(p.startswith("--") and says in p for p in problems), problems
+
+
+def test_instances_take_their_ports_from_the_range_and_launch_says_where_each_listens(
+    tmp_path: Path,
+) -> None:
+    options = _options("--encoders", "2", "--pd", "2", "--port-range", "30200-30299")
+    encoders, pd = plan_servers(options, tmp_path, gpus=None)
+    servers = [*encoders, *pd]
+    ports = [s.spec.port for s in servers]
+    ports += [s.spec.extra_config["listen_port"] for s in encoders]
+    ports.append(servers[0].spec.extra_config["events_port"])
+    assert all(30200 <= port <= 30299 for port in ports), ports
+    assert len(set(ports)) == len(ports)
+    instances = instance_ports(servers)
+    assert list(instances) == ["encoder0", "encoder1", "prefill_decode0", "prefill_decode1"]
+    for server in servers:
+        ports_of = instances[instance_name(server)]
+        host = server.spec.extra_config["listen_host"]
+        assert ports_of.url == server.url and ports_of.metrics == server.url + "/metrics"
+        assert ports_of.events == f"tcp://{host}:{server.spec.extra_config['events_port']}"
+        if server in encoders:
+            assert ports_of.control == f"tcp://{host}:{server.spec.extra_config['listen_port']}"
+        else:
+            assert ports_of.control is None
+    lines = where_each_listens("http://127.0.0.1:8080", instances)
+    assert lines[0] == "proxy http://127.0.0.1:8080, metrics http://127.0.0.1:8080/metrics"
+    assert lines[1].startswith(f"encoder0 {encoders[0].url}, metrics {encoders[0].url}/metrics")
+    assert ", control tcp://" in lines[1] and ", control" not in lines[3]
+
+
+def test_an_instance_that_is_slow_to_load_is_reported_until_its_deadline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """While an instance loads, launch says every PROGRESS_EVERY_S how long it has waited
+    and its log's last line; at --ready-timeout it gives up. The instance here is a real
+    process that never answers /health (nothing listens on its port)."""
+    monkeypatch.setattr(launch, "PROGRESS_EVERY_S", 0.5)
+    options = _options()
+    (encoder, *_), _ = plan_servers(options, tmp_path, gpus=None)
+    encoder.log_path.write_text("INFO loading weights\nINFO still loading weights 3/7\n")
+    encoder.proc = subprocess.Popen(["sleep", "30"])
+    try:
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            launch._wait_ready(encoder, started, started + 2.0)
+    finally:
+        encoder.proc.kill()
+        encoder.proc.wait()
+    said = [line for line in capsys.readouterr().out.splitlines() if "waiting for" in line]
+    assert len(said) >= 2, said
+    assert said[0].startswith("ecshare launch: waiting for encoder0 (")
+    assert said[0].endswith("s of --ready-timeout 2): INFO still loading weights 3/7")
