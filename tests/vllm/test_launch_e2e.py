@@ -450,6 +450,17 @@ def test_launch_reported_its_proxy_and_stops_everything_on_sigterm(launched: Lau
         if sample.name == "ecshare_proxy_worker_up"
     ]
     assert len(workers) == 2, metrics
+    # The ready line says where each instance listens, and each /metrics it names answers.
+    ready = launched.ready
+    assert ready.metrics == launched.url + "/metrics"
+    assert sorted(ready.instances) == ["encoder0", "prefill_decode0"]
+    assert ready.instances["encoder0"].url == ready.encoders[0]
+    assert ready.instances["encoder0"].control is not None
+    for ports in ready.instances.values():
+        page = urllib.request.urlopen(ports.metrics, timeout=10).read().decode()
+        assert "vllm:" in page, ports
+    said = [line for line in launched.lines if "encoder0 " in line and "metrics" in line]
+    assert said, launched.lines
 
     assert launched.stop() == 0
 
