@@ -349,17 +349,17 @@ def free_port(within: tuple[int, int] | None = None) -> int:
     one of those ports, whatever the ephemeral range, or `NoFreePort`."""
     if within is not None:
         first, last = within
-        for port in random.sample(range(first, last + 1), last - first + 1):
-            if port not in _HANDED_OUT and _bindable(port):
-                _HANDED_OUT.add(port)
-                return port
-        raise NoFreePort(f"no port of {first}-{last} is free (or not already given out)")
-    low, high = _ephemeral_range()
-    ports = [p for p in range(LOWEST_FREE_PORT, 65536) if not low <= p <= high]
-    for port in random.sample(ports, min(len(ports), 200)):
+        candidates = random.sample(range(first, last + 1), last - first + 1)
+    else:
+        low, high = _ephemeral_range()
+        ports = [p for p in range(LOWEST_FREE_PORT, 65536) if not low <= p <= high]
+        candidates = random.sample(ports, min(len(ports), 200))
+    for port in candidates:
         if port not in _HANDED_OUT and _bindable(port):
             _HANDED_OUT.add(port)
             return port
+    if within is not None:
+        raise NoFreePort(f"no port of {first}-{last} is free (or not already given out)")
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         found: int = sock.getsockname()[1]

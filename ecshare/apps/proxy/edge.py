@@ -42,6 +42,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any, cast
 
 from aiohttp import web
@@ -263,7 +264,7 @@ class Edge:
         `EVICT_YOUNG_S` is taken: its request may not have been read yet."""
         mine = self._pool_count.get(address, 0)
         now = time.monotonic()
-        for other, held in sorted(self._pool_count.items(), key=_second, reverse=True):
+        for other, held in sorted(self._pool_count.items(), key=itemgetter(1), reverse=True):
             if held <= mine + 1:
                 break
             idle = self._idle_of.get(other)
@@ -327,10 +328,6 @@ class Edge:
             self._by_address[handler.address] = left
         else:
             self._by_address.pop(handler.address, None)
-
-
-def _second(pair: tuple[str, int]) -> int:
-    return pair[1]
 
 
 def began(request: web.BaseRequest) -> None:

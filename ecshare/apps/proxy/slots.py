@@ -27,7 +27,7 @@ from ecshare.apps.proxy.errors import ProxyError
 
 
 class SlotTimeout(Exception):
-    """No encoder slot came free for the tenant within the wait."""
+    """No slot came free for the tenant within the wait."""
 
 
 class FairSlots:
@@ -159,7 +159,7 @@ class StageSlots:
         if self._max_total is not None:
             totals.append(self._max_total)
         if self._per_backend:
-            in_rotation = max(1, sum(1 for b in self._pool.backends if b.healthy))
+            in_rotation = max(1, len(self._pool.healthy()))
             totals.append(self._per_backend * in_rotation)
         total = min(totals) if totals else 1 << 30
         share = self._tenant_share if self._tenant_share is not None else (total + 1) // 2
