@@ -23,6 +23,7 @@ import zmq
 
 from ecshare import protocol as p
 from ecshare.control import LaneClient, LaneServer
+from ecshare.vllm.servers import free_port
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -418,10 +419,7 @@ def test_a_taken_lane_port_is_a_clear_error(served: Served) -> None:
 
 
 def test_a_configured_lane_port_is_the_one_offered() -> None:
-    probe = socket.socket()
-    probe.bind(("127.0.0.1", 0))
-    port = probe.getsockname()[1]
-    probe.close()
+    port = free_port()
     server = LaneServer(
         host="127.0.0.1", poller=zmq.Poller(), max_frame_bytes=4096, bind_timeout_s=1, port=port
     )

@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import socket
 import urllib.request
 from collections.abc import Callable
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from ecshare.vllm.servers import free_port as free_port
+
 Scrape = dict[tuple[str, frozenset[tuple[str, str]]], float]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def metrics_url(port: int) -> str:

@@ -10,8 +10,6 @@ the read has ended, as any read's destination is.
 
 from __future__ import annotations
 
-import socket
-
 import numpy as np
 import pytest
 
@@ -22,6 +20,7 @@ from peer_testing import Keyring, MakeConsumer, MakeProducer, expected, stays, s
 from waiting import wait_until
 
 from ecshare.transport.loopback import Completion
+from ecshare.vllm.servers import free_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -100,12 +99,6 @@ def test_a_producer_not_up_yet_is_not_quarantined_by_an_early_connect(
     assert result.nbytes == nbytes
     assert consumer.counter_snapshot().get("peer_failures.peer_unreachable", 0) == 0
     assert producer.address == address
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_a_warm_up_read_holds_its_block_until_the_read_has_ended(

@@ -22,6 +22,7 @@ from peer_testing import Keyring, MakeConsumer, SpawnProducer, expected, stored_
 from waiting import wait_until
 
 from ecshare.peer import Node, Producer
+from ecshare.vllm.servers import free_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -259,13 +260,6 @@ def test_a_fetch_sent_at_once_on_a_cut_lane_still_succeeds(
         np.testing.assert_array_equal(stored_bytes(node, h), expected(h, entries[h]))
     assert sum(n for k, n in consumer.counters.items() if k.startswith("lanes_lost.")) == 1
     wait_until(lambda: producer.active_grants() == 0, timeout_s=5)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-    return port
 
 
 def test_a_configured_lane_port_is_the_one_consumers_use(

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import select
-import socket
 import subprocess
 import sys
 import threading
@@ -57,6 +56,7 @@ from ecshare.peer.notices import Notices
 from ecshare.store import EntryState, Store, StoreFull
 from ecshare.transport import NixlTransport, ReadState, ReadStatus, Segment
 from ecshare.transport.base import writer_of
+from ecshare.vllm.servers import free_port
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -423,9 +423,7 @@ def test_push_reservations_of_a_replaced_session_are_probed_and_none_leaks(
     as on any other end of a session, and its blocks come back only once the probe
     finds the old process gone: none leaks, none is written after it is freed."""
     n = 16 << 20
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     # Both sides outlast the restart: the session is replaced, never timed out.
     slow = {"heartbeat_timeout_s": 30.0}
     config = {**keyring.producer_config(), **TCP, **slow, "listen_port": port}

@@ -12,7 +12,6 @@ reuses every block it can, and the read must still bring the entry's own bytes.
 
 from __future__ import annotations
 
-import socket
 import time
 from typing import Any
 
@@ -34,6 +33,7 @@ from waiting import wait_until
 
 from ecshare.peer import link as link_module
 from ecshare.peer.transfer import FailureReason, FetchFailed
+from ecshare.vllm.servers import free_port
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -53,13 +53,6 @@ TIMING: dict[str, Any] = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def _rewrite_region(producer: Any) -> None:
     """Commit new entries on `producer` over its whole region (each put evicts the
     least recently used entries it needs room from): every block not held is rewritten."""
@@ -75,7 +68,7 @@ def test_releases_queued_across_a_producer_restart_never_free_the_new_process_gr
 ) -> None:
     # A tuning constant, not a mock: Releases go only with the next request here.
     monkeypatch.setattr(link_module, "RELEASE_DELAY_S", 3600.0)
-    port = _free_port()
+    port = free_port()
     config = {**keyring.producer_config(), **STALLABLE_TCP, **TIMING, "listen_port": port}
     old = spawn_producer(synthetic="64KiB:2", config=config, hooks=True)
     a, b = old.sizes

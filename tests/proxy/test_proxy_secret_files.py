@@ -13,17 +13,11 @@ from pathlib import Path
 import pytest
 
 from ecshare.control import KeyPair, generate_keypair
+from ecshare.vllm.servers import free_port
 
 pytestmark = pytest.mark.skipif(os.name == "nt", reason="POSIX file modes")
 
 ADMIN_KEY = "an-admin-key-of-some-length"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _listens(port: int) -> bool:
@@ -35,7 +29,7 @@ def _secret_flags(tmp_path: Path, which: str) -> tuple[list[str], Path]:
     """The flags that give `ecshare proxy` the secret file `which`, and that file."""
     if which == "--events-key":
         files = generate_keypair(tmp_path, "proxy")
-        flags = ["--events-port", str(_free_port()), "--events-encoder-key"]
+        flags = ["--events-port", str(free_port()), "--events-encoder-key"]
         flags += [KeyPair.generate().public_text, "--events-key", str(files.secret_path)]
         return flags, files.secret_path
     path = tmp_path / which.strip("-")
@@ -64,7 +58,7 @@ def test_ecshare_proxy_refuses_a_secret_file_others_may_read_and_never_listens(
 ) -> None:
     flags, path = _secret_flags(tmp_path, which)
     path.chmod(mode)
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "ecshare", "proxy", "--pd", "http://127.0.0.1:9"]
     cmd += ["--port", str(port), "--workers", workers, *flags]
     env = {k: v for k, v in os.environ.items() if k != "ECSHARE_PROXY_API_KEY"}

@@ -9,7 +9,6 @@ scheduler down at the end of the test.
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -61,6 +60,7 @@ from ecshare.vllm import ECShareConnector, ECShareStats
 from ecshare.vllm.connector import ECShareWorkerMetadata
 from ecshare.vllm.ops import StepPlan, StepReport
 from ecshare.vllm.scheduler_side import SchedulerSide
+from ecshare.vllm.servers import free_port as free_port
 from ecshare.vllm.tiny_model import ensure_tiny_qwen2vl, token_ids
 from ecshare.vllm.worker_side import WorkerSide
 
@@ -84,12 +84,6 @@ PREFIX, SUFFIX = 10, 5  # text tokens around the image placeholder
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
     return ensure_tiny_qwen2vl(TINY_MODEL_DIR)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
