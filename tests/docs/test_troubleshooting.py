@@ -68,12 +68,12 @@ def test_every_quoted_message_occurs_in_the_source() -> None:
 
 def test_a_changed_message_would_be_caught() -> None:
     texts = _source_texts()
-    real = "no prefill/decode instance could be reached (tried {urls})"
+    real = "no {role} instance could be reached (tried {urls})"
     assert _occurs(real, texts)
-    changed = "no prefill/decode instance was reached (tried {urls})"
+    changed = "no {role} instance was reached (tried {urls})"
     assert not _occurs(changed, texts)
     # A message whose longest piece occurs, but not the whole of it, is not found.
-    assert not _occurs("no prefill/decode instance could be reached (tried {urls}) at all", texts)
+    assert not _occurs("no {role} instance could be reached (tried {urls}) at all", texts)
 
 
 def test_every_fetch_failure_reason_is_explained() -> None:

@@ -58,6 +58,9 @@ class Behaviour:
     # An encoder answers items with these URLs without their params (as vLLM's encoder
     # does when its worker's report of the save comes too late).
     unannounced: frozenset[str] = frozenset()
+    # A prefill/decode stub asked for a remote decode answers with KV params (as vLLM's
+    # NixlConnector on a kv_producer does), unless this is off (an instance without one).
+    kv_producer: bool = True
 
 
 @dataclass
@@ -80,6 +83,7 @@ class StubBackend:
     in_flight: int = 0
     peak: int = 0  # the most /v1 requests it answered at once
     dropped: int = 0  # requests closed unanswered (`Behaviour.drop_reused`)
+    kv_given: int = 0  # KV params it answered with (`Behaviour.kv_producer`)
     _served_on: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
 
     def app(self) -> web.Application:
@@ -148,7 +152,23 @@ class StubBackend:
             return await self._fail(request, body)
         if body.get("stream"):
             return await self._stream(request)
-        return json_response(chat_answer(request.path))
+        answer = chat_answer(request.path)
+        kv = body.get("kv_transfer_params")
+        if isinstance(kv, dict) and kv.get("do_remote_decode"):
+            answer["kv_transfer_params"] = None
+            if b.kv_producer:
+                self.kv_given += 1
+                answer["kv_transfer_params"] = {
+                    "do_remote_prefill": True,
+                    "do_remote_decode": False,
+                    "remote_block_ids": [self.kv_given],
+                    "remote_engine_id": f"stub-{id(self)}",
+                    "remote_request_id": str(self.kv_given),
+                    "remote_host": "127.0.0.1",
+                    "remote_port": 5600,
+                    "tp_size": 1,
+                }
+        return json_response(answer)
 
     async def _fail(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
         error = {"error": {"message": "Internal server error", "type": "InternalServerError"}}

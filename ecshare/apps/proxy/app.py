@@ -31,6 +31,12 @@ A client's own `ec_transfer_params` (top level, or in `vllm_xargs`) would tell t
 prefill/decode instance which producer to fetch from, so they are dropped from every
 request body and counted (`client_params_dropped`), unless the operator passes them on
 (`--pass-ec-transfer-params`); the encoders' params are the only ones prefill/decode sees.
+Its `kv_transfer_params` would tell an instance with a KV connector which blocks to read,
+and are dropped always.
+
+With `--prefill URL... --decode URL...`, each request is prefilled on a prefill instance
+and decoded on a decode instance, its KV handed over by vLLM's KV connector (`handoff`);
+the prefill instances take prefill/decode's place in everything above.
 
 The `/v1/*` routes need an API key when keys are set (`Authorization: Bearer KEY`), and
 the key says the request's tenant (`tenants`; without keys every request is the tenant
@@ -70,7 +76,15 @@ import msgspec
 from aiohttp import web
 
 from ecshare.apps.proxy import edge
-from ecshare.apps.proxy.backends import ENCODER, PREFILL_DECODE, Backend, BackendPool, watch_health
+from ecshare.apps.proxy.backends import (
+    DECODE,
+    ENCODER,
+    PREFILL,
+    PREFILL_DECODE,
+    Backend,
+    BackendPool,
+    watch_health,
+)
 from ecshare.apps.proxy.bounds import MediaBounds, carries_video, check_media
 from ecshare.apps.proxy.config import ProxyConfig
 from ecshare.apps.proxy.discovery import (
@@ -82,6 +96,7 @@ from ecshare.apps.proxy.discovery import (
 from ecshare.apps.proxy.errors import ProxyError, error_response
 from ecshare.apps.proxy.fanout import EncoderStage, scan_media
 from ecshare.apps.proxy.forward import ARRIVED_KEY, PrefillDecodeStage
+from ecshare.apps.proxy.handoff import KV_PARAMS, HandoffStage
 from ecshare.apps.proxy.link import SupervisorLink
 from ecshare.apps.proxy.media import media_free
 from ecshare.apps.proxy.metrics import ProxyMetrics
@@ -124,6 +139,7 @@ class HealthReport(msgspec.Struct, omit_defaults=True):
     status: str
     encoders: list[BackendState] | None = None
     prefill_decode: list[BackendState] | None = None
+    decode: list[BackendState] | None = None
 
 
 TENANT_KEY = web.RequestKey("ecshare_tenant", str)  # a request's tenant, kept on it
@@ -135,7 +151,7 @@ IN_FLIGHT_KEY = web.RequestKey("ecshare_in_flight", str)
 class _Stages:
     session: aiohttp.ClientSession
     encode: EncoderStage
-    prefill_decode: PrefillDecodeStage
+    prefill_decode: PrefillDecodeStage | HandoffStage
     health: asyncio.Task[None]
     membership_sync: asyncio.Task[None] | None = None
 
@@ -163,9 +179,14 @@ class Proxy:
         self.encoders = BackendPool(
             ENCODER, config.encoders, eject_after=eject, metrics=self.metrics
         )
+        # With decode instances, prefill_decode holds the prefill ones (`handoff`).
         self.prefill_decode = BackendPool(
-            PREFILL_DECODE, config.prefill_decode, eject_after=eject, metrics=self.metrics
+            PREFILL if config.decode else PREFILL_DECODE,
+            config.prefill_decode,
+            eject_after=eject,
+            metrics=self.metrics,
         )
+        self.decode = BackendPool(DECODE, config.decode, eject_after=eject, metrics=self.metrics)
         self._push_names = {
             url: name
             for url, name in zip(config.prefill_decode, config.pd_push_names, strict=False)
@@ -237,7 +258,7 @@ class Proxy:
             max_tenant_in_flight=c.max_tenant_encoder_in_flight or None,
             slot_wait_s=c.encoder_slot_wait_s,
         )
-        prefill_decode = PrefillDecodeStage(
+        first = PrefillDecodeStage(
             session,
             self.prefill_decode,
             self.metrics,
@@ -245,10 +266,22 @@ class Proxy:
             connect_timeout_s=c.connect_timeout_s,
             route_headers=c.route_headers,
         )
+        prefill_decode: PrefillDecodeStage | HandoffStage = first
+        if c.decode:
+            decode = PrefillDecodeStage(
+                session,
+                self.decode,
+                self.metrics,
+                timeout_s=c.pd_timeout_s,
+                connect_timeout_s=c.connect_timeout_s,
+                route_headers=c.route_headers,
+                stage="decode",
+            )
+            prefill_decode = HandoffStage(first, decode, self.metrics)
         health = asyncio.create_task(
             watch_health(
                 session,
-                (self.encoders, self.prefill_decode),
+                (self.encoders, self.prefill_decode, self.decode),
                 interval_s=c.health_interval_s,
                 timeout_s=c.health_timeout_s,
             )
@@ -406,7 +439,7 @@ class Proxy:
         routed.route.steps = {"parse": parsed, **routed.route.steps}
         began = time.perf_counter()
         payload: bytes = raw
-        with_media: Callable[[], bytes] | None = None  # what to send if media-free fails
+        with_media: Callable[[], Awaitable[bytes]] | None = None  # if media-free fails
         media = "kept"
         if encoded.params:
             given = body.get("ec_transfer_params")
@@ -438,7 +471,7 @@ class Proxy:
                 route=routed.route,
             )
 
-    def _with_media(
+    async def _with_media(
         self,
         raw: bytes,
         body: dict[str, Any],
@@ -459,16 +492,21 @@ class Proxy:
             )
 
     async def models(self, request: web.Request) -> web.StreamResponse:
-        return await self.stages.prefill_decode.relay(
-            request, MODELS_PATH, None, request_id=_request_id(request)
-        )
+        stage = self.stages.prefill_decode
+        if isinstance(stage, HandoffStage):
+            stage = stage.decoding
+        return await stage.relay(request, MODELS_PATH, None, request_id=_request_id(request))
 
     async def health(self, request: web.Request) -> web.Response:
-        up = bool(self.prefill_decode.healthy())
+        up = bool(self.prefill_decode.healthy()) and (
+            not self.config.decode or bool(self.decode.healthy())
+        )
         report = HealthReport(status="ok" if up else "unavailable")
         if self._operator(request):
             report.encoders = [_state(b) for b in self.encoders.backends]
             report.prefill_decode = [_state(b) for b in self.prefill_decode.backends]
+            if self.config.decode:
+                report.decode = [_state(b) for b in self.decode.backends]
         return web.Response(
             status=200 if up else 503,
             body=msgspec.json.encode(report),
@@ -487,10 +525,9 @@ class Proxy:
         )
 
     def _own_params_only(self, raw: bytes, body: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
-        """The body without the client's own ec_transfer_params (see the module docstring)."""
-        if self.config.pass_ec_transfer_params:
-            return raw, body
-        kept = without_client_params(body)
+        """The body without the client's own ec_transfer_params (see the module docstring)
+        and kv_transfer_params (always: they name KV blocks to read, `handoff`)."""
+        kept = without_client_params(body, ec=not self.config.pass_ec_transfer_params)
         if kept is body:
             return raw, body
         self.metrics.client_params_dropped.inc()
@@ -542,15 +579,16 @@ def with_params(raw: bytes, body: dict[str, Any], params: dict[str, Any]) -> byt
     return b"".join((raw[:end], b',"ec_transfer_params":', msgspec.json.encode(params), raw[end:]))
 
 
-def without_client_params(body: dict[str, Any]) -> dict[str, Any]:
-    """`body` without `ec_transfer_params`, top level or in `vllm_xargs` (vLLM reads both);
-    `body` itself when it has neither."""
+def without_client_params(body: dict[str, Any], *, ec: bool = True) -> dict[str, Any]:
+    """`body` without `kv_transfer_params`, and without `ec_transfer_params` where `ec`,
+    top level or in `vllm_xargs` (vLLM reads both); `body` itself when it has none."""
+    names = ("ec_transfer_params", KV_PARAMS) if ec else (KV_PARAMS,)
     kept = body
-    if "ec_transfer_params" in body:
-        kept = {k: v for k, v in body.items() if k != "ec_transfer_params"}
+    if any(name in body for name in names):
+        kept = {k: v for k, v in body.items() if k not in names}
     xargs = body.get("vllm_xargs")
-    if isinstance(xargs, dict) and "ec_transfer_params" in xargs:
-        kept = {**kept, "vllm_xargs": {k: v for k, v in xargs.items() if k != "ec_transfer_params"}}
+    if isinstance(xargs, dict) and any(name in xargs for name in names):
+        kept = {**kept, "vllm_xargs": {k: v for k, v in xargs.items() if k not in names}}
     return kept
 
 

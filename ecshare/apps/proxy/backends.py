@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 
 ENCODER = "encoder"
 PREFILL_DECODE = "prefill_decode"
+PREFILL = "prefill"  # prefill only (--prefill), its KV handed to DECODE instances
+DECODE = "decode"
 
 
 def describe(exc: BaseException) -> str:

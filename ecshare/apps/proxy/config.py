@@ -52,6 +52,10 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     # `prefill_decode`, "" for one that takes no push; empty: none does. The encoders are
     # asked to push a request's items to the instance chosen for it.
     pd_push_names: tuple[str, ...] = ()
+    # Decode instances (`--decode URL`): where set, `prefill_decode` holds prefill instances
+    # (`--prefill URL[=PUSH_NAME]`), and each request is prefilled on one of them and
+    # decoded on one of these, its KV passed by vLLM's KV connector (`handoff`).
+    decode: tuple[str, ...] = ()
     host: str = "127.0.0.1"
     port: int = 8080
     # One key, of the tenant "default" (`ECSHARE_PROXY_API_KEY`, or a file of one bare key).
@@ -182,18 +186,25 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
                 "at least one prefill/decode URL is required (or --discover-pd, "
                 "or --admin-key-file to register them)",
             )
-        for flag, urls in (("--encoder", self.encoders), ("--pd", self.prefill_decode)):
+        pd_flag = "--prefill" if self.decode else "--pd"
+        if self.decode and not self.prefill_decode and self.discover_pd is None:
+            raise ConfigError("--decode", "decode instances need at least one --prefill URL")
+        for flag, urls in (
+            ("--encoder", self.encoders),
+            (pd_flag, self.prefill_decode),
+            ("--decode", self.decode),
+        ):
             for url in urls:
                 _check_url(flag, url)
             if len(set(urls)) != len(urls):
                 raise ConfigError(flag, f"got a URL twice in {list(urls)}")
         if self.pd_push_names:
             if len(self.pd_push_names) != len(self.prefill_decode):
-                raise ConfigError("--pd", "one push name (or none) per prefill/decode URL")
+                raise ConfigError(pd_flag, "one push name (or none) per prefill/decode URL")
             for name in self.pd_push_names:
                 if name and not _PUSH_NAME.fullmatch(name):
                     raise ConfigError(
-                        "--pd",
+                        pd_flag,
                         f"got push name {name!r}, expected 1-64 of A-Z a-z 0-9 . _ -, "
                         "not starting with . _ -",
                     )
@@ -452,6 +463,23 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
         "push_name where it takes pushes: the encoders then push a request's items to the "
         "instance chosen for it",
     )
+    parser.add_argument(
+        "--prefill",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="URL[=PUSH_NAME]",
+        help="prefill instances (vLLM's KV connector as kv_producer), in place of --pd: each "
+        "request is prefilled on one and decoded on a --decode instance",
+    )
+    parser.add_argument(
+        "--decode",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="URL",
+        help="decode instances (vLLM's KV connector as kv_consumer), with --prefill",
+    )
     parser.add_argument("--host", default=d.host, help=f"address to listen on ({d.host})")
     parser.add_argument("--port", type=int, default=d.port, help=f"port, 0 for any ({d.port})")
     parser.add_argument(
@@ -687,10 +715,21 @@ def config_from_args(
     """The `ProxyConfig` of parsed `ecshare proxy` flags (and the API key variable)."""
     env = os.environ if environ is None else environ
     api_key, api_keys = _api_keys(args.api_key_file, env)
+    if args.prefill and args.pd:
+        raise ConfigError(
+            "--prefill", "give --pd (combined instances) or --prefill with --decode, not both"
+        )
+    if bool(args.prefill) != bool(args.decode):
+        raise ConfigError(
+            "--prefill" if args.prefill else "--decode",
+            "--prefill and --decode go together: prefill instances hand their KV to decode ones",
+        )
+    first = args.prefill or args.pd
     values: dict[str, Any] = {
         "encoders": tuple(u.rstrip("/") for u in args.encoder),
-        "prefill_decode": tuple(u.partition("=")[0].rstrip("/") for u in args.pd),
-        "pd_push_names": _push_names(args.pd),
+        "prefill_decode": tuple(u.partition("=")[0].rstrip("/") for u in first),
+        "pd_push_names": _push_names(first),
+        "decode": tuple(u.rstrip("/") for u in args.decode),
         "host": args.host,
         "port": args.port,
         "api_key": api_key,

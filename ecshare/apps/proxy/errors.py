@@ -41,12 +41,14 @@ class ProxyError(Exception):
         *,
         reason: str | None = None,
         retry_after: int | None = None,
+        upstream: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.reason = reason
         self.retry_after = retry_after  # seconds, sent as `Retry-After`
+        self.upstream = upstream  # the backend URL whose failure this is, if one's
 
 
 class _Body(msgspec.Struct):

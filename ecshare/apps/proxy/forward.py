@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -80,8 +80,12 @@ class PrefillDecodeStage:
         timeout_s: float,
         connect_timeout_s: float,
         route_headers: bool = False,
+        stage: str = "pd",
     ) -> None:
         self._session = session
+        self._stage = stage  # its name in the route's timings
+        self._role = pool.role.replace("_", "/")  # in messages: "prefill/decode", "decode"
+        self.pool = pool
         self._pool = pool
         self._metrics = metrics
         self._timeout_s = timeout_s
@@ -98,9 +102,11 @@ class PrefillDecodeStage:
         payload: bytes | None,
         *,
         request_id: str,
-        with_media: Callable[[], bytes] | None = None,
+        with_media: Callable[[], Awaitable[bytes]] | None = None,
         first: Backend | None = None,
         route: Route | None = None,
+        avoid: Sequence[Backend] = (),
+        media_elsewhere: bool = False,
     ) -> web.StreamResponse:
         """Answer `request` with a prefill/decode instance's answer to `payload` at `path`,
         trying `first` first (the one routing chose) while it is healthy; if
@@ -108,7 +114,9 @@ class PrefillDecodeStage:
         answered by sending what `with_media` makes instead. With `route`, and where the
         proxy shows routes (`--route-headers`), the answer says how the request was routed,
         to which instance and where the proxy's time went (`routing.ROUTE_HEADER`,
-        `routing.TIMING_HEADER`)."""
+        `routing.TIMING_HEADER`). An instance of `avoid` is taken only where no other is
+        healthy; with `media_elsewhere`, neither is the one that failed the media-free
+        attempt."""
         headers = {"X-Request-Id": request_id}
         if payload is not None:
             headers["Content-Type"] = "application/json"
@@ -117,7 +125,8 @@ class PrefillDecodeStage:
             if first is not None and first.healthy and not tried:
                 backend: Backend | None = first
             else:
-                backend = self._pool.pick(exclude=tried)
+                backend = self._pool.pick(exclude=[*avoid, *tried]) if avoid else None
+                backend = backend or self._pool.pick(exclude=tried)
             if backend is None:
                 raise self._no_backend(tried)
             tried.append(backend)
@@ -128,7 +137,7 @@ class PrefillDecodeStage:
                     continue  # refused: try another instance
                 shown: dict[str, str] = {}
                 if route is not None and self._route_headers:
-                    route.timed("pd", sent)
+                    route.timed(self._stage, sent)
                     shown = {ROUTE_HEADER: route.header(backend.url)}
                     shown[TIMING_HEADER] = route.server_timing()
                 try:
@@ -143,8 +152,75 @@ class PrefillDecodeStage:
                     resp.close()  # no-op when released; else the instance sees the abort
             # The media-free attempt failed: once more with the media, on any instance (the
             # failure was the fetch's, not the instance's).
-            payload, with_media, tried = with_media(), None, []
+            if media_elsewhere:
+                avoid = [*avoid, *tried]
+            payload, with_media, tried = await with_media(), None, []
             self._metrics.pd_media["retried"].inc()
+
+    async def exchange(
+        self,
+        path: str,
+        payload: bytes,
+        *,
+        request_id: str,
+        with_media: Callable[[], Awaitable[bytes]] | None = None,
+        first: Backend | None = None,
+    ) -> tuple[Backend, bytes] | web.Response:
+        """A whole 200 answer to an unstreamed `payload` and the instance that gave it, or
+        an instance's 4xx answer (the client's), as the client is to get it.
+
+        A refused connection is tried on another instance, as in `relay`. A 5xx answer or a
+        broken connection is tried on another instance too, with the media where
+        `with_media` is given (the failure may have been an item's fetch), and counted
+        (`pd_requests{media="retried"}` where the media is added); past the last
+        instance, the last failure is the client's answer (502). A timeout is 504."""
+        headers = {"X-Request-Id": request_id, "Content-Type": "application/json"}
+        tried: list[Backend] = []
+        failure: ProxyError | None = None
+        while True:
+            if first is not None and first.healthy and not tried:
+                backend: Backend | None = first
+            else:
+                backend = self._pool.pick(exclude=tried)
+            if backend is None:
+                raise failure or self._no_backend(tried)
+            tried.append(backend)
+            with self._pool.call(backend):
+                try:
+                    resp = await self._send(backend, path, payload, headers)
+                    if resp is None:
+                        continue  # refused: try another instance
+                    try:
+                        body = await self._read(backend, resp)
+                    finally:
+                        resp.close()
+                except ProxyError as exc:
+                    if exc.status == 504:
+                        raise
+                    failure = exc
+                else:
+                    if resp.status < 400:
+                        self._pool.succeeded(backend)
+                        return backend, body
+                    if resp.status < 500:
+                        self._pool.succeeded(backend)
+                        return web.Response(
+                            status=resp.status, body=body, headers=_headers(resp, request_id)
+                        )
+                    self._pool.failed(backend, f"answered {resp.status}")
+                    self._metrics.upstream_errors.labels("status").inc()
+                    detail = body[:500].decode("utf-8", "replace")
+                    failure = ProxyError(
+                        502,
+                        f"{self._role} instance {backend.url} answered {resp.status}: {detail}",
+                        upstream=backend.url,
+                    )
+            assert failure is not None
+            log.warning("%s: %s; trying another instance", request_id, failure.message)
+            self._metrics.handoff["prefill_retried"].inc()
+            if with_media is not None:
+                payload, with_media = await with_media(), None
+                self._metrics.pd_media["retried"].inc()
 
     async def _answer_media_free(
         self,
@@ -219,14 +295,14 @@ class PrefillDecodeStage:
                 )
             except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
                 self._pool.failed(backend, f"unreachable: {describe(exc)}", eject=True)
-                log.warning("prefill/decode %s unreachable: %s", url, describe(exc))
+                log.warning("%s %s unreachable: %s", self._role, url, describe(exc))
                 return None
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
                 # A kept-alive connection the server closed as the request went out: it
                 # could not have been answered. Once more, on a connection of its own.
                 if not resend:
                     raise self._failed(backend, exc, reading=False) from None
-                log.info("prefill/decode %s: %s; sending it again", url, describe(exc))
+                log.info("%s %s: %s; sending it again", self._role, url, describe(exc))
                 self._metrics.upstream_errors.labels("resent").inc()
             except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
                 raise self._failed(backend, exc, reading=False) from None
@@ -236,9 +312,9 @@ class PrefillDecodeStage:
         if tried:
             self._metrics.upstream_errors.labels("unreachable").inc()
             urls = ", ".join(b.url for b in tried)
-            return ProxyError(502, f"no prefill/decode instance could be reached (tried {urls})")
+            return ProxyError(502, f"no {self._role} instance could be reached (tried {urls})")
         self._metrics.upstream_errors.labels("no_backend").inc()
-        return ProxyError(503, "no prefill/decode instance is healthy")
+        return ProxyError(503, f"no {self._role} instance is healthy")
 
     async def _answer(
         self,
@@ -258,7 +334,9 @@ class PrefillDecodeStage:
             self._metrics.upstream_errors.labels("status").inc()
             detail = body[:500].decode("utf-8", "replace")
             raise ProxyError(
-                502, f"prefill/decode instance {backend.url} answered {resp.status}: {detail}"
+                502,
+                f"{self._role} instance {backend.url} answered {resp.status}: {detail}",
+                upstream=backend.url,
             )
         self._pool.succeeded(backend)
         return web.Response(
@@ -279,14 +357,16 @@ class PrefillDecodeStage:
             self._pool.failed(backend, "timed out")
             self._metrics.upstream_errors.labels("timeout").inc()
             if reading:
-                return ProxyError(504, f"prefill/decode instance {url} stalled for {timeout}s")
-            return ProxyError(504, f"prefill/decode instance {url} sent nothing in {timeout}s")
+                return ProxyError(504, f"{self._role} instance {url} stalled for {timeout}s")
+            return ProxyError(504, f"{self._role} instance {url} sent nothing in {timeout}s")
         error = describe(exc)
         self._pool.failed(backend, error)
         self._metrics.upstream_errors.labels("error").inc()
         if reading:
-            return ProxyError(502, f"prefill/decode instance {url} broke off its answer: {error}")
-        return ProxyError(502, f"prefill/decode instance {url} failed: {error}")
+            return ProxyError(
+                502, f"{self._role} instance {url} broke off its answer: {error}", upstream=url
+            )
+        return ProxyError(502, f"{self._role} instance {url} failed: {error}", upstream=url)
 
     async def _stream(
         self,
@@ -347,8 +427,8 @@ class PrefillDecodeStage:
         """End a stream whose upstream broke after the headers were sent."""
         self._pool.failed(backend, describe(exc))
         self._metrics.upstream_errors.labels("broken_stream").inc()
-        log.warning("prefill/decode %s broke off a stream: %s", backend.url, describe(exc))
-        message = f"prefill/decode instance {backend.url} broke off the stream: {describe(exc)}"
+        log.warning("%s %s broke off a stream: %s", self._role, backend.url, describe(exc))
+        message = f"{self._role} instance {backend.url} broke off the stream: {describe(exc)}"
         event = b"data: " + error_body(502, message) + b"\n\n"
         try:
             await out.write(event)

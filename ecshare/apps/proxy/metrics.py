@@ -100,6 +100,8 @@ UUID_ACTIONS = ("stripped", "scoped")
 # What prefill/decode got of a request's media: none of it, the media as sent, or the media
 # after the media-free attempt failed.
 PD_MEDIA_OUTCOMES = ("omitted", "kept", "retried")
+# What became of a request split over a prefill and a decode instance (`handoff`).
+HANDOFF_OUTCOMES = ("decoded", "prefill_retried", "decode_retried", "no_kv_params")
 # The membership's `stats()` keys (ecshare.apps.proxy.discovery) and their series: the
 # counter's name, and its label value where the counter is one of a family.
 MEMBERSHIP_COUNTERS: dict[str, tuple[str, str | None]] = {
@@ -232,8 +234,9 @@ class ProxyMetrics:
         )
         self.client_params_dropped = Counter(
             PREFIX + "client_params_dropped",
-            "Requests whose client-written ec_transfer_params were dropped before "
-            "prefill/decode (only the encoders' params choose where it fetches from).",
+            "Requests whose client-written ec_transfer_params or kv_transfer_params were "
+            "dropped before prefill/decode (only the encoders' params choose where it "
+            "fetches from, and only a prefill's which KV blocks decode reads).",
             registry=r,
         )
         self.pd_requests = Counter(
@@ -242,6 +245,16 @@ class ProxyMetrics:
             "item as its placeholder metadata only), kept (some or all media), retried (sent "
             "again with the media after the media-free attempt failed).",
             ["media"],
+            registry=r,
+        )
+        self.handoffs = Counter(
+            PREFIX + "handoffs",
+            "Prefill-then-decode steps (--prefill/--decode), by outcome: decoded (a decode "
+            "instance was sent the prefill's KV params), prefill_retried (a prefill instance "
+            "failed, the request went to another with its media), decode_retried (a decode "
+            "instance failed before its answer began: prefilled again, decoded elsewhere), "
+            "no_kv_params (a prefill instance answered without KV params: 502).",
+            ["outcome"],
             registry=r,
         )
         self.route = Counter(
@@ -316,6 +329,7 @@ class ProxyMetrics:
             self.encoder_items.labels(outcome)
         # The children every request with media touches, looked up once.
         self.pd_media = {media: self.pd_requests.labels(media) for media in PD_MEDIA_OUTCOMES}
+        self.handoff = {outcome: self.handoffs.labels(outcome) for outcome in HANDOFF_OUTCOMES}
         self.encoded_items = self.encoder_items.labels("ok")
         self._membership_series(r)
 
