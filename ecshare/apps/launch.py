@@ -82,7 +82,15 @@ from ecshare.config import Config, ConfigError
 from ecshare.config.secret_files import write_secret_file
 from ecshare.control import generate_keypair
 from ecshare.control.keys import PUBLIC_SUFFIX, SECRET_SUFFIX
-from ecshare.vllm.servers import Keys, NoFreePort, ServerSpec, VllmServer, free_port
+from ecshare.vllm.servers import (
+    KV_CONSUMER,
+    KV_PRODUCER,
+    Keys,
+    NoFreePort,
+    ServerSpec,
+    VllmServer,
+    free_port,
+)
 from ecshare.vllm.settings import PUSH_TARGETS, TRUSTED_PRODUCERS
 
 
@@ -128,10 +136,12 @@ def plan_servers(
     cores = _cores()
     name = options.served_model_name or options.model
     model = Path(options.model)
-    total = options.encoders + options.prefill_decode
+    total = options.encoders + options.prefill_decode + options.decode
     per_gpu = Counter(gpus[n % len(gpus)] for n in range(total)) if gpus else Counter()
 
-    def server(role: str, index: int, n: int, extra: dict[str, Any]) -> VllmServer:
+    def server(
+        role: str, index: int, n: int, extra: dict[str, Any], kv_role: str | None = None
+    ) -> VllmServer:
         gpu = gpus[n % len(gpus)] if gpus else None
         share = per_gpu[gpu] if gpu is not None else 1
         host = instance_host(n)
@@ -149,8 +159,10 @@ def plan_servers(
             gpu_memory_utilization=(
                 int(GPU_MEMORY_SHARE / share * 100) / 100 if share > 1 else None
             ),
+            kv_role=kv_role,
+            kv_port=free_port(options.port_range) if kv_role is not None else None,
         )
-        kind = "encoder" if role == "ec_producer" else "prefill_decode"
+        kind = _KINDS[kv_role] if role == "ec_consumer" else "encoder"
         return VllmServer(spec, workdir / f"{kind}{index}.log")
 
     names = [push_name_of(i) for i in range(options.prefill_decode)] if options.push else []
@@ -172,16 +184,37 @@ def plan_servers(
             "trust any producer that authenticates",
             file=sys.stderr,
         )
+    split = options.decode > 0
     pd = [
         server(
             "ec_consumer",
             i,
             options.encoders + i,
             {**consumer, "push_name": names[i]} if names else consumer,
+            KV_PRODUCER if split else None,
         )
         for i in range(options.prefill_decode)
     ]
+    # A decode instance runs ecshare's connector too: it is what lets vLLM take the
+    # media-free request, and what fetches the items where the KV cannot be read and it
+    # recomputes the prompt. Nothing is pushed to it.
+    pd += [
+        server(
+            "ec_consumer", i, options.encoders + options.prefill_decode + i, consumer, KV_CONSUMER
+        )
+        for i in range(options.decode)
+    ]
     return encoders, pd
+
+
+# The log stem, and name, of a prefill/decode instance by its KV role.
+_KINDS = {None: "prefill_decode", KV_PRODUCER: "prefill", KV_CONSUMER: "decode"}
+
+
+def split_roles(pd: Sequence[VllmServer]) -> tuple[list[VllmServer], list[VllmServer]]:
+    """(prefill/decode or prefill instances, decode instances) of `plan_servers`' second list."""
+    decode = [s for s in pd if s.spec.kv_role == KV_CONSUMER]
+    return [s for s in pd if s.spec.kv_role != KV_CONSUMER], decode
 
 
 PROXY_KEY_NAME = "proxy"  # the proxy's key pair in the workdir: proxy.key, proxy.key_secret
@@ -232,10 +265,11 @@ def proxy_config(options: LaunchOptions, encoders: list[VllmServer], pd: list[Vl
     means there what it means here), or ConfigError naming the flag."""
     from ecshare.apps.proxy.config import add_proxy_arguments, config_from_args
 
+    first, decode = split_roles(pd)
     argv = proxy_argv(
         [s.url for s in encoders],
-        [s.url for s in pd],
-        pd_push_names(pd),
+        [s.url for s in first],
+        pd_push_names(first),
         host=options.host,
         port=options.port,
         workers=options.proxy_workers,
@@ -244,6 +278,7 @@ def proxy_config(options: LaunchOptions, encoders: list[VllmServer], pd: list[Vl
         limit=instances_mm_limit((encoders or pd)[0].spec.command()),
         workdir=pd[0].log_path.parent,  # where plan_servers wrote the keys
         events_port=events_port_of([*encoders, *pd]),
+        decode=[s.url for s in decode],
     )
     parser = _ProxyFlags(prog="ecshare launch", add_help=False)
     add_proxy_arguments(parser)
@@ -277,14 +312,17 @@ def proxy_argv(
     limit: str | None,
     workdir: Path,
     events_port: int | None,
+    decode: Sequence[str] = (),
 ) -> list[str]:
     """The `ecshare proxy` flags of launch's proxy, in front of instances at these URLs
-    (`push_names`: () without push), with the keys and the tenant secret launch wrote in
-    `workdir`."""
+    (`push_names`: () without push; with `decode`, `pd` are prefill instances), with the
+    keys and the tenant secret launch wrote in `workdir`."""
     names = tuple(push_names) or ("",) * len(pd)
     argv = [
         "--encoder", *encoders,
-        "--pd", *(f"{u}={n}" if n else u for u, n in zip(pd, names, strict=True)),
+        "--prefill" if decode else "--pd",
+        *(f"{u}={n}" if n else u for u, n in zip(pd, names, strict=True)),
+        *(("--decode", *decode) if decode else ()),
         "--host", host, "--port", str(port),
         "--workers", str(workers), "--pd-media", pd_media,
     ]  # fmt: skip
@@ -325,6 +363,7 @@ def second_proxy_argv(ready: LaunchReady, *, push: bool, limit: str | None) -> l
         limit=limit,
         workdir=Path(ready.workdir),
         events_port=ready.events_port,
+        decode=ready.decode,
     )
 
 
@@ -530,7 +569,12 @@ def _run(options: LaunchOptions, workdir: Path, servers: list[VllmServer]) -> in
         where = "GPU " + ", ".join(gpus)
     else:
         where = "the devices vLLM picks (no NVIDIA GPU found)"
-    _say(f"{len(encoders)} encoder(s) and {len(pd)} prefill/decode instance(s) on {where}")
+    first, decode = split_roles(pd)
+    if decode:
+        kinds = f"{len(first)} prefill and {len(decode)} decode instance(s)"
+    else:
+        kinds = f"{len(pd)} prefill/decode instance(s)"
+    _say(f"{len(encoders)} encoder(s) and {kinds} on {where}")
     t0 = time.monotonic()
     for server in (*encoders, *pd):
         servers.append(server)
@@ -554,6 +598,7 @@ def _run(options: LaunchOptions, workdir: Path, servers: list[VllmServer]) -> in
                 model=model,
                 encoders=config.encoders,
                 prefill_decode=config.prefill_decode,
+                decode=config.decode,
                 workdir=str(workdir),
                 push_names=config.pd_push_names,
                 events_port=config.events_port,

@@ -24,7 +24,8 @@ GPU_MEMORY_SHARE = 0.9
 class LaunchOptions:
     model: str
     encoders: int = 1
-    prefill_decode: int = 1
+    prefill_decode: int = 1  # with decode > 0: prefill instances (--prefill)
+    decode: int = 0  # decode instances (--decode), each prefill's KV read by vLLM's connector
     host: str = "127.0.0.1"
     port: int = 8080
     served_model_name: str | None = None
@@ -96,7 +97,18 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         "--encoders", type=int, default=1, metavar="N", help="encoder instances (1)"
     )
     parser.add_argument(
-        "--pd", type=int, default=1, metavar="M", help="prefill/decode instances (1)"
+        "--pd", type=int, default=None, metavar="M", help="prefill/decode instances (1)"
+    )
+    parser.add_argument(
+        "--prefill",
+        type=int,
+        default=None,
+        metavar="P",
+        help="prefill instances, in place of --pd: each request is prefilled on one and "
+        "decoded on a --decode instance, its KV passed by vLLM's NixlConnector (E->P->D)",
+    )
+    parser.add_argument(
+        "--decode", type=int, default=None, metavar="D", help="decode instances, with --prefill"
     )
     hardware = parser.add_mutually_exclusive_group()
     hardware.add_argument(
@@ -195,8 +207,17 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
 
 def options_from_args(args: argparse.Namespace) -> LaunchOptions:
     """The options of parsed flags, or ValueError naming the flag."""
-    if args.encoders < 1 or args.pd < 1:
-        raise ValueError("--encoders and --pd must be at least 1")
+    split = args.prefill is not None or args.decode is not None
+    if split and args.pd is not None:
+        raise ValueError("give --pd M (combined instances) or --prefill P --decode D, not both")
+    if split and (args.prefill is None or args.decode is None):
+        raise ValueError("--prefill P and --decode D go together")
+    first = (args.prefill if split else args.pd) or 0
+    if args.pd is None and not split:
+        first = 1
+    if args.encoders < 1 or first < 1 or (split and args.decode < 1):
+        flags = "--prefill and --decode" if split else "--pd"
+        raise ValueError(f"--encoders and {flags} must be at least 1")
     if args.proxy_workers < 1:
         raise ValueError("--proxy-workers must be at least 1")
     try:
@@ -220,7 +241,8 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
     return LaunchOptions(
         model=args.model,
         encoders=args.encoders,
-        prefill_decode=args.pd,
+        prefill_decode=first,
+        decode=args.decode if split else 0,
         host=args.host,
         port=args.port,
         served_model_name=args.served_model_name,

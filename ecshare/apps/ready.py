@@ -60,8 +60,9 @@ class LaunchReady(Ready, frozen=True, tag="launch"):
     url: str  # the proxy's
     model: str
     encoders: tuple[str, ...]
-    prefill_decode: tuple[str, ...]
+    prefill_decode: tuple[str, ...]  # prefill instances where `decode` is set
     workdir: str
+    decode: tuple[str, ...] = ()  # decode instances (--prefill/--decode)
     # Each prefill/decode instance's push name, in the order of `prefill_decode`;
     # empty with --no-push.
     push_names: tuple[str, ...] = ()

@@ -100,6 +100,24 @@ WORKER_PROCESS_ENV: dict[str, str] = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
 ENV_DEFAULTS: dict[str, str] = {"VLLM_NO_USAGE_STATS": "1", "UCX_NET_DEVICES": "lo"}
 
 
+KV_PRODUCER = "kv_producer"
+KV_CONSUMER = "kv_consumer"
+
+
+def kv_transfer_config(kv_role: str, cpu: bool) -> dict[str, Any]:
+    """vLLM's `--kv-transfer-config` for a prefill (`KV_PRODUCER`) or decode
+    (`KV_CONSUMER`) instance: its NixlConnector, KV buffers in CPU memory on the CPU
+    platform, and on decode KV it cannot read recomputed rather than failed."""
+    config: dict[str, Any] = {
+        "kv_connector": "NixlConnector",
+        "kv_role": kv_role,
+        "kv_buffer_device": "cpu" if cpu else "cuda",
+    }
+    if kv_role == KV_CONSUMER:
+        config["kv_load_failure_policy"] = "recompute"
+    return config
+
+
 @dataclass
 class ServerSpec:
     """One `vllm serve` instance. `ec_role` None means a plain instance, no connector.
@@ -129,6 +147,11 @@ class ServerSpec:
     # A network namespace to run in (`ip netns exec`, which also shows UCX that
     # namespace's devices under /sys): a host of its own on one machine.
     netns: str | None = None
+    # vLLM's KV connector (NixlConnector) beside ecshare's, for split prefill and decode:
+    # "kv_producer" (a prefill instance) or "kv_consumer" (a decode one, which recomputes
+    # what it cannot read), its handshake side channel on `host`:`kv_port`.
+    kv_role: str | None = None
+    kv_port: int | None = None
 
     def command(self) -> list[str]:
         cmd = [
@@ -148,6 +171,8 @@ class ServerSpec:
                 "ec_connector_extra_config": self.extra_config,
             }
             cmd += ["--ec-transfer-config", json.dumps(config)]
+        if self.kv_role is not None:
+            cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config(self.kv_role, self.cpu))]
         return cmd + list(self.extra_args)
 
     def env(self) -> dict[str, str]:
@@ -156,6 +181,10 @@ class ServerSpec:
             env.update(CPU_ENV, VLLM_CPU_OMP_THREADS_BIND=str(self.core))
         if self.gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.gpus
+        if self.kv_role is not None:
+            env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = self.host
+            if self.kv_port is not None:
+                env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.kv_port)
         return {**env, **self.extra_env}
 
 

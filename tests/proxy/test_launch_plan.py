@@ -594,3 +594,75 @@ def test_an_instance_that_is_slow_to_load_is_reported_until_its_deadline(
     assert len(said) >= 2, said
     assert said[0].startswith("ecshare launch: waiting for encoder0 (")
     assert said[0].endswith("s of --ready-timeout 2): INFO still loading weights 3/7")
+
+
+def test_prefill_and_decode_plan_kv_connectors_beside_ecshare(tmp_path: Path) -> None:
+    options = _options("--encoders", "2", "--prefill", "2", "--decode", "1")
+    assert (options.prefill_decode, options.decode) == (2, 1)
+    encoders, pd = plan_servers(options, tmp_path, gpus=None)
+    prefill, decode = launch.split_roles(pd)
+    assert [instance_name(s) for s in (*prefill, *decode)] == ["prefill0", "prefill1", "decode0"]
+    servers = [*encoders, *pd]
+    assert len({s.spec.core for s in servers[:2]}) == min(2, len(os.sched_getaffinity(0)))
+    for server, role in (
+        (prefill[0], "kv_producer"),
+        (prefill[1], "kv_producer"),
+        (decode[0], "kv_consumer"),
+    ):
+        command = server.spec.command()
+        kv = json.loads(command[command.index("--kv-transfer-config") + 1])
+        assert kv["kv_connector"] == "NixlConnector" and kv["kv_role"] == role
+        assert kv["kv_buffer_device"] == "cpu"
+        assert kv.get("kv_load_failure_policy") == ("recompute" if role == "kv_consumer" else None)
+        # ecshare beside it, as a consumer: decode takes media-free requests through it.
+        ec = json.loads(command[command.index("--ec-transfer-config") + 1])
+        assert ec["ec_role"] == "ec_consumer"
+        env = server.spec.env()
+        assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == server.spec.host
+        assert int(env["VLLM_NIXL_SIDE_CHANNEL_PORT"]) == server.spec.kv_port
+    for server in encoders:
+        assert "--kv-transfer-config" not in server.spec.command()
+    # Each KV side channel, NIXL listener and HTTP port is its own.
+    ports = [s.spec.port for s in servers] + [s.spec.kv_port for s in pd]
+    assert len(set(ports)) == len(ports)
+    # Pushes go to the prefill instances only, and the proxy splits the stages.
+    assert [s.spec.extra_config.get("push_name") for s in pd] == ["pd0", "pd1", None]
+    assert encoders[0].spec.extra_config["push_targets"] == ["pd0", "pd1"]
+    config = proxy_config(options, encoders, pd)
+    assert config.prefill_decode == tuple(s.url for s in prefill)
+    assert config.pd_push_names == ("pd0", "pd1")
+    assert config.decode == (decode[0].url,)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("--pd", "1", "--prefill", "1", "--decode", "1"), "not both"),
+        (("--prefill", "1"), "go together"),
+        (("--decode", "2"), "go together"),
+        (("--prefill", "1", "--decode", "0"), "at least 1"),
+    ],
+)
+def test_prefill_and_decode_flags_are_checked(argv: tuple[str, ...], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        _options(*argv)
+
+
+def test_a_second_proxy_in_front_of_a_split_launch_splits_too(tmp_path: Path) -> None:
+    options = _options("--prefill", "1", "--decode", "1")
+    encoders, pd = plan_servers(options, tmp_path, gpus=None)
+    config = proxy_config(options, encoders, pd)
+    ready = LaunchReady(
+        url="http://127.0.0.1:1",
+        model="m",
+        encoders=config.encoders,
+        prefill_decode=config.prefill_decode,
+        decode=config.decode,
+        workdir=str(tmp_path),
+        push_names=config.pd_push_names,
+    )
+    argv = second_proxy_argv(ready, push=True, limit=None)
+    parser = argparse.ArgumentParser()
+    add_proxy_arguments(parser)
+    second = config_from_args(parser.parse_args(argv), environ={})
+    assert second.decode == config.decode and second.prefill_decode == config.prefill_decode
