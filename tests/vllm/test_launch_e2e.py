@@ -37,12 +37,9 @@ import torch and vLLM again for each run).
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import gc
 import importlib.util
 import json
-import math
 import os
 import random
 import signal
@@ -55,7 +52,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -69,7 +65,7 @@ if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("nixl") 
 
 from early_start import EarlyStart, Starting
 from launch_testing import Launching, start_launch
-from serving_testing import run_proxy, settled_metrics
+from serving_testing import check_result, run_bench_serve, run_proxy, settled_metrics
 
 from ecshare.apps.launch import second_proxy_argv
 from ecshare.apps.ready import LaunchReady
@@ -88,7 +84,6 @@ MODEL_NAME = "tiny"
 # Three vLLM instances may start up at once here (the launch's two and the plain one), on
 # two cores that other tests share: far slower than one alone.
 START_TIMEOUT_S = 600.0
-NUM_PROMPTS = 16  # few: CI has two cores; enough for a p99 that is not the maximum alone
 
 
 @dataclass
@@ -286,64 +281,6 @@ def test_real_vllm_refuses_mixed_raw_and_embedded_images(launched: Launched) -> 
 
 
 # -- vllm bench serve ----------------------------------------------------------------------
-
-
-def bench_serve_args(base_url: str, tokenizer: Path, result: Path, seed: int) -> list[str]:
-    """The recipe's arguments (docs/PERFORMANCE.md, "vllm bench serve"), drawing its
-    random requests from `seed`."""
-    return [
-        "--backend", "openai-chat", "--base-url", base_url,
-        "--endpoint", "/v1/chat/completions",
-        "--model", MODEL_NAME, "--tokenizer", str(tokenizer),
-        "--dataset-name", "random-mm", "--num-prompts", str(NUM_PROMPTS),
-        "--random-input-len", "32", "--random-output-len", "8", "--ignore-eos",
-        "--random-mm-base-items-per-request", "1",
-        "--random-mm-limit-mm-per-prompt", '{"image": 1, "video": 0}',
-        "--random-mm-bucket-config", "{(256, 256, 1): 0.5, (720, 1280, 1): 0.5}",
-        "--request-rate", "inf", "--max-concurrency", "4",
-        "--percentile-metrics", "ttft,tpot,e2el", "--metric-percentiles", "50,99",
-        "--save-result", "--result-dir", str(result.parent),
-        "--result-filename", result.name, "--disable-tqdm", "--seed", str(seed),
-    ]  # fmt: skip
-
-
-def run_bench_serve(
-    base_url: str, tokenizer: Path, tmp: Path, name: str, seed: int
-) -> dict[str, Any]:
-    """`vllm bench serve` against `base_url`; its saved result. What it prints goes to a
-    log. It seeds the global `random` and numpy generators and freezes the garbage
-    collector's heap (`gc.freeze`) for its run: both are put back after it."""
-    from vllm.benchmarks.serve import add_cli_args, main
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    parser = FlexibleArgumentParser()
-    add_cli_args(parser)
-    result = tmp / f"{name}.json"
-    args = parser.parse_args(bench_serve_args(base_url, tokenizer, result, seed))
-    log = tmp / f"{name}.bench.log"
-    states = random.getstate(), np.random.get_state()
-    try:
-        with open(log, "w") as out, contextlib.redirect_stdout(out):
-            main(args)
-    finally:
-        gc.unfreeze()
-        random.setstate(states[0])
-        np.random.set_state(states[1])
-    tail = log.read_text()[-6000:]
-    assert result.exists(), f"vllm bench serve saved no result for {name}:\n{tail}"
-    # What it printed is what it saved: the same figures, under these headings.
-    assert "P50 TTFT (ms):" in tail and "P99 TTFT (ms):" in tail, tail
-    saved: dict[str, Any] = json.loads(result.read_text())
-    return saved
-
-
-def check_result(name: str, result: dict[str, Any]) -> None:
-    assert result["completed"] == NUM_PROMPTS, (name, result["completed"], result["failed"])
-    assert result["failed"] == 0, (name, result["failed"])
-    for key in ("p50_ttft_ms", "p99_ttft_ms", "request_throughput", "output_throughput"):
-        value = result.get(key)
-        assert isinstance(value, float) and math.isfinite(value) and value > 0, (name, key, value)
-    assert result["p50_ttft_ms"] <= result["p99_ttft_ms"], (name, result)
 
 
 def side_by_side(results: dict[str, dict[str, Any]]) -> str:
