@@ -1,6 +1,12 @@
 """`ecshare launch`: N encoders, M prefill/decode instances and the proxy, for one model.
 
-Everything runs on this host.
+Everything runs on this host. With `--prefill P --decode D` in place of `--pd M`, the
+prefill/decode instances are P prefill instances, each running vLLM's NixlConnector as
+kv_producer beside ecshare, and D decode instances running it as kv_consumer (with
+`kv_load_failure_policy` "recompute") beside ecshare as an ec_consumer; each has a KV
+handshake side channel of its own (`VLLM_NIXL_SIDE_CHANNEL_HOST`/`_PORT`), pushes go to
+the prefill instances only, and the proxy splits each request over them
+(`ecshare.apps.proxy.handoff`). Below, "prefill/decode instances" are the prefill ones.
 
 It generates CURVE keys (one pair shared by the encoders, one by the prefill/decode
 instances), gives each encoder a control-plane port of its own and the prefill/decode

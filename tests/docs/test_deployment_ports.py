@@ -27,7 +27,11 @@ PROXY = "ecshare proxy "
 CODE = re.compile(r"`([^`]+)`")
 MAX_PORT = 65535
 # Ports the table names that no config of ecshare sets, and whose they are.
-NOT_OURS = {"--port": "vLLM's HTTP port (`vllm serve --port`)", "UCX_TCP_PORT_RANGE": "UCX's"}
+NOT_OURS = {
+    "--port": "vLLM's HTTP port (`vllm serve --port`)",
+    "UCX_TCP_PORT_RANGE": "UCX's",
+    "VLLM_NIXL_SIDE_CHANNEL_PORT": "vLLM's KV connector's (E->P->D)",
+}
 
 
 def _cells(line: str) -> list[str]:
