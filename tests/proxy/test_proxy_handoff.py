@@ -242,3 +242,15 @@ def test_prefill_and_decode_flags() -> None:
         _args("--pd", "http://a:1", "--decode", "http://d:1")
     with pytest.raises(ConfigError, match="--decode"):
         _args("--prefill", "http://p:1", "--decode", "ftp://d:1")
+
+
+def test_route_headers_time_the_prefill_and_the_decode(split: Split) -> None:
+    proxy = split.start(route_headers=True)
+    r = proxy.post("/v1/chat/completions", chat(IMAGE_A, max_tokens=2))
+    assert r.status_code == 200
+    steps = dict(part.strip().split(";dur=") for part in r.headers["Server-Timing"].split(","))
+    assert {"encode", "prefill", "decode"} <= steps.keys() and "pd" not in steps
+    assert all(float(ms) >= 0 for ms in steps.values())
+    assert split.decode_urls[0] in r.headers["x-ecshare-route"] or (
+        split.decode_urls[1] in r.headers["x-ecshare-route"]
+    )

@@ -47,7 +47,9 @@ prefill/decode answered, in a `Server-Timing` header (W3C; milliseconds): `parse
 body read and checked), `key` (content keys), `lookup` (known items, the directory, the
 choice of prefill/decode), `encode` (the encoder calls), `wait` (another request's
 encode), `render` (the media-free request), `pd` (from sending to prefill/decode to its
-answer's headers). A step that did not happen is left out. The headers are off by
+answer's headers); with `--prefill/--decode` (`handoff`), `prefill` (to the prefill
+instance's whole one-token answer) and `decode` (from sending to decode to its answer's
+headers) in place of `pd`. A step that did not happen is left out. The headers are off by
 default because they name an internal instance and tell a caller whether its media was
 held already (`reason=held`, `items_held`, no `encode` step): media another tenant may
 have sent.
