@@ -238,8 +238,14 @@ def test_prefill_and_decode_flags() -> None:
         _args("--pd", "http://a:1", "--prefill", "http://p:1", "--decode", "http://d:1")
     with pytest.raises(ConfigError, match="go together"):
         _args("--prefill", "http://p:1")
-    with pytest.raises(ConfigError, match="go together"):
+    with pytest.raises(ConfigError, match="not both"):
         _args("--pd", "http://a:1", "--decode", "http://d:1")
+    with pytest.raises(ConfigError, match="not both"):
+        _args("--pd", "http://a:1", "--discover-pd", "p:1", "--decode", "http://d:1")
+    found = _args("--discover-pd", "prefill:8000", "--discover-decode", "decode:8000")
+    assert found.split and found.decode == () and found.discover_decode == "decode:8000"
+    with pytest.raises(ConfigError, match="--discover-decode"):
+        _args("--prefill", "http://p:1", "--discover-decode", "decode")
     with pytest.raises(ConfigError, match="--decode"):
         _args("--prefill", "http://p:1", "--decode", "ftp://d:1")
 
@@ -254,3 +260,43 @@ def test_route_headers_time_the_prefill_and_the_decode(split: Split) -> None:
     assert split.decode_urls[0] in r.headers["x-ecshare-route"] or (
         split.decode_urls[1] in r.headers["x-ecshare-route"]
     )
+
+
+def test_decode_instances_join_by_dns_and_by_registration(split: Split) -> None:
+    """Scaling decode is one edit: instances found under a DNS name, or registered."""
+    from ecshare.apps.proxy.backends import DECODE
+
+    admin = "an-admin-key-of-some-length"
+    proxy = split.start(decode=(split.decode_urls[0],), admin_key=admin)
+    membership = proxy.proxy.membership
+    assert membership is not None and membership.serves(DECODE)
+    headers = {"Authorization": f"Bearer {admin}"}
+    added = httpx.post(
+        proxy.url + "/v1/members",
+        json={"role": "decode", "url": split.decode_urls[1]},
+        headers=headers,
+        timeout=10,
+    )
+    assert added.status_code == 200 and added.json() == {"joined": True}
+    assert [b.url for b in proxy.proxy.decode.backends] == split.decode_urls
+    for _ in range(4):
+        assert proxy.post("/v1/chat/completions", chat(text="hi")).status_code == 200
+    assert all(stub.calls for stub in split.decode)  # both decode by load
+
+    # A proxy without decode instances refuses the role, and counts it.
+    plain = split.rig.start_proxy(prefill_decode=(split.prefill_urls[0],), admin_key=admin)
+    refused = httpx.post(
+        plain.url + "/v1/members",
+        json={"role": "decode", "url": split.decode_urls[1]},
+        headers=headers,
+        timeout=10,
+    )
+    assert refused.status_code == 400 and "no decode instances" in refused.text
+
+    # DNS: the name's addresses become the decode pool.
+    found = split.start(
+        decode=(), discover_decode="localhost:" + split.decode_urls[1].rsplit(":", 1)[1]
+    )
+    wait_until(lambda: len(found.proxy.decode.backends) >= 1, timeout_s=15)
+    wait_until(lambda: found.get("/health").status_code == 200, timeout_s=15)
+    assert found.post("/v1/chat/completions", chat(text="hi")).status_code == 200

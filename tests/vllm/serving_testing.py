@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,29 @@ def settled_metrics(
 
 def delta(after: dict[str, float], before: dict[str, float], key: str) -> float:
     return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+def proxy_token_ids(url: str, body: dict[str, Any], *, stream: bool = False) -> list[int]:
+    """The token ids of the answer at `url` (a proxy or an instance) to `body`, streamed
+    or not; a streamed error event fails the test."""
+    request = urllib.request.Request(
+        url + "/v1/chat/completions",
+        data=json.dumps({**body, "stream": stream}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=120) as resp:
+        if not stream:
+            return token_ids(json.loads(resp.read()))
+        ids: list[int] = []
+        for line in resp:
+            data = line.decode().strip().removeprefix("data:").strip()
+            if not data or data == "[DONE]":
+                continue
+            event = json.loads(data)
+            assert "error" not in event, event
+            for choice in event.get("choices", []):
+                ids += choice.get("token_ids") or []
+        return ids
 
 
 def fresh_images(*sizes: tuple[int, int]) -> list[str]:

@@ -52,7 +52,15 @@ if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("nixl") 
 
 from early_start import EarlyStart, Starting
 from launch_testing import Launching, start_launch
-from serving_testing import BENCH_MODEL_NAME, check_result, run_bench_serve, settled_metrics
+from serving_testing import (
+    BENCH_MODEL_NAME,
+    check_result,
+    delta,
+    proxy_token_ids,
+    run_bench_serve,
+    settled_metrics,
+    token_ids,
+)
 
 from ecshare.apps.ready import LaunchReady
 from ecshare.vllm.servers import (
@@ -127,19 +135,15 @@ def start_split_launch(tmp: Path, model: Path) -> Starting[Launching]:
 early_start = EarlyStart("epd-kv", 3, start_split_launch)
 
 
-def _ids(answer: dict[str, Any]) -> list[int]:
-    ids = answer["choices"][0]["token_ids"]
-    assert isinstance(ids, list) and ids, answer
-    return ids
-
-
 @pytest.fixture(scope="module")
 def split(tmp_path_factory: pytest.TempPathFactory, plain_vllm: VllmServer) -> Iterator[Split]:
     cases = _cases()
     launching = early_start.take(tmp_path_factory).value
     try:
         plain_vllm.wait_ready(START_TIMEOUT_S)
-        reference = {name: _ids(post_chat(plain_vllm.url, body)) for name, body in cases.items()}
+        reference = {
+            name: token_ids(post_chat(plain_vllm.url, body)) for name, body in cases.items()
+        }
         ready = launching.info(START_TIMEOUT_S)
         split = Split(launching, ready, cases, reference)
         post_chat(split.url, cases["warm_up"])  # the sessions and the KV handshake
@@ -173,33 +177,6 @@ def _kv_counters(url: str) -> dict[str, float]:
     }
 
 
-def _moved(after: dict[str, float], before: dict[str, float], key: str) -> float:
-    return after.get(key, 0.0) - before.get(key, 0.0)
-
-
-def _ask(split: Split, name: str, *, stream: bool = False) -> list[int]:
-    """The token ids of the proxy's answer to case `name`."""
-    body = {**split.cases[name], "stream": stream}
-    request = urllib.request.Request(
-        split.url + "/v1/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=120) as resp:
-        if not stream:
-            return _ids(json.loads(resp.read()))
-        ids: list[int] = []
-        for line in resp:
-            data = line.decode().strip().removeprefix("data:").strip()
-            if not data or data == "[DONE]":
-                continue
-            event = json.loads(data)
-            assert "error" not in event, event
-            for choice in event.get("choices", []):
-                ids += choice.get("token_ids") or []
-        return ids
-
-
 @pytest.mark.parametrize(
     ("name", "images", "stream"),
     [("one_image", 1, False), ("two_images", 2, True), ("text_only", 0, False)],
@@ -210,34 +187,40 @@ def test_answers_equal_a_single_instances_and_neither_stage_gets_media(
     prefill_before, decode_before = settled_metrics(split.prefill), settled_metrics(split.decode)
     kv_before = _kv_counters(split.decode)
 
-    assert _ask(split, name, stream=stream) == split.reference[name]
+    assert proxy_token_ids(split.url, split.cases[name], stream=stream) == split.reference[name]
 
     prefill, decode = settled_metrics(split.prefill), settled_metrics(split.decode)
     kv = _kv_counters(split.decode)
     # Neither instance got the media: every item came as its placeholder metadata only.
-    assert _moved(prefill, prefill_before, "media_free_items_total") == images
-    assert _moved(decode, decode_before, "media_free_items_total") == images
+    assert delta(prefill, prefill_before, "media_free_items_total") == images
+    assert delta(decode, decode_before, "media_free_items_total") == images
     # Prefill took each item through ecshare (the encoder's push, or a pull), over NIXL.
-    came = _moved(prefill, prefill_before, "push_received_total")
-    came += _moved(prefill, prefill_before, "fetched_items_total")
+    came = delta(prefill, prefill_before, "push_received_total")
+    came += delta(prefill, prefill_before, "fetched_items_total")
     assert came == images
     if images:
-        ec_bytes = _moved(prefill, prefill_before, "push_received_bytes_total")
-        ec_bytes += _moved(prefill, prefill_before, "fetched_bytes_total")
+        ec_bytes = delta(prefill, prefill_before, "push_received_bytes_total")
+        ec_bytes += delta(prefill, prefill_before, "fetched_bytes_total")
         assert ec_bytes > 0
     for moved, before in ((prefill, prefill_before), (decode, decode_before)):
-        assert _moved(moved, before, "local_encode_fallbacks_total") == 0
+        assert delta(moved, before, "local_encode_fallbacks_total") == 0
     # Decode took the prompt's KV from prefill over NIXL, and fetched no item itself.
     assert kv["kv_bytes"] > kv_before["kv_bytes"]
     assert kv["external"] > kv_before["external"]
     assert kv["local"] == kv_before["local"]
-    assert _moved(decode, decode_before, "fetches_started_total") == 0
+    assert delta(decode, decode_before, "fetches_started_total") == 0
 
 
 def test_concurrent_requests_with_repeated_images_equal_a_single_instances(split: Split) -> None:
     names = ["again_a", "again_b", "again_c", "one_image", "text_only"]
     with concurrent.futures.ThreadPoolExecutor(len(names)) as pool:
-        answers = dict(zip(names, pool.map(lambda n: _ask(split, n), names), strict=True))
+        answers = dict(
+            zip(
+                names,
+                pool.map(lambda n: proxy_token_ids(split.url, split.cases[n]), names),
+                strict=True,
+            )
+        )
     for name in names:
         assert answers[name] == split.reference[name], name
 
@@ -276,12 +259,12 @@ def test_kv_decode_cannot_read_is_recomputed_with_its_items_from_ecshare(split: 
         {**body, "messages": messages, "ec_transfer_params": params, "kv_transfer_params": gone},
     )
 
-    assert _ids(answer) == split.reference["kv_lost"]
+    assert token_ids(answer) == split.reference["kv_lost"]
     after, kv = settled_metrics(split.decode), _kv_counters(split.decode)
     assert kv["kv_failed"] > kv_before["kv_failed"]  # counted by vLLM
     assert kv["local"] > kv_before["local"]  # the prompt recomputed on decode
-    assert _moved(after, before, "fetched_items_total") == 1  # its item through ecshare
-    assert _moved(after, before, "local_encode_fallbacks_total") == 0
+    assert delta(after, before, "fetched_items_total") == 1  # its item through ecshare
+    assert delta(after, before, "local_encode_fallbacks_total") == 0
 
 
 def test_vllm_bench_serve_through_the_split_proxy_fails_nothing(
@@ -297,7 +280,7 @@ def test_vllm_bench_serve_through_the_split_proxy_fails_nothing(
 def _outcome(split: Split, name: str) -> str:
     """ "ok" (the single instance's tokens), or the status of a clean OpenAI-shaped error."""
     try:
-        ids = _ask(split, name)
+        ids = proxy_token_ids(split.url, split.cases[name])
     except urllib.error.HTTPError as exc:
         error = json.loads(exc.read())["error"]
         assert error["message"], error

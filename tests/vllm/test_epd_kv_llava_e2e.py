@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import importlib.util
-import json
 import os
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +35,7 @@ if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("nixl") 
 
 from early_start import TINY_MODEL_DIR, EarlyStart, Starting
 from launch_testing import Launching, start_launch
-from serving_testing import settled_metrics
+from serving_testing import delta, proxy_token_ids, settled_metrics, token_ids
 from tiny_llava import build_tiny_llava
 
 from ecshare.apps.ready import LaunchReady
@@ -83,12 +81,6 @@ class Llava:
     reference: dict[str, list[int]]
 
 
-def _ids(answer: dict[str, Any]) -> list[int]:
-    ids = answer["choices"][0]["token_ids"]
-    assert isinstance(ids, list) and ids, answer
-    return ids
-
-
 def _cases() -> dict[str, dict[str, Any]]:
     seed = int.from_bytes(os.urandom(5), "big")
     image = [random_image_url(seed + i) for i in range(6)]
@@ -108,36 +100,13 @@ def llava(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Llava]:
     cases = _cases()
     try:
         started.plain.wait_ready(START_TIMEOUT_S)
-        reference = {name: _ids(post_chat(started.plain.url, b)) for name, b in cases.items()}
+        reference = {name: token_ids(post_chat(started.plain.url, b)) for name, b in cases.items()}
         ready = started.launching.info(START_TIMEOUT_S)
         post_chat(ready.url, cases["warm_up"])
         yield Llava(ready, cases, reference)
     finally:
         started.launching.stop()
         started.plain.stop()
-
-
-def _ask(llava: Llava, name: str, *, stream: bool = False) -> list[int]:
-    body = {**llava.cases[name], "stream": stream}
-    request = urllib.request.Request(
-        llava.ready.url + "/v1/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=120) as resp:
-        if not stream:
-            return _ids(json.loads(resp.read()))
-        ids: list[int] = []
-        for line in resp:
-            data = line.decode().strip().removeprefix("data:").strip()
-            if data and data != "[DONE]":
-                for choice in json.loads(data).get("choices", []):
-                    ids += choice.get("token_ids") or []
-        return ids
-
-
-def _moved(after: dict[str, float], before: dict[str, float], key: str) -> float:
-    return after.get(key, 0.0) - before.get(key, 0.0)
 
 
 @pytest.mark.parametrize(
@@ -150,18 +119,20 @@ def test_llava_answers_equal_a_single_instances_with_items_from_ecshare(
     (prefill,), (decode,) = llava.ready.prefill_decode, llava.ready.decode
     p_before, d_before = settled_metrics(prefill), settled_metrics(decode)
 
-    assert _ask(llava, name, stream=stream) == llava.reference[name]
+    assert (
+        proxy_token_ids(llava.ready.url, llava.cases[name], stream=stream) == llava.reference[name]
+    )
 
     p_after, d_after = settled_metrics(prefill), settled_metrics(decode)
-    came = _moved(p_after, p_before, "push_received_total")
-    came += _moved(p_after, p_before, "fetched_items_total")
+    came = delta(p_after, p_before, "push_received_total")
+    came += delta(p_after, p_before, "fetched_items_total")
     assert came == images
-    assert _moved(p_after, p_before, "local_encode_fallbacks_total") == 0
+    assert delta(p_after, p_before, "local_encode_fallbacks_total") == 0
     # No placeholder metadata for LLaVA in vLLM: the media went along (module docstring).
-    assert _moved(p_after, p_before, "media_free_items_total") == 0
+    assert delta(p_after, p_before, "media_free_items_total") == 0
     # Decode computed no image position: its KV came from prefill; it fetched nothing.
-    assert _moved(d_after, d_before, "fetches_started_total") == 0
-    assert _moved(d_after, d_before, "local_encode_fallbacks_total") == 0
+    assert delta(d_after, d_before, "fetches_started_total") == 0
+    assert delta(d_after, d_before, "local_encode_fallbacks_total") == 0
 
 
 def test_llava_concurrent_requests_repeating_images_equal_a_single_instances(
@@ -169,6 +140,12 @@ def test_llava_concurrent_requests_repeating_images_equal_a_single_instances(
 ) -> None:
     names = ["again_a", "again_b", "one_image", "text_only"]
     with concurrent.futures.ThreadPoolExecutor(len(names)) as pool:
-        answers = dict(zip(names, pool.map(lambda n: _ask(llava, n), names), strict=True))
+        answers = dict(
+            zip(
+                names,
+                pool.map(lambda n: proxy_token_ids(llava.ready.url, llava.cases[n]), names),
+                strict=True,
+            )
+        )
     for name in names:
         assert answers[name] == llava.reference[name], name

@@ -181,7 +181,7 @@ class Proxy:
         )
         # With decode instances, prefill_decode holds the prefill ones (`handoff`).
         self.prefill_decode = BackendPool(
-            PREFILL if config.decode else PREFILL_DECODE,
+            PREFILL if config.split else PREFILL_DECODE,
             config.prefill_decode,
             eject_after=eject,
             metrics=self.metrics,
@@ -209,9 +209,10 @@ class Proxy:
         self._stages: _Stages | None = None
         self.membership: Membership | None = None
         if wants_membership(config):
-            self.membership = membership_from_config(
-                config, {ENCODER: self.encoders, PREFILL_DECODE: self.prefill_decode}
-            )
+            pools = {ENCODER: self.encoders, PREFILL_DECODE: self.prefill_decode}
+            if config.split:
+                pools[DECODE] = self.decode
+            self.membership = membership_from_config(config, pools)
             if directory is None and config.events_port is not None:
                 directory = self.membership.directory
         self.metrics.track_membership(self._membership_counts)
@@ -267,7 +268,7 @@ class Proxy:
             route_headers=c.route_headers,
         )
         prefill_decode: PrefillDecodeStage | HandoffStage = first
-        if c.decode:
+        if c.split:
             decode = PrefillDecodeStage(
                 session,
                 self.decode,
@@ -312,7 +313,10 @@ class Proxy:
 
     def _membership_counts(self) -> tuple[dict[str, int], dict[str, int]]:
         stats = self.membership.stats() if self.membership is not None else {}
-        return stats, {ENCODER: len(self.encoders), PREFILL_DECODE: len(self.prefill_decode)}
+        counts = {ENCODER: len(self.encoders), PREFILL_DECODE: len(self.prefill_decode)}
+        if self.config.split:
+            counts[DECODE] = len(self.decode)
+        return stats, counts
 
     async def _sync_membership(self) -> None:
         while True:
@@ -499,13 +503,13 @@ class Proxy:
 
     async def health(self, request: web.Request) -> web.Response:
         up = bool(self.prefill_decode.healthy()) and (
-            not self.config.decode or bool(self.decode.healthy())
+            not self.config.split or bool(self.decode.healthy())
         )
         report = HealthReport(status="ok" if up else "unavailable")
         if self._operator(request):
             report.encoders = [_state(b) for b in self.encoders.backends]
             report.prefill_decode = [_state(b) for b in self.prefill_decode.backends]
-            if self.config.decode:
+            if self.config.split:
                 report.decode = [_state(b) for b in self.decode.backends]
         return web.Response(
             status=200 if up else 503,
@@ -611,6 +615,7 @@ def wants_membership(config: ProxyConfig) -> bool:
         or bool(config.admin_key)
         or config.discover_encoders is not None
         or config.discover_pd is not None
+        or config.discover_decode is not None
     )
 
 

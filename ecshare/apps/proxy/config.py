@@ -158,6 +158,7 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     admin_key: str | None = None  # for /v1/members; unset: no registration endpoint
     discover_encoders: str | None = None  # NAME:PORT, resolved every discover_interval_s
     discover_pd: str | None = None
+    discover_decode: str | None = None  # decode instances (with --prefill)
     discover_interval_s: float = 10.0
     # "reuse": held items skip the encoders, prefill/decode chosen by the items it holds
     # against its load, one encode per new content (`routing`); "load": every media part
@@ -173,6 +174,11 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     # request's items already in its region (`routing`).
     route_load_weight: float = 1.0
 
+    @property
+    def split(self) -> bool:
+        """Whether requests are prefilled and decoded on separate instances (`handoff`)."""
+        return bool(self.decode) or self.discover_decode is not None
+
     def __post_init__(self) -> None:
         for name, whole, share in (
             ("max_connections_per_address", self.max_connections, 8),
@@ -186,8 +192,8 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
                 "at least one prefill/decode URL is required (or --discover-pd, "
                 "or --admin-key-file to register them)",
             )
-        pd_flag = "--prefill" if self.decode else "--pd"
-        if self.decode and not self.prefill_decode and self.discover_pd is None:
+        pd_flag = "--prefill" if self.split else "--pd"
+        if self.split and not self.prefill_decode and self.discover_pd is None:
             raise ConfigError("--decode", "decode instances need at least one --prefill URL")
         for flag, urls in (
             ("--encoder", self.encoders),
@@ -364,6 +370,7 @@ def _check_membership(c: ProxyConfig) -> None:
     for flag, target in (
         ("--discover-encoders", c.discover_encoders),
         ("--discover-pd", c.discover_pd),
+        ("--discover-decode", c.discover_decode),
     ):
         if target is not None:
             split_target(flag, target)
@@ -416,6 +423,11 @@ def _add_membership_arguments(parser: argparse.ArgumentParser) -> None:
         "--discover-pd", metavar="NAME:PORT", help="prefill/decode: each address NAME resolves to"
     )
     parser.add_argument(
+        "--discover-decode",
+        metavar="NAME:PORT",
+        help="decode instances (with --prefill): each address NAME resolves to",
+    )
+    parser.add_argument(
         "--discover-interval",
         type=float,
         default=d.discover_interval_s,
@@ -438,6 +450,7 @@ def _membership_values(args: argparse.Namespace) -> dict[str, Any]:
         "admin_key": admin_key,
         "discover_encoders": args.discover_encoders,
         "discover_pd": args.discover_pd,
+        "discover_decode": args.discover_decode,
         "discover_interval_s": args.discover_interval,
     }
 
@@ -715,11 +728,12 @@ def config_from_args(
     """The `ProxyConfig` of parsed `ecshare proxy` flags (and the API key variable)."""
     env = os.environ if environ is None else environ
     api_key, api_keys = _api_keys(args.api_key_file, env)
-    if args.prefill and args.pd:
+    decoding = bool(args.decode) or args.discover_decode is not None
+    if (args.prefill or decoding) and args.pd:
         raise ConfigError(
             "--prefill", "give --pd (combined instances) or --prefill with --decode, not both"
         )
-    if bool(args.prefill) != bool(args.decode):
+    if bool(args.prefill) != decoding and not (decoding and args.discover_pd is not None):
         raise ConfigError(
             "--prefill" if args.prefill else "--decode",
             "--prefill and --decode go together: prefill instances hand their KV to decode ones",

@@ -34,7 +34,7 @@ import msgspec
 from aiohttp import web
 from yarl import URL
 
-from ecshare.apps.proxy.backends import ENCODER, PREFILL_DECODE, BackendPool, describe
+from ecshare.apps.proxy.backends import DECODE, ENCODER, PREFILL_DECODE, BackendPool, describe
 from ecshare.apps.proxy.config import ProxyConfig, split_target
 from ecshare.apps.proxy.directory import ItemDirectory
 from ecshare.apps.proxy.feeds import DirectoryFeeds, events_address
@@ -56,7 +56,7 @@ Relay = Callable[[bool, str, str], Awaitable[bool]]
 class Member(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A registration's body."""
 
-    role: Literal["encoder", "prefill_decode"]
+    role: Literal["encoder", "prefill_decode", "decode"]
     url: str
 
 
@@ -142,6 +142,10 @@ class Membership:
         self._tasks.clear()
         if self._feeds is not None:
             await self._feeds.close()
+
+    def serves(self, role: str) -> bool:
+        """Whether `role` is one of this proxy's (decode only with --prefill/--decode)."""
+        return role in self._pools
 
     async def join(self, role: str, url: str, source: str) -> bool:
         """Hold `url` in `role` by `source`; True when it is new to the pool."""
@@ -232,6 +236,8 @@ class Membership:
         self._stats[what] += 1
 
     def _watch(self, role: str, url: str) -> None:
+        if role == DECODE:  # routing chooses decode by load alone: its items are no hint
+            return
         if self._feeds is None or self._events_port is None:
             self.directory.watch(url, encoder=role == ENCODER)
             return
@@ -324,6 +330,12 @@ def member_routes(membership: Membership, admin_key: str) -> list[web.RouteDef]:
                 return web.json_response(
                     {"error": "url must be a base URL such as http://host:8000"}, status=400
                 )
+            if not membership.serves(member.role):
+                membership.count("refused")
+                return web.json_response(
+                    {"error": f"this proxy has no {member.role} instances (--prefill/--decode)"},
+                    status=400,
+                )
             return web.json_response(await action(Member(member.role, url)))
 
         return admin(handler)
@@ -375,4 +387,6 @@ def discovery_from_config(config: ProxyConfig) -> dict[str, tuple[str, int]]:
         out[ENCODER] = split_target("--discover-encoders", config.discover_encoders)
     if config.discover_pd is not None:
         out[PREFILL_DECODE] = split_target("--discover-pd", config.discover_pd)
+    if config.discover_decode is not None:
+        out[DECODE] = split_target("--discover-decode", config.discover_decode)
     return out
