@@ -47,6 +47,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from launch_push import stop_launch  # the same SIGTERM, then SIGKILL to its group
 from prometheus_client.parser import text_string_to_metric_families
 
 from ecshare.apps.ready import LaunchReady, parse_ready
@@ -91,18 +92,6 @@ def wait_launch(proc: subprocess.Popen[str], log: Path, timeout_s: float = 900) 
             raise RuntimeError(f"ecshare launch exited:\n{log.read_text()[-3000:]}")
         time.sleep(1)
     raise TimeoutError(f"ecshare launch not ready:\n{log.read_text()[-3000:]}")
-
-
-def stop(proc: subprocess.Popen[str]) -> None:
-    import signal
-
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(90)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def stream(url: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -235,7 +224,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return report
     finally:
         for proc, _ in launches.values():
-            stop(proc)
+            stop_launch(proc)
         plain.stop()
 
 

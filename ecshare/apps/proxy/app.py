@@ -259,26 +259,18 @@ class Proxy:
             max_tenant_in_flight=c.max_tenant_encoder_in_flight or None,
             slot_wait_s=c.encoder_slot_wait_s,
         )
-        first = PrefillDecodeStage(
+        forward = functools.partial(
+            PrefillDecodeStage,
             session,
-            self.prefill_decode,
-            self.metrics,
+            metrics=self.metrics,
             timeout_s=c.pd_timeout_s,
             connect_timeout_s=c.connect_timeout_s,
             route_headers=c.route_headers,
         )
+        first = forward(self.prefill_decode)
         prefill_decode: PrefillDecodeStage | HandoffStage = first
         if c.split:
-            decode = PrefillDecodeStage(
-                session,
-                self.decode,
-                self.metrics,
-                timeout_s=c.pd_timeout_s,
-                connect_timeout_s=c.connect_timeout_s,
-                route_headers=c.route_headers,
-                stage="decode",
-            )
-            prefill_decode = HandoffStage(first, decode, self.metrics)
+            prefill_decode = HandoffStage(first, forward(self.decode, stage="decode"), self.metrics)
         health = asyncio.create_task(
             watch_health(
                 session,
